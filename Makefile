@@ -1,0 +1,22 @@
+# The virtual environment sees the system's packages, so a PyTorch that is already installed (for
+# example a CUDA build) is used as it is; only when none is importable is TORCH_SPEC installed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Training-only code: presets, the training loop and training-state checkpoints."""
