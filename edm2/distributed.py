@@ -1,0 +1,76 @@
+"""torch.distributed setup from torchrun's environment; a plain single process works without it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(backend: str | None = None, timeout_s: float = 1800) -> None:
+    """Join the process group torchrun describes (NCCL on CUDA, Gloo on CPU); no-op for one process."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown() -> None:
+    """Leave the process group if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on the process that writes files and prints."""
+    return get_rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under torchrun, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op for one process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place and return it (identity for one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a picklable object from rank src to every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
