@@ -1,0 +1,78 @@
+"""Power-function EMA (paper Section 3, Appendix C): the training-time tracker and post-hoc math.
+
+Time is counted in training images throughout, as in the release: a snapshot taken after `nimg`
+images has response function p_{t,gamma} with t = nimg (Eq. 121).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+# gamma > 0 requires sigma_rel < 12^-0.5 (Appendix C.4, below Eq. 126).
+MAX_STD = 12.0**-0.5
+
+
+def exp_to_std(exp: float | np.ndarray) -> float | np.ndarray:
+    """Relative standard deviation sigma_rel of the power-function profile with exponent gamma."""
+    exp = np.float64(exp)
+    return np.sqrt((exp + 1) / ((exp + 2) ** 2 * (exp + 3)))  # Eq. 123
+
+
+def std_to_exp(std: float | np.ndarray) -> float | np.ndarray:
+    """Exponent gamma of the power-function profile with relative standard deviation sigma_rel."""
+    std = np.float64(std)
+    if not np.all((std > 0) & (std < MAX_STD)):
+        raise ValueError(f"sigma_rel must lie in (0, {MAX_STD:.4f}), got {std}")
+    # Algorithm 2: the unique positive root of the cubic of Eq. 126.
+    roots = [np.roots([1, 7, 16 - s**-2, 12 - s**-2]).real.max() for s in std.ravel()]
+    return np.float64(roots).reshape(std.shape)[()]
+
+
+def power_function_beta(std: float, t_next: float, t_delta: float) -> float:
+    """EMA decay for the step that ends at time t_next after a step of length t_delta."""
+    return float((1 - t_delta / t_next) ** (std_to_exp(std) + 1))  # Eq. 127
+
+
+class PowerFunctionEMA:
+    """Power-function EMA tracks of a network, one float32 copy per sigma_rel (Eq. 119, 127).
+
+    Parameters are averaged; buffers are not averaged but copied from the network by get(), as the
+    release does (EDM2's buffers are fixed Fourier features).
+    """
+
+    @torch.no_grad()
+    def __init__(self, net: torch.nn.Module, stds: tuple[float, ...] = (0.050, 0.100)):
+        self.net = net
+        self.stds = tuple(float(std) for std in stds)
+        std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
+        self.emas = [copy.deepcopy(net).float().requires_grad_(False) for _ in self.stds]
+
+    @torch.no_grad()
+    def update(self, cur_nimg: int, batch_size: int) -> None:
+        """Fold in the network's current parameters after a step that brought the image count to cur_nimg."""
+        src = [p.detach().float() for p in self.net.parameters()]
+        for std, ema in zip(self.stds, self.emas):
+            beta = power_function_beta(std=std, t_next=cur_nimg, t_delta=batch_size)
+            torch._foreach_lerp_(list(ema.parameters()), src, 1 - beta)  # Eq. 119
+
+    @torch.no_grad()
+    def get(self) -> list[tuple[torch.nn.Module, float]]:
+        """The averaged networks with their sigma_rel, buffers refreshed from the network."""
+        for ema in self.emas:
+            for b_net, b_ema in zip(self.net.buffers(), ema.buffers()):
+                b_ema.copy_(b_net)
+        return list(zip(self.emas, self.stds))
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume tracking exactly (plain containers of tensors and floats)."""
+        return {"stds": list(self.stds), "emas": [ema.state_dict() for ema in self.emas]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the tracks saved by state_dict(); the sigma_rel values must match."""
+        if tuple(float(std) for std in state["stds"]) != self.stds:
+            raise ValueError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
+        for ema, ema_state in zip(self.emas, state["emas"]):
+            ema.load_state_dict(ema_state)
