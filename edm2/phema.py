@@ -7,6 +7,7 @@ images has response function p_{t,gamma} with t = nimg (Eq. 121).
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import torch
@@ -26,9 +27,16 @@ def std_to_exp(std: float | np.ndarray) -> float | np.ndarray:
     std = np.float64(std)
     if not np.all((std > 0) & (std < MAX_STD)):
         raise ValueError(f"sigma_rel must lie in (0, {MAX_STD:.4f}), got {std}")
-    # Algorithm 2: the unique positive root of the cubic of Eq. 126.
-    roots = [np.roots([1, 7, 16 - s**-2, 12 - s**-2]).real.max() for s in std.ravel()]
-    return np.float64(roots).reshape(std.shape)[()]
+    uniq, index = np.unique(std, return_inverse=True)
+    roots = np.float64([_positive_root(float(s)) for s in uniq])
+    return roots[index].reshape(std.shape)[()]
+
+
+@functools.lru_cache(maxsize=4096)
+def _positive_root(std: float) -> float:
+    # Algorithm 2: the unique positive root of the cubic of Eq. 126. Cached because the tracker asks
+    # for the same few values at every training step.
+    return float(np.roots([1, 7, 16 - std**-2, 12 - std**-2]).real.max())
 
 
 def power_function_beta(std: float, t_next: float, t_delta: float) -> float:
@@ -76,3 +84,34 @@ class PowerFunctionEMA:
             raise ValueError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
         for ema, ema_state in zip(self.emas, state["emas"]):
             ema.load_state_dict(ema_state)
+
+
+def power_function_response(t: np.ndarray, ofs: float, std: float) -> np.ndarray:
+    """Response function p_{ofs,gamma}(t) of a snapshot taken at time ofs (Eq. 107, 121)."""
+    t = np.float64(t)
+    exp = std_to_exp(std)
+    inside = (t >= 0) & (t <= ofs)
+    return np.where(inside, (exp + 1) / ofs * (np.clip(t, 0, ofs) / ofs) ** exp, 0.0)
+
+
+def power_function_inner(a_ofs: np.ndarray, a_std: np.ndarray, b_ofs: np.ndarray, b_std: np.ndarray) -> np.ndarray:
+    """Inner products <p_a, p_b> of power-function responses, broadcast over the arguments (Eq. 151)."""
+    a_ofs, b_ofs = np.float64(a_ofs), np.float64(b_ofs)
+    a_exp, b_exp = std_to_exp(a_std), std_to_exp(b_std)
+    # Eq. 151 takes t_a <= t_b; otherwise the roles swap. Raising the ratio, not the times, to the
+    # power avoids overflow.
+    a_first = a_ofs <= b_ofs
+    t_lo, t_hi = np.minimum(a_ofs, b_ofs), np.maximum(a_ofs, b_ofs)
+    exp_hi = np.where(a_first, b_exp, a_exp)
+    return (a_exp + 1) * (b_exp + 1) * (t_lo / t_hi) ** exp_hi / ((a_exp + b_exp + 1) * t_hi)
+
+
+def solve_posthoc_coefficients(in_ofs, in_std, out_ofs, out_std) -> np.ndarray:
+    """Least-squares weights [inputs, outputs] of stored snapshots for target profiles (Algorithm 3)."""
+    in_ofs, in_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(in_ofs, in_std))
+    out_ofs, out_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(out_ofs, out_std))
+    a = power_function_inner(in_ofs[:, None], in_std[:, None], in_ofs[None, :], in_std[None, :])  # Eq. 142
+    b = power_function_inner(in_ofs[:, None], in_std[:, None], out_ofs[None, :], out_std[None, :])  # Eq. 143
+    x = np.linalg.solve(a, b)
+    # The release normalizes each column so the reconstructed weights stay an average.
+    return x / x.sum(axis=0, keepdims=True)

@@ -123,3 +123,115 @@ def test_tracker_does_not_touch_network_or_track_grads():
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert all(not p.requires_grad for track, _ in ema.get() for p in track.parameters())
     assert all(p.requires_grad for p in net.parameters())
+
+
+def test_inner_product_matches_quadrature():
+    # Eq. 151 against direct numerical integration of the response functions (Eq. 144).
+    cases = [(3.0, 0.05, 7.0, 0.10), (7.0, 0.05, 3.0, 0.10), (5.0, 0.20, 5.0, 0.03), (2.0, 0.28, 9.0, 0.01)]
+    for t_a, s_a, t_b, s_b in cases:
+        t = np.linspace(0, min(t_a, t_b), 400_001)
+        f = phema.power_function_response(t, t_a, s_a) * phema.power_function_response(t, t_b, s_b)
+        quad = np.sum((f[1:] + f[:-1]) / 2 * np.diff(t))
+        assert phema.power_function_inner(t_a, s_a, t_b, s_b) == pytest.approx(quad, rel=1e-6)
+    # Response functions are probability densities on [0, t].
+    t = np.linspace(0, 8, 100_001)
+    p = phema.power_function_response(t, 8.0, 0.07)
+    assert np.sum((p[1:] + p[:-1]) / 2 * np.diff(t)) == pytest.approx(1.0, rel=1e-6)
+    assert np.all(phema.power_function_response(np.linspace(-3, -1e-9, 10), 8.0, 0.07) == 0)
+    assert np.all(phema.power_function_response(np.linspace(8 + 1e-9, 20, 10), 8.0, 0.07) == 0)
+    # Realistic image counts with a sharp profile stay finite (the reason for the ratio form).
+    big = phema.power_function_inner(2**27, 0.01, 2**31, 0.01)
+    assert np.isfinite(big) and big >= 0
+
+
+def test_coefficients_columns_sum_to_one_and_fit_profiles():
+    ofs = np.repeat(np.arange(1, 33) * 1000.0, 2)
+    std = np.tile([0.05, 0.10], 32)
+    out_std = [0.02, 0.08, 0.25]
+    coefs = phema.solve_posthoc_coefficients(ofs, std, 32000.0, out_std)
+    assert coefs.shape == (64, 3)
+    assert np.allclose(coefs.sum(axis=0), 1.0, atol=1e-12)
+    # The synthesized profile p* = sum_i x_i p_i (Eq. 132) fits the target in L2 (Eq. 134), and the
+    # closed-form error used below agrees with quadrature.
+    t = np.linspace(0, 32000, 320_001)
+    stack = np.stack([phema.power_function_response(t, o, s) for o, s in zip(ofs, std)], axis=1)
+    for j, s in enumerate(out_std):
+        target = phema.power_function_response(t, 32000.0, s)
+        sq = (stack @ coefs[:, j] - target) ** 2
+        rel = np.sum((sq[1:] + sq[:-1]) / 2 * np.diff(t)) / phema.power_function_inner(32000.0, s, 32000.0, s)
+        assert rel < 5e-3
+        assert rel == pytest.approx(profile_error(ofs, std, 32000.0, s, coefs[:, j]), rel=1e-3, abs=1e-12)
+
+
+def synthetic_run(num_steps, batch_size, snapshot_every, snapshot_stds, direct_stds):
+    """A random walk with a smooth trend, tracked by the real EMA; returns snapshots and direct tracks."""
+    rng = np.random.default_rng(0)
+    u = np.arange(1, num_steps + 1)[:, None] / num_steps
+    theta = np.sin(2 * np.pi * u * rng.uniform(0.5, 2, 48) + rng.uniform(0, 6, 48))
+    theta += np.cumsum(rng.standard_normal((num_steps, 48)), axis=0) / np.sqrt(num_steps)
+    net = torch.nn.Module()
+    net.p = torch.nn.Parameter(torch.zeros(48))
+    snap_ema = phema.PowerFunctionEMA(net, stds=snapshot_stds)
+    direct_ema = phema.PowerFunctionEMA(net, stds=direct_stds)
+    snapshots = []  # (nimg, std, float64 weights)
+    for k in range(num_steps):
+        with torch.no_grad():
+            net.p.copy_(torch.from_numpy(theta[k]))
+        nimg = (k + 1) * batch_size
+        snap_ema.update(nimg, batch_size)
+        direct_ema.update(nimg, batch_size)
+        if (k + 1) % snapshot_every == 0:
+            snapshots += [(nimg, std, ema.p.double().numpy().copy()) for ema, std in snap_ema.get()]
+    direct = {std: ema.p.double().numpy().copy() for ema, std in direct_ema.get()}
+    return snapshots, direct
+
+
+def reconstruct(snapshots, out_nimg, out_stds):
+    """Post-hoc weights from snapshots (float64), with the coefficients used."""
+    ofs, std, weights = (np.array(v) for v in zip(*snapshots))
+    coefs = phema.solve_posthoc_coefficients(ofs, std, out_nimg, out_stds)
+    return coefs.T @ weights, coefs
+
+
+def profile_error(ofs, std, out_nimg, out_std, coefs):
+    """Relative squared L2 error of the synthesized response function (Eq. 134 / <p_r, p_r>)."""
+    a = phema.power_function_inner(ofs[:, None], std[:, None], ofs[None, :], std[None, :])
+    b = phema.power_function_inner(ofs, std, out_nimg, out_std)
+    rr = phema.power_function_inner(out_nimg, out_std, out_nimg, out_std)
+    return (coefs @ a @ coefs - 2 * coefs @ b + rr) / rr
+
+
+def test_reconstruction_matches_directly_tracked_ema_and_converges():
+    # Issue 4, Must show 1: snapshots from the real tracker (0.05 and 0.10); targets never tracked.
+    steps, batch, every = 2048, 8, 32
+    targets = (0.03, 0.07, 0.15)
+    snapshots, direct = synthetic_run(steps, batch, every, (0.05, 0.10), targets)
+    scale = np.linalg.norm(direct[0.15] - direct[0.03])
+    counts = (4, 8, 16, 32, 64)
+    err = np.zeros((len(counts), len(targets)))
+    prof = np.zeros_like(err)
+    for i, n in enumerate(counts):
+        stride = steps // every // n
+        subset = [s for s in snapshots if (s[0] // (batch * every)) % stride == 0]
+        assert len(subset) == 2 * n
+        ofs, stds = np.array([s[0] for s in subset]), np.array([s[1] for s in subset])
+        rec, coefs = reconstruct(subset, steps * batch, targets)
+        for j, std in enumerate(targets):
+            err[i, j] = np.linalg.norm(rec[j] - direct[std]) / scale
+            prof[i, j] = profile_error(ofs, stds, steps * batch, std, coefs[:, j])
+    table = f"weight error\n{err}\nprofile MSE\n{prof}"
+    assert np.all(err[-1] < 1e-3), table
+    assert np.all(np.diff(np.log(err), axis=0) < -np.log(4)), table  # at least 4x better per doubling
+    # Profile MSE: the paper observes O(1/n^4); fit the slope over the densest three counts.
+    slopes = np.polyfit(np.log(counts[2:]), np.log(prof[2:]), 1)[0]
+    assert np.all((slopes < -3.5) & (slopes > -4.5)), f"{slopes}\n{table}"
+
+
+def test_reconstructing_a_stored_track_reproduces_it():
+    # Issue 4, Must show 2: 0.10 at the last snapshot time is the stored 0.10 track itself.
+    snapshots, direct = synthetic_run(512, 8, 32, (0.05, 0.10), (0.10,))
+    rec, coefs = reconstruct(snapshots, 512 * 8, [0.10])
+    assert np.argmax(coefs[:, 0]) == len(snapshots) - 1
+    assert np.allclose(coefs[:, 0], np.eye(len(snapshots))[-1], atol=1e-9)
+    np.testing.assert_allclose(rec[0], snapshots[-1][2], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(rec[0], direct[0.10], rtol=0, atol=1e-6)
