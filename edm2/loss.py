@@ -1,0 +1,53 @@
+"""The EDM2 training loss (uncertainty-weighted, paper Eq. 21) and learning-rate schedule (Eq. 67)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class EDM2Loss:
+    """Per-element loss lambda(sigma)/e^u(sigma) * |D(y+n; sigma) - y|^2 + u(sigma) (Eq. 21)."""
+
+    def __init__(self, P_mean: float = -0.4, P_std: float = 1.0, sigma_data: float = 0.5):
+        self.P_mean = P_mean
+        self.P_std = P_std
+        self.sigma_data = sigma_data
+
+    def sample_sigma(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Noise levels with ln(sigma) ~ N(P_mean, P_std^2) (Eq. 16), shape [N,1,1,1]."""
+        return (torch.randn([batch_size, 1, 1, 1], device=device) * self.P_std + self.P_mean).exp()
+
+    def weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """lambda(sigma) of Eq. 15."""
+        sd = self.sigma_data
+        return (sigma**2 + sd**2) / (sigma * sd) ** 2
+
+    def __call__(
+        self,
+        net: torch.nn.Module,
+        images: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        sigma: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss per element of images [N,C,H,W]; sigma [N,1,1,1] and unit noise are drawn unless given."""
+        if sigma is None:
+            sigma = self.sample_sigma(images.shape[0], images.device)
+        if noise is None:
+            noise = torch.randn_like(images)
+        denoised, logvar = net(images + noise * sigma, sigma, labels, return_logvar=True)
+        # Eq. 21: the single-sample estimate of Eq. 13 weighted by lambda(sigma) / e^u, plus u.
+        return self.weight(sigma) / logvar.exp() * (denoised - images).square() + logvar
+
+
+def learning_rate_schedule(
+    cur_nimg: int, batch_size: int, ref_lr: float = 100e-4, ref_batches: float = 70e3, rampup_Mimg: float = 10
+) -> float:
+    """alpha_ref / sqrt(max(t / t_ref, 1)) with t in iterations (Eq. 67), ramped up linearly from 0."""
+    lr = ref_lr
+    if ref_batches > 0:
+        lr /= np.sqrt(max(cur_nimg / (ref_batches * batch_size), 1))
+    if rampup_Mimg > 0:
+        lr *= min(cur_nimg / (rampup_Mimg * 1e6), 1)
+    return float(lr)

@@ -1,0 +1,80 @@
+"""Release presets against reference/FACTS.md (paper Table 6 and the release's durations/intervals)."""
+
+import pytest
+import torch
+
+from edm2.networks import count_parameters
+from training.loop import TrainingOptions, build_network
+from training.presets import PRESETS, get_preset
+
+Mi = 2**20
+
+# FACTS.md, typed in by hand: size -> (model_channels, dropout, alpha_ref).
+SIZES = {
+    "xs": (128, 0.00, 0.0120), "s": (192, 0.00, 0.0100), "m": (256, 0.10, 0.0090),
+    "l": (320, 0.10, 0.0080), "xl": (384, 0.10, 0.0070), "xxl": (448, 0.10, 0.0065),
+}
+DURATIONS = {
+    "img512": {"xs": 2048 * Mi, "s": 2048 * Mi, "m": 2048 * Mi, "l": 1792 * Mi, "xl": 1280 * Mi, "xxl": 896 * Mi},
+    "img64": {"xs": 1024 * Mi, "s": 1024 * Mi, "m": 2048 * Mi, "l": 1024 * Mi, "xl": 640 * Mi},
+}
+NOISE_AND_DECAY = {"img512": (-0.4, 1.0, 70000), "img64": (-0.8, 1.6, 35000)}
+RELEASE = [(res, size) for res, sizes in DURATIONS.items() for size in sizes]
+
+
+def test_every_release_preset_exists():
+    assert {f"edm2-{res}-{size}" for res, size in RELEASE} <= set(PRESETS)
+    assert len(RELEASE) == 11
+
+
+@pytest.mark.parametrize("res, size", RELEASE)
+def test_release_preset_values(res, size):
+    p = get_preset(f"edm2-{res}-{size}")
+    channels, dropout, lr = SIZES[size]
+    P_mean, P_std, decay = NOISE_AND_DECAY[res]
+    assert (p.channels, p.dropout, p.lr) == (channels, dropout, lr)
+    assert (p.P_mean, p.P_std, p.decay) == (P_mean, P_std, decay)
+    assert p.duration == DURATIONS[res][size]
+    assert p.batch == 2048 and p.rampup_Mimg == 10 and p.ema_stds == (0.050, 0.100)
+    assert (p.status, p.snapshot, p.checkpoint) == (128 * 2**10, 8 * Mi, 128 * Mi)
+    assert p.network == ()  # the release's architecture defaults
+    assert p.data == ("datasets/img512-sd.zip" if res == "img512" else "datasets/img64.zip")
+
+
+# FACTS.md: exact trainable parameters of the conditional img512 nets (latents 64x64x4, 1000 classes)
+# and of the img64 U-Nets (RGB; + 128 for the log-variance head).
+PARAMS = {
+    ("img512", "xs"): 124_713_253, ("img512", "s"): 280_212_837, ("img512", "m"): 497_807_781,
+    ("img512", "l"): 777_498_085, ("img512", "xl"): 1_119_283_749, ("img512", "xxl"): 1_523_164_773,
+    ("img64", "xs"): 124_710_821 + 128, ("img64", "s"): 280_209_253 + 128, ("img64", "m"): 497_803_045 + 128,
+    ("img64", "l"): 777_492_197 + 128, ("img64", "xl"): 1_119_276_709 + 128,
+}
+
+
+@pytest.mark.parametrize("res, size", [("img512", "xs"), ("img512", "xxl"), ("img64", "s"), ("img64", "xl")])
+def test_preset_builds_the_release_network(res, size):
+    num_channels = 8 if res == "img512" else 3  # stored latents hold mean and std
+    opts = TrainingOptions.from_preset(
+        f"edm2-{res}-{size}", dataset=dict(resolution=64, num_channels=num_channels, label_dim=1000), encoder={}
+    )
+    with torch.device("meta"):
+        net = build_network(opts, img_channels=4 if res == "img512" else 3)
+    assert count_parameters(net) == PARAMS[(res, size)]
+    assert net.init_kwargs["dropout"] == SIZES[size][1] and net.init_kwargs["use_fp16"]
+
+
+def test_toy_presets_are_small_and_consistent():
+    for name in ("toy-tiny", "toy-small"):
+        p = get_preset(name)
+        assert p.duration % p.batch == 0 and p.snapshot % p.batch == 0 and p.checkpoint % p.batch == 0
+        assert p.duration <= 64 * 2**10 and p.channels <= 32 and p.rampup_Mimg * 1e6 < p.duration
+
+
+def test_overrides_and_unknown_preset():
+    opts = TrainingOptions.from_preset(
+        "toy-tiny", dataset={}, encoder={}, lr=0.5, batch=None, run_dir=None, seed=7
+    )
+    assert opts.lr == 0.5 and opts.batch == get_preset("toy-tiny").batch and opts.seed == 7
+    assert opts.run_dir == "training-runs/toy-tiny"
+    with pytest.raises(KeyError, match="unknown preset 'nope'"):
+        get_preset("nope")
