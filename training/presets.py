@@ -39,7 +39,7 @@ def _img64(duration: int, channels: int, dropout: float, lr: float) -> Preset:
 def _toy(**kwargs) -> Preset:
     # RGB noise distribution of img64; tiny U-Net; the ramp-up and decay shrunk to the run length.
     network = (("channel_mult", (1, 2)), ("num_blocks", 1), ("attn_resolutions", (4,)), ("channels_per_head", 16))
-    defaults = dict(data="datasets/toy.zip", dropout=0.0, P_mean=-0.8, P_std=1.6, network=network)
+    defaults = dict(data="datasets/toy32.zip", dropout=0.0, P_mean=-0.8, P_std=1.6, network=network)
     return Preset(**{**defaults, **kwargs})
 
 

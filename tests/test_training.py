@@ -1,0 +1,171 @@
+"""Pieces of the training loop: data order, seeding, gradient accumulation, the optimizer step, checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from edm2.loss import EDM2Loss
+from edm2.networks import Precond
+from training import checkpoint
+from training.loop import (
+    HYPERPARAMETERS, DataOrder, TrainingOptions, accumulate_gradients, optimizer_step, round_seed,
+    rounds_per_step,
+)
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def test_data_order_visits_every_item_once_per_epoch():
+    order = iter(DataOrder(size=10, seed=3, rank=0, world_size=1, batch_gpu=4, start_nimg=0))
+    stream = take(order, 30)
+    for epoch in range(3):
+        assert sorted(stream[epoch * 10:(epoch + 1) * 10]) == list(range(10))
+    assert stream[:10] != stream[10:20]  # a fresh permutation each epoch
+    other_seed = take(iter(DataOrder(10, 4, 0, 1, 4, 0)), 10)
+    assert other_seed != stream[:10]
+
+
+def test_data_order_resumes_mid_epoch_and_splits_over_ranks():
+    # One process, batch 12: the global stream of images.
+    single = take(iter(DataOrder(size=7, seed=0, rank=0, world_size=1, batch_gpu=12, start_nimg=0)), 48)
+    # Resuming after two steps (24 images, mid-epoch) continues the same stream.
+    resumed = take(iter(DataOrder(7, 0, 0, 1, 12, start_nimg=24)), 24)
+    assert resumed == single[24:]
+    # Two ranks with 3 images per round (2 rounds per step of 12) read disjoint chunks of the same stream.
+    ranks = [take(iter(DataOrder(7, 0, rank, 2, 3, start_nimg=0)), 24) for rank in range(2)]
+    interleaved = [i for chunk in zip(*(np.reshape(r, (-1, 3)) for r in ranks)) for part in chunk for i in part]
+    assert interleaved == single
+
+
+def test_round_seeds_differ_by_rank_step_and_round():
+    seeds = {round_seed(0, rank, nimg, r) for rank in range(2) for nimg in (0, 2048) for r in range(2)}
+    assert len(seeds) == 8
+    assert round_seed(5, 1, 4096, 0) == round_seed(5, 1, 4096, 0)
+    assert round_seed(5, 1, 4096, 0) != round_seed(6, 1, 4096, 0)
+
+
+def test_batch_must_split_evenly():
+    assert rounds_per_step(2048, 0, 32) == (64, 1)
+    assert rounds_per_step(2048, 16, 32) == (16, 4)
+    with pytest.raises(ValueError, match="batch 2048 is not divisible by 3 process"):
+        rounds_per_step(2048, 0, 3)
+    with pytest.raises(ValueError, match="batch-gpu 48"):
+        rounds_per_step(2048, 48, 2)
+
+
+def tiny_net():
+    torch.manual_seed(0)
+    net = Precond(8, 3, 4, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
+                  channels_per_head=16, use_fp16=False)
+    with torch.no_grad():
+        net.unet.out_gain.fill_(0.5)
+    return net.train()
+
+
+class FixedNoiseLoss(EDM2Loss):
+    """EDM2Loss at fixed per-image noise levels, so batches split differently give the same loss."""
+
+    def __call__(self, net, images, labels=None):
+        sigma = images.flatten(1)[:, :1].abs().reshape(-1, 1, 1, 1) + 0.1
+        return super().__call__(net, images, labels, sigma=sigma, noise=torch.zeros_like(images))
+
+
+class Identity:
+    def encode_latents(self, x):
+        return x
+
+
+def gradients(batches, rounds, scale):
+    net = tiny_net()
+    loss = accumulate_gradients(net, FixedNoiseLoss(), Identity(), iter(batches), rounds, 0, 0, 0, scale,
+                                torch.device("cpu"))
+    return loss, [p.grad.clone() for p in net.parameters()]
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    torch.manual_seed(1)
+    images, labels = torch.randn(8, 3, 8, 8), torch.eye(4)[[0, 1, 2, 3, 0, 1, 2, 3]]
+    loss_1, grads_1 = gradients([(images, labels)], rounds=1, scale=1)
+    loss_4, grads_4 = gradients([(images[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)], rounds=4, scale=1)
+    _, grads_scaled = gradients([(images, labels)], rounds=1, scale=256)
+    for g1, g4, gs in zip(grads_1, grads_4, grads_scaled):
+        torch.testing.assert_close(g4, g1, rtol=1e-3, atol=1e-5)  # float32 summation order
+        torch.testing.assert_close(gs, 256 * g1, rtol=1e-5, atol=1e-6)
+    # The gradient is that of the batch mean of each image's summed loss (release convention).
+    net = tiny_net()
+    FixedNoiseLoss()(net, images, labels).sum(dim=(1, 2, 3)).mean().backward()
+    for g1, p in zip(grads_1, net.parameters()):
+        torch.testing.assert_close(g1, p.grad, rtol=1e-5, atol=1e-7)
+    assert loss_4.item() == pytest.approx(4 * loss_1.item(), rel=1e-5)  # sum of per-round means
+
+
+def test_optimizer_step_zeroes_nonfinite_gradients_and_sets_lr():
+    param = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    module = torch.nn.Module()
+    module.p = param
+    optimizer = torch.optim.Adam([param], lr=0, betas=(0.9, 0.99), eps=1e-8)
+    param.grad = torch.tensor([float("nan"), float("inf"), 0.5])
+    optimizer_step(module, optimizer, lr=0.25)
+    # Adam's first step moves by lr * g / (|g| + eps): zeroed entries stay, the finite one moves by lr.
+    torch.testing.assert_close(param.detach(), torch.tensor([1.0, 2.0, 2.75]))
+    assert optimizer.param_groups[0]["lr"] == 0.25 and param.grad is None
+
+
+def sample_state(nimg):
+    return dict(net={"w": torch.full([3], float(nimg))}, optimizer={}, ema={}, cur_nimg=nimg, elapsed_s=1.0,
+                options="{}", options_hash="x")
+
+
+def test_newest_valid_state_is_used_and_damage_reported(tmp_path):
+    for nimg in (1024, 2048, 3072):
+        checkpoint.save_state(checkpoint.state_path(tmp_path, nimg), sample_state(nimg))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "training-state-0000001.pt", "training-state-0000002.pt", "training-state-0000003.pt"
+    ]
+    newest = tmp_path / "training-state-0000003.pt"
+    newest.write_bytes(newest.read_bytes()[:200])  # truncated by a crash or a full disk
+    (tmp_path / "training-state-0000002.pt").write_bytes(b"garbage")
+    reports = []
+    path, state = checkpoint.load_newest_state(tmp_path, report=reports.append)
+    assert path.name == "training-state-0000001.pt" and state["cur_nimg"] == 1024
+    assert len(reports) == 2 and "0000003.pt: unreadable" in reports[0] and "0000002.pt" in reports[1]
+    assert checkpoint.load_newest_state(tmp_path / "missing") is None
+
+
+def test_states_are_loaded_without_running_code(tmp_path):
+    path = tmp_path / "training-state-0000001.pt"
+    torch.save(dict(sample_state(1024), extra=np.random.default_rng(0)), path)  # an arbitrary object
+    with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
+        checkpoint.load_state(path)
+    torch.save({"net": {}}, path)
+    with pytest.raises(checkpoint.CheckpointError, match="missing format_version, optimizer"):
+        checkpoint.load_state(path)
+
+
+def test_changed_hyperparameters_are_named():
+    base = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={})
+    changed = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={}, lr=0.02,
+                                          P_std=2.0, status=64, workers=0, duration=4096)
+    with pytest.raises(checkpoint.OptionsMismatch) as info:
+        checkpoint.check_same_hyperparameters(base.hyperparameters(), changed.hyperparameters(), HYPERPARAMETERS)
+    assert str(info.value) == (
+        "cannot resume with different hyperparameters (P_std: run has 1.6, now 2.0, lr: run has 0.01, now 0.02)"
+    )
+    # Intervals, duration and workers may change between invocations.
+    relaxed = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={}, status=64,
+                                          workers=0, duration=4096, batch_gpu=8)
+    checkpoint.check_same_hyperparameters(base.hyperparameters(), relaxed.hyperparameters(), HYPERPARAMETERS)
+    assert json.loads(json.dumps(base.hyperparameters())) == base.hyperparameters()
+
+
+def test_weights_digest_is_bitwise():
+    net = tiny_net()
+    digest = checkpoint.weights_digest(net)
+    assert digest == checkpoint.weights_digest(tiny_net())
+    with torch.no_grad():
+        net.unet.out_gain.copy_(torch.nextafter(net.unet.out_gain, torch.tensor(1.0)))
+    assert checkpoint.weights_digest(net) != digest
