@@ -116,8 +116,11 @@ def test_resume_is_exact():
 
 def test_tracker_does_not_touch_network_or_track_grads():
     net = Toy()
+    net.w.sum().backward()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     ema = phema.PowerFunctionEMA(net)
+    assert all(p.grad is None for track, _ in ema.get() for p in track.parameters())
+    assert not any(track.training for track, _ in ema.get())
     ema.update(cur_nimg=4, batch_size=4)
     ema.get()
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
