@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.networks import Precond
 
 
@@ -157,15 +158,10 @@ def _network(record: PersistentRecord) -> Precond:
 def _encoder_config(record: PersistentRecord) -> dict:
     """Encoder settings as the config dict of edm2.encoders."""
     if record.class_name == "StandardRGBEncoder":
-        return {"class": "StandardRGBEncoder"}
+        return StandardRGBEncoder().config()
     state = record.state
-    return {
-        "class": "StabilityVAEEncoder",
-        "vae_name": str(state["vae_name"]),
-        "scale": np.asarray(state["scale"], dtype=np.float32).ravel().tolist(),
-        "bias": np.asarray(state["bias"], dtype=np.float32).ravel().tolist(),
-        "batch_size": int(state["batch_size"]),
-    }
+    scale, bias = (np.asarray(state[k], dtype=np.float32).ravel() for k in ("scale", "bias"))
+    return StabilityVAEEncoder.from_scale_bias(str(state["vae_name"]), scale, bias, int(state["batch_size"])).config()
 
 
 def _plain(value):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from edm2 import release_pickle, snapshot
+from edm2 import encoders, release_pickle, snapshot
 from edm2.networks import Precond
 
 TINY = dict(img_resolution=8, img_channels=4, label_dim=5, model_channels=16, channel_mult=[1, 2], num_blocks=1,
@@ -155,7 +155,7 @@ def test_release_pickle_loads_into_precond_with_identical_outputs(tmp_path, stan
     assert Precond(**metadata["network_kwargs"]).init_kwargs == loaded.init_kwargs
     encoder = metadata["encoder"]
     assert encoder["class"] == "StabilityVAEEncoder" and encoder["vae_name"] == "stabilityai/sd-vae-ft-mse"
-    assert encoder["batch_size"] == 8
+    assert encoder["batch_size"] == 8 and encoders.encoder_from_config(encoder).config() == encoder
     np.testing.assert_allclose(encoder["scale"], 0.5 / np.array([4.17, 4.62, 3.71, 3.28]), rtol=1e-6)
     np.testing.assert_allclose(encoder["bias"], -np.array([5.81, 3.25, 0.12, -2.15]) * 0.5 / np.array([4.17, 4.62, 3.71, 3.28]), rtol=1e-6)
     assert metadata["loss"] == dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
