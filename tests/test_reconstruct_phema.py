@@ -14,6 +14,7 @@ from edm2 import phema
 from edm2.networks import Precond
 from edm2.sampler import edm_sampler
 from edm2.snapshot import load_network, save_network
+from tests.test_release_pickle import forget_standins, random_tiny_net, standins, write_release_pickle  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,25 +98,29 @@ def test_reconstruction_from_our_run_loads_and_samples(tmp_path, monkeypatch):
     assert {u["ema_std"] for u in meta["phema"]["inputs"]} == {0.05}
 
 
-def test_release_pickle_inputs_take_nimg_from_kimg(tmp_path, monkeypatch):
-    # The .pkl importer lives behind edm2.snapshot.load_network; here a stand-in returns known nets so
-    # that the file-name handling (kimg -> exact nimg, reference/FACTS.md) is what is tested.
-    nets = {}
-    for kimg, std in [(134217, 0.05), (134217, 0.10), (268435, 0.05), (268435, 0.10)]:
-        name = f"edm2-img512-xs-{kimg:07d}-{std:.3f}.pkl"
-        (tmp_path / name).write_bytes(b"release pickle stand-in")
-        nets[name] = tiny_net()
-    monkeypatch.setattr(reconstruct_phema, "load_network", lambda path: (nets[path.name], {"source": path.name}))
+def test_release_pickles_as_inputs(tmp_path, standins):
+    # Raw snapshots in the release's format, read through edm2.snapshot.load_network's safe importer;
+    # the image count comes from the file name's kimg (reference/FACTS.md).
+    names = []
+    for seed, (kimg, std) in enumerate([(134217, 0.05), (134217, 0.10), (268435, 0.05), (268435, 0.10)]):
+        names.append(f"edm2-img512-xs-{kimg:07d}-{std:.3f}.pkl")
+        write_release_pickle(tmp_path / names[-1], random_tiny_net(seed), *standins)
+    forget_standins()
     result = run_cli(f"--indir={tmp_path}", "--std=0.07")
     assert result.exit_code == 0, result.output
-    _, meta = load_network(tmp_path / "phema" / "phema-0268435-0.070.safetensors")
-    assert meta["nimg"] == 2**28 and meta["source"] == "edm2-img512-xs-0268435-0.100.pkl"
-    assert [u["nimg"] for u in meta["phema"]["inputs"]] == [2**27, 2**27, 2**28, 2**28]
+    assert not (tmp_path / "ran").exists()
+    net, meta = load_network(tmp_path / "phema" / "phema-0268435-0.070.safetensors")
+    assert meta["nimg"] == 2**28 and meta["source"] == "release-pickle" and meta["loss"]["P_mean"] == -0.4
+    used = meta["phema"]["inputs"]
+    assert [u["file"] for u in used] == names and [u["nimg"] for u in used] == [2**27, 2**27, 2**28, 2**28]
+    want = sum(u["coef"] * load_network(tmp_path / u["file"])[0].unet.out_gain.double() for u in used)
+    torch.testing.assert_close(net.unet.out_gain.double(), want, rtol=2e-3, atol=2e-3)
 
-    # A pickle of another architecture is caught while streaming, before anything is written.
-    nets["edm2-img512-xs-0134217-0.100.pkl"] = tiny_net(model_channels=32)
+    # A later snapshot of another network is caught while streaming, before anything is written.
+    save_network(tmp_path / "network-snapshot-0300000-0.100.safetensors", tiny_net(), {"nimg": 300000 * 1024,
+                                                                                       "ema_std": 0.1})
     result = run_cli(f"--indir={tmp_path}", f"--outdir={tmp_path / 'bad'}", "--std=0.07")
-    assert result.exit_code == 1 and "architecture differs" in result.output
+    assert result.exit_code == 1 and "architecture differs" in result.output, result.output
     assert not (tmp_path / "bad").exists()
 
 
@@ -142,6 +147,7 @@ def test_std_lists_and_ranges():
     (["--std=0.1", "--indir=empty"], "holds no matching snapshot files"),
     (["--std=0.1", "--indir=missing"], "is not a directory"),
     (["--std=0.1", "--indir=mixed"], "network architecture differs"),
+    (["--std=0.1", "--indir=corrupt"], "not a readable release pickle"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, monkeypatch, args, message):
     # Issue 4, Must show 4.
@@ -153,6 +159,8 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, monkeypatch, 
     fake_training_run(tmp_path / "mixed", num_snapshots=2, steps_per_snapshot=1)
     save_network(tmp_path / "mixed" / "network-snapshot-0000001-0.070.safetensors", tiny_net(model_channels=32),
                  {"nimg": 1024, "ema_std": 0.07})
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "edm2-img512-xs-0134217-0.050.pkl").write_bytes(b"truncated")
     files_before = sorted(tmp_path.rglob("*"))
     monkeypatch.chdir(tmp_path)
     result = run_cli(*args)
