@@ -16,7 +16,7 @@ import torch
 import torch.utils.data
 import tqdm
 
-from edm2 import distributed, files
+from edm2 import distributed, files, sampler
 
 Stats = dict[str, dict[str, np.ndarray]]
 
@@ -71,13 +71,6 @@ def calculate_stats(batches: Iterable[torch.Tensor], detectors: Mapping[str, Cal
     return stats, num_images
 
 
-def rank_batches(indices: np.ndarray, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
-    """This rank's share of `indices` in batches: disjoint across ranks, together covering all of them."""
-    num_batches = -(-len(indices) // (batch_size * world_size)) * world_size
-    batches = np.array_split(np.asarray(indices, dtype=np.int64), num_batches)[rank::world_size]
-    return [batch.tolist() for batch in batches if len(batch)]
-
-
 def _stack_images(items: list[tuple[np.ndarray, object]]) -> torch.Tensor:
     """Collate dataset items (image, label) into a uint8 NCHW batch, dropping the labels."""
     return torch.from_numpy(np.stack([image for image, _ in items]))
@@ -86,7 +79,8 @@ def _stack_images(items: list[tuple[np.ndarray, object]]) -> torch.Tensor:
 def image_batches(dataset: torch.utils.data.Dataset, indices: np.ndarray, batch_size: int, num_workers: int = 2,
                   device: torch.device | str = "cpu") -> torch.utils.data.DataLoader:
     """A loader over this rank's share of dataset[indices], yielding uint8 NCHW batches."""
-    batches = rank_batches(indices, batch_size, distributed.get_rank(), distributed.get_world_size())
+    batches = sampler.rank_batches(indices, batch_size, distributed.get_rank(), distributed.get_world_size())
+    batches = [batch for batch in batches if batch]
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                                        collate_fn=_stack_images, pin_memory=torch.device(device).type == "cuda")
 

@@ -73,15 +73,6 @@ def test_feature_stats_need_two_samples():
         acc.finalize()
 
 
-@pytest.mark.parametrize("num, batch, world", [(10, 3, 1), (10, 3, 2), (7, 64, 4), (3, 1, 8), (50, 4, 3)])
-def test_rank_batches_are_disjoint_and_cover_all(num, batch, world):
-    indices = np.random.default_rng(num).permutation(1000)[:num]
-    shares = [metrics.rank_batches(indices, batch, rank, world) for rank in range(world)]
-    flat = [i for share in shares for b in share for i in b]
-    assert sorted(flat) == sorted(indices.tolist())
-    assert all(0 < len(b) <= batch for share in shares for b in share)
-
-
 def make_stats(rng, dims=(("fid", 5), ("fd_dinov2", 3))):
     return {name: {"mu": rng.standard_normal(d), "sigma": random_covariance(rng, d)} for name, d in dims}
 
