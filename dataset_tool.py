@@ -312,8 +312,10 @@ def label_of(dataset: ImageFolderDataset, idx: int) -> int | None:
     return None if dataset.raw_labels is None else int(dataset.raw_labels[idx])
 
 
-def block_batches(count: int, batch: int, blocks: list[int]) -> list[list[int]]:
-    """Index lists of the given fixed blocks [k * batch, (k + 1) * batch)."""
+def block_batches(count: int, batch: int, blocks: list[int] | None = None) -> list[list[int]]:
+    """Index lists of the fixed blocks [k * batch, (k + 1) * batch) of count images (all blocks by default)."""
+    if blocks is None:
+        blocks = list(range((count + batch - 1) // batch))
     return [list(range(k * batch, min((k + 1) * batch, count))) for k in blocks]
 
 
@@ -342,8 +344,8 @@ def prepare_work_dir(work: Path, manifest: dict) -> str | None:
 def pending_blocks(work: Path, count: int, batch: int) -> list[int]:
     """Blocks of `batch` images with at least one latent file still missing."""
     done = {path.relative_to(work).as_posix() for path in work.glob("*/img-mean-std-*.npy")}
-    blocks = range((count + batch - 1) // batch)
-    return [k for k in blocks if any(latent_fname(i) not in done for i in range(k * batch, min((k + 1) * batch, count)))]
+    return [k for k, indices in enumerate(block_batches(count, batch))
+            if any(latent_fname(i) not in done for i in indices)]
 
 
 def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: int) -> None:
@@ -355,7 +357,7 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
                 writer.add(name, (work / name).read_bytes(), label_of(dataset, idx))
         shutil.rmtree(work)
         return
-    for leftover in [work / ENCODE_MANIFEST, *work.glob("*/.*.tmp")]:
+    for leftover in [work / ENCODE_MANIFEST, *work.glob(".*.tmp"), *work.glob("*/.*.tmp")]:
         leftover.unlink()
     with files.atomic_path(work / LABELS_FILE) as tmp:
         tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)}))
@@ -469,7 +471,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     count = min(len(dataset), max_images or len(dataset))
     encoder = StabilityVAEEncoder(vae, batch_size=batch)
     device = distributed.device()
-    batches = block_batches(count, batch, list(range((count + batch - 1) // batch)))
+    batches = block_batches(count, batch)
     with dataset_writer(dest) as writer, tqdm(total=count, desc="decode", unit="img") as bar:
         try:
             for indices, latents in batches_of(dataset, batches, 0):
@@ -525,7 +527,7 @@ def toy_image(shape: str, resolution: int, rng: np.random.Generator) -> np.ndarr
 @click.option("--num", default=10000, show_default=True, type=click.IntRange(min=1), help="Number of images.")
 @click.option("--classes", default=6, show_default=True, type=click.IntRange(min=1),
               help=f"Number of shape classes, at most {len(SHAPES)}: {', '.join(SHAPES)}.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Random seed.")
 def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     """Make a labeled dataset of coloured shapes (class = shape) that a small model learns quickly on a CPU.
 

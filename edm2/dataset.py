@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import PIL.Image
@@ -66,7 +66,7 @@ def is_zip_path(path: str | os.PathLike) -> bool:
 class DatasetWriter:
     """Collects files and labels of a dataset being written; see dataset_writer()."""
 
-    def __init__(self, add_file):
+    def __init__(self, add_file: Callable[[str, bytes], None]):
         self._add_file = add_file
         self.labels: dict[str, int | None] = {}
 
@@ -88,17 +88,20 @@ def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) ->
 def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
     """Write a dataset to a temporary ZIP or directory, add dataset.json, and rename onto dest on success."""
     dest = Path(dest)
+    # Temporary files and folders are created private; the finished dataset gets the usual modes.
+    umask = os.umask(0)
+    os.umask(umask)
     if is_zip_path(dest):
-        with files.atomic_path(dest) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
-            writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
-            yield writer
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+        with files.atomic_path(dest) as tmp:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+                writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
+                yield writer
+                write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+            tmp.chmod(0o666 & ~umask)
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished dataset should not be
+    tmp.chmod(0o777 & ~umask)
     try:
         writer = DatasetWriter(lambda fname, data: _write_file(tmp / fname, data))
         yield writer
@@ -218,8 +221,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             if fname.lower().endswith(".npy"):
                 return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
             image = np.asarray(PIL.Image.open(data))
-        except (OSError, ValueError, zipfile.BadZipFile, PIL.Image.DecompressionBombError) as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+        except (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError) as e:
+            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None  # PIL: SyntaxError = bad chunk
         if image.dtype != np.uint8:
             raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
         return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
