@@ -1,0 +1,91 @@
+"""Magnitude-preserving primitives of the EDM2 network (paper Appendix B.7, Figure 21)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def normalize(x: torch.Tensor, dim: Sequence[int] | int | None = None, eps: float = 1e-4) -> torch.Tensor:
+    """Scale x to unit RMS along `dim` (default: all but the first), Algorithm 1."""
+    if dim is None:
+        dim = list(range(1, x.ndim))
+    norm_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=norm_dtype)
+    # eps is added to the RMS (Algorithm 1), not inside the square root of Eq. 30.
+    norm = torch.add(eps, norm, alpha=math.sqrt(norm.numel() / x.numel()))
+    return x / norm.to(x.dtype)
+
+
+def mp_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU rescaled to unit output magnitude for unit-normal input (Eq. 81)."""
+    return F.silu(x) / 0.596
+
+
+def mp_sum(a: torch.Tensor, b: torch.Tensor, t: float = 0.5) -> torch.Tensor:
+    """Weighted sum of a and b that keeps unit magnitude (Eq. 88)."""
+    return a.lerp(b, t) / math.sqrt((1 - t) ** 2 + t**2)
+
+
+def mp_cat(a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5) -> torch.Tensor:
+    """Concatenation with per-part weights that keep unit magnitude (Eq. 103)."""
+    na, nb = a.shape[dim], b.shape[dim]
+    c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2))
+    wa = c / math.sqrt(na) * (1 - t)
+    wb = c / math.sqrt(nb) * t
+    return torch.cat([wa * a, wb * b], dim=dim)
+
+
+def resample(x: torch.Tensor, mode: str = "keep") -> torch.Tensor:
+    """Box-filter (filter [1,1]) downsampling or nearest upsampling by 2; 'keep' returns x."""
+    if mode == "keep":
+        return x
+    if mode == "down":
+        # The [1,1] box filter with stride 2 is exactly a 2x2 average.
+        return F.avg_pool2d(x, 2)
+    if mode == "up":
+        # Transposed convolution with the [1,1] filter (gain 4) repeats every pixel 2x2.
+        return x.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
+    raise ValueError(f"unknown resample mode {mode!r}")
+
+
+class MPFourier(torch.nn.Module):
+    """Random Fourier features cos(2 pi (f x + p)) * sqrt(2) of unit magnitude (Eq. 75)."""
+
+    def __init__(self, num_channels: int, bandwidth: float = 1.0):
+        super().__init__()
+        self.register_buffer("freqs", 2 * np.pi * torch.randn(num_channels) * bandwidth)
+        self.register_buffer("phases", 2 * np.pi * torch.rand(num_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Embed a 1-D tensor of scalars as [len(x), num_channels] features."""
+        y = x.to(torch.float32).outer(self.freqs.to(torch.float32)) + self.phases.to(torch.float32)
+        return (y.cos() * math.sqrt(2)).to(x.dtype)
+
+
+class MPConv(torch.nn.Module):
+    """Convolution (kernel [k,k]) or linear layer (kernel []) with forced weight normalization."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: Sequence[int]):
+        super().__init__()
+        self.out_channels = out_channels
+        self.weight = torch.nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
+
+    def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1) -> torch.Tensor:
+        """Apply the layer with unit-norm weight rows scaled by gain / sqrt(fan_in)."""
+        w = self.weight.to(torch.float32)
+        if self.training:
+            # Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in).
+            with torch.no_grad():
+                self.weight.copy_(normalize(w))
+        # Standard weight normalization on use (Eq. 47) makes the gradient tangent (Eq. 59).
+        w = normalize(w)
+        w = w * (gain / math.sqrt(w[0].numel()))
+        w = w.to(x.dtype)
+        if w.ndim == 2:
+            return x @ w.t()
+        return F.conv2d(x, w, padding=w.shape[-1] // 2)

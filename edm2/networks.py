@@ -1,0 +1,284 @@
+"""The EDM2 denoiser: magnitude-preserving U-Net (paper Figure 22, config G) and preconditioning."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edm2.layers import MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
+
+
+class Block(torch.nn.Module):
+    """Encoder or decoder block: residual branch, optional cosine self-attention (Figure 21)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        emb_channels: int,
+        flavor: str = "enc",
+        resample_mode: str = "keep",
+        attention: bool = False,
+        channels_per_head: int = 64,
+        dropout: float = 0.0,
+        res_balance: float = 0.3,
+        attn_balance: float = 0.3,
+        clip_act: float | None = 256,
+    ):
+        super().__init__()
+        if flavor not in ("enc", "dec"):
+            raise ValueError(f"unknown block flavor {flavor!r}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.flavor = flavor
+        self.resample_mode = resample_mode
+        self.num_heads = out_channels // channels_per_head if attention else 0
+        self.dropout = dropout
+        self.res_balance = res_balance
+        self.attn_balance = attn_balance
+        self.clip_act = clip_act
+        # Registration order fixes the state-dict order of the release's checkpoints.
+        self.emb_gain = torch.nn.Parameter(torch.zeros([]))
+        self.conv_res0 = MPConv(out_channels if flavor == "enc" else in_channels, out_channels, [3, 3])
+        self.emb_linear = MPConv(emb_channels, out_channels, [])
+        self.conv_res1 = MPConv(out_channels, out_channels, [3, 3])
+        self.conv_skip = MPConv(in_channels, out_channels, [1, 1]) if in_channels != out_channels else None
+        self.attn_qkv = MPConv(out_channels, out_channels * 3, [1, 1]) if self.num_heads else None
+        self.attn_proj = MPConv(out_channels, out_channels, [1, 1]) if self.num_heads else None
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """Apply the block to x [N,C,H,W] conditioned on the embedding emb [N,E]."""
+        x = resample(x, self.resample_mode)
+        if self.flavor == "enc":
+            if self.conv_skip is not None:
+                x = self.conv_skip(x)
+            x = normalize(x, dim=1)  # pixel norm on the encoder's main path (Eq. 30)
+
+        y = self.conv_res0(mp_silu(x))
+        c = self.emb_linear(emb, gain=self.emb_gain) + 1
+        y = mp_silu(y * c.unsqueeze(2).unsqueeze(3).to(y.dtype))
+        if self.training and self.dropout:
+            y = F.dropout(y, p=self.dropout)
+        y = self.conv_res1(y)
+
+        if self.flavor == "dec" and self.conv_skip is not None:
+            x = self.conv_skip(x)
+        x = mp_sum(x, y, t=self.res_balance)
+
+        if self.num_heads:
+            x = mp_sum(x, self._attention(x), t=self.attn_balance)
+        if self.clip_act is not None:
+            x = x.clip_(-self.clip_act, self.clip_act)
+        return x
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-32)."""
+        n, c, h, w = x.shape
+        # The release lays qkv channels out as [head, channel, (q,k,v)].
+        qkv = self.attn_qkv(x).reshape(n, self.num_heads, -1, 3, h * w)
+        q, k, v = normalize(qkv, dim=2).unbind(3)
+        # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
+        y = F.scaled_dot_product_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
+        return self.attn_proj(y.transpose(2, 3).reshape(n, c, h, w))
+
+
+class UNet(torch.nn.Module):
+    """The magnitude-preserving U-Net of config G (Figure 22)."""
+
+    def __init__(
+        self,
+        img_resolution: int,
+        img_channels: int,
+        label_dim: int,
+        model_channels: int = 192,
+        channel_mult: Sequence[int] = (1, 2, 3, 4),
+        channel_mult_noise: int | None = None,
+        channel_mult_emb: int | None = None,
+        num_blocks: int = 3,
+        attn_resolutions: Sequence[int] = (16, 8),
+        label_balance: float = 0.5,
+        concat_balance: float = 0.5,
+        **block_kwargs,
+    ):
+        super().__init__()
+        cblock = [model_channels * m for m in channel_mult]
+        cnoise = model_channels * channel_mult_noise if channel_mult_noise is not None else cblock[0]
+        cemb = model_channels * channel_mult_emb if channel_mult_emb is not None else max(cblock)
+        self.label_dim = label_dim
+        self.label_balance = label_balance
+        self.concat_balance = concat_balance
+        self.out_gain = torch.nn.Parameter(torch.zeros([]))
+
+        self.emb_fourier = MPFourier(cnoise)
+        self.emb_noise = MPConv(cnoise, cemb, [])
+        self.emb_label = MPConv(label_dim, cemb, []) if label_dim else None
+
+        self.enc = torch.nn.ModuleDict()
+        cout = img_channels + 1  # the constant-1 channel
+        for level, channels in enumerate(cblock):
+            res = img_resolution >> level
+            if level == 0:
+                cin, cout = cout, channels
+                self.enc[f"{res}x{res}_conv"] = MPConv(cin, cout, [3, 3])
+            else:
+                self.enc[f"{res}x{res}_down"] = Block(cout, cout, cemb, "enc", "down", **block_kwargs)
+            for idx in range(num_blocks):
+                cin, cout = cout, channels
+                self.enc[f"{res}x{res}_block{idx}"] = Block(
+                    cin, cout, cemb, "enc", attention=res in attn_resolutions, **block_kwargs
+                )
+
+        self.dec = torch.nn.ModuleDict()
+        skips = [block.out_channels for block in self.enc.values()]
+        for level, channels in reversed(list(enumerate(cblock))):
+            res = img_resolution >> level
+            if level == len(cblock) - 1:
+                self.dec[f"{res}x{res}_in0"] = Block(cout, cout, cemb, "dec", attention=True, **block_kwargs)
+                self.dec[f"{res}x{res}_in1"] = Block(cout, cout, cemb, "dec", **block_kwargs)
+            else:
+                self.dec[f"{res}x{res}_up"] = Block(cout, cout, cemb, "dec", "up", **block_kwargs)
+            for idx in range(num_blocks + 1):
+                cin, cout = cout + skips.pop(), channels
+                self.dec[f"{res}x{res}_block{idx}"] = Block(
+                    cin, cout, cemb, "dec", attention=res in attn_resolutions, **block_kwargs
+                )
+        self.out_conv = MPConv(cout, img_channels, [3, 3])
+
+    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
+        """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
+        emb = self.emb_noise(self.emb_fourier(noise_labels))
+        if self.emb_label is not None:
+            # Scaling one-hot labels by sqrt(label_dim) gives them unit magnitude.
+            labels = class_labels * math.sqrt(class_labels.shape[1])
+            emb = mp_sum(emb, self.emb_label(labels), t=self.label_balance)
+        emb = mp_silu(emb)
+
+        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+        skips = []
+        for name, block in self.enc.items():
+            x = block(x) if name.endswith("_conv") else block(x, emb)
+            skips.append(x)
+        for name, block in self.dec.items():
+            if "block" in name:
+                x = mp_cat(x, skips.pop(), t=self.concat_balance)
+            x = block(x, emb)
+        return self.out_conv(x, gain=self.out_gain)
+
+
+class Precond(torch.nn.Module):
+    """EDM preconditioning around the U-Net (Eq. 4-8) plus the log-variance head u(sigma) (Eq. 21)."""
+
+    def __init__(
+        self,
+        img_resolution: int,
+        img_channels: int,
+        label_dim: int,
+        use_fp16: bool = True,
+        use_bf16: bool = False,
+        sigma_data: float = 0.5,
+        logvar_channels: int = 128,
+        **unet_kwargs,
+    ):
+        super().__init__()
+        self.init_kwargs = dict(
+            img_resolution=img_resolution,
+            img_channels=img_channels,
+            label_dim=label_dim,
+            use_fp16=use_fp16,
+            use_bf16=use_bf16,
+            sigma_data=sigma_data,
+            logvar_channels=logvar_channels,
+            **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in unet_kwargs.items()},
+        )
+        self.img_resolution = img_resolution
+        self.img_channels = img_channels
+        self.label_dim = label_dim
+        self.use_fp16 = use_fp16
+        self.use_bf16 = use_bf16
+        self.sigma_data = sigma_data
+        self.unet = UNet(img_resolution, img_channels, label_dim, **unet_kwargs)
+        self.logvar_fourier = MPFourier(logvar_channels)
+        self.logvar_linear = MPConv(logvar_channels, 1, [])
+
+    def compute_dtype(self, device: torch.device, force_fp32: bool = False) -> torch.dtype:
+        """The U-Net's activation dtype: 16-bit on CUDA when enabled, float32 otherwise."""
+        if force_fp32 or device.type != "cuda":
+            return torch.float32
+        if self.use_bf16:
+            return torch.bfloat16
+        return torch.float16 if self.use_fp16 else torch.float32
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor | float,
+        class_labels: torch.Tensor | None = None,
+        force_fp32: bool = False,
+        return_logvar: bool = False,
+    ):
+        """Denoise x at noise level sigma; with return_logvar also return u(sigma) [N,1,1,1]."""
+        x = x.to(torch.float32)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1)
+        if self.label_dim == 0:
+            class_labels = None
+        elif class_labels is None:
+            class_labels = torch.zeros([1, self.label_dim], device=x.device)
+        else:
+            class_labels = class_labels.to(torch.float32).reshape(-1, self.label_dim)
+        dtype = self.compute_dtype(x.device, force_fp32)
+
+        # Preconditioning, Eq. 4-8.
+        sd = self.sigma_data
+        c_skip = sd**2 / (sigma**2 + sd**2)
+        c_out = sigma * sd / (sigma**2 + sd**2).sqrt()
+        c_in = 1 / (sd**2 + sigma**2).sqrt()
+        c_noise = sigma.flatten().log() / 4
+
+        f_x = self.unet((c_in * x).to(dtype), c_noise, class_labels)
+        d_x = c_skip * x + c_out * f_x.to(torch.float32)
+        if not return_logvar:
+            return d_x
+        logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
+        return d_x, logvar
+
+
+def count_parameters(net: torch.nn.Module) -> int:
+    """Number of trainable parameter elements (works on the meta device)."""
+    return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+def count_macs(net: Precond, batch_size: int = 1) -> int:
+    """Multiply-accumulates of one evaluation (Table 6's 'gigaflops'), counted on the meta device."""
+    macs = 0
+
+    def conv_hook(module: MPConv, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal macs
+        w = module.weight
+        spatial = output.shape[2] * output.shape[3] if output.ndim == 4 else 1
+        macs += output.shape[0] * spatial * w[0].numel() * w.shape[0]
+
+    def attn_hook(module: Block, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal macs
+        if module.num_heads:
+            n, c, h, w = output.shape
+            macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
+
+    hooks = [m.register_forward_hook(conv_hook) for m in net.modules() if isinstance(m, MPConv)]
+    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if isinstance(m, Block)]
+    try:
+        device = next(net.parameters()).device
+        x = torch.zeros(batch_size, net.img_channels, net.img_resolution, net.img_resolution, device=device)
+        labels = torch.zeros(batch_size, net.label_dim, device=device) if net.label_dim else None
+        was_training = net.training
+        net.eval()
+        with torch.no_grad():
+            net(x, torch.ones(batch_size, device=device), labels, return_logvar=True)
+        net.train(was_training)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return macs // batch_size
