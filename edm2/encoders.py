@@ -110,10 +110,14 @@ class StabilityVAEEncoder(Encoder):
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _vae=None)
 
+    def init(self, device: torch.device) -> None:
+        """Load the VAE now (it is otherwise loaded on first use), onto device."""
+        self._vae_on(device)
+
     def _vae_on(self, device: torch.device):
         if self._vae is None:
             self._vae = load_vae(self.vae_name)
-        if next(self._vae.parameters()).device != device:
+        if next(self._vae.parameters()).device != torch.device(device):
             self._vae.to(device)
         return self._vae
 
