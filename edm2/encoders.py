@@ -147,11 +147,11 @@ class StabilityVAEEncoder(Encoder):
         return self.decode_raw((x - self._per_channel(self.bias, x)) / self._per_channel(self.scale, x))
 
     def decode_raw(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw (unnormalized) latents -> uint8 NCHW pixels; the VAE's output is clamped to [0, 1]."""
+        """Raw (unnormalized) latents -> uint8 NCHW pixels; clamped to [0, 1] and truncated, as the release."""
         vae = self._vae_on(x.device)
         with torch.no_grad():
             pixels = torch.cat([vae.decode(batch).sample for batch in x.to(torch.float32).split(self.batch_size)])
-        return (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
+        return (pixels.clamp(0, 1) * 255).to(torch.uint8)
 
     def out_channels(self, in_channels: int) -> int:
         """A dataset stores mean and std, so the network sees half its channels."""

@@ -176,7 +176,7 @@ def test_bad_input_gives_one_clear_line(setup, tmp_path):
     assert_one_error_line(run("calc", "--images", setup["a"], "--num", 12, "--ref", tmp_path / "evil.pkl",
                               "--metrics", "fid", *setup["weights"]), "--ref", "refusing to load")
     assert_one_error_line(run("calc", "--images", tmp_path / "absent", "--num", 12, *common), "--images",
-                          "no such dataset")
+                          "no such directory or ZIP file")
 
 
 def tiny_snapshot(path, label_dim, seed):
