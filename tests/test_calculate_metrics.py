@@ -19,7 +19,7 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.sampler import generate_images
 from edm2.snapshot import load_network, save_network
-from tests.test_detectors import TinyInceptionStandIn, one_thread, random_state_dict  # noqa: F401 (autouse fixture)
+from tests.test_detectors import TinyInceptionStandIn, random_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 # One 64-channel head keeps the 64x64 covariances cheap for scipy's sqrtm.

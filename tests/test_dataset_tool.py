@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import dataset_tool
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
-from test_encoders import one_thread, save_tiny_vae  # noqa: F401 (one_thread is an autouse fixture)
+from tests.test_encoders import save_tiny_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 

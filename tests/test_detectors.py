@@ -9,15 +9,6 @@ import torch
 from edm2 import detectors
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread avoids OpenMP synchronization costs that dominate on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def official_dinov2_shapes(width=1024, depth=24, patch=14, grid=37, mlp=4096, channels=3):
     """The DINOv2 checkpoint layout (names and shapes of dinov2_vit*_pretrain.pth), written out independently."""
     shapes = {

@@ -25,15 +25,6 @@ def save_tiny_vae(path):
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One CPU thread: fast on a shared machine, and bit-identical to torchrun workers (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
     return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")
