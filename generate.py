@@ -134,7 +134,7 @@ Examples:
 @click.option("--S_min", "S_min", type=click.FloatRange(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
 @click.option("--S_max", "S_max", type=click.FloatRange(min=0), default=float("inf"), show_default=True, help="Stochasticity up to this noise level")
 @click.option("--S_noise", "S_noise", type=float, default=1, show_default=True, help="Stochastic noise inflation")
-@click.option("--grid", is_flag=True, help="Save one grid.png of all images instead of one PNG per seed")
+@click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png")
 def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG."""
     distributed.init()
@@ -168,10 +168,9 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
     try:
         for batch_seeds, images in batches:
             for seed, image in zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy()):
+                save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
                 if grid:
                     generated[seed] = image
-                else:
-                    save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
     except EncoderError as e:
         raise click.ClickException(str(e)) from None
     if grid:
@@ -179,7 +178,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
         if tiles is not None:
             save_png(outdir / "grid.png", tiles)
     distributed.barrier()
-    distributed.print0(f"Saved {'a grid of ' if grid else ''}{len(seeds)} images in {outdir}")
+    distributed.print0(f"Saved {len(seeds)} images{' and grid.png' if grid else ''} in {outdir}")
     distributed.shutdown()
 
 

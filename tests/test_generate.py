@@ -17,19 +17,11 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.sampler import generate_images
+from tests.test_sampler import one_thread  # noqa: F401  (autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors run fastest on one thread, and the shared test machines have few cores to spare."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_net(label_dim, resolution=8, channels=3, seed=0):
@@ -86,26 +78,18 @@ def test_one_and_two_processes_write_the_same_images(nets, tmp_path):
     one = run_cli([*args, "--batch=9", "--subdirs", "--outdir", tmp_path / "one"])
     assert one.exit_code == 0, one.output
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     two = subprocess.run(
-        [*torchrun, "generate.py", *map(str, args), "--batch=2", "--subdirs", "--outdir", str(tmp_path / "two")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [*torchrun, "generate.py", *map(str, args), "--batch=2", "--subdirs", "--grid", "--outdir", str(tmp_path / "two")],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
     )
     assert two.returncode == 0, two.stderr
     images = read_pngs(tmp_path / "one")
     assert sorted(images) == [f"000000/{s:06d}.png" for s in [0, 1, 2, 3, 4, 5, 998, 999]] + ["001000/001000.png"]
     two_images = read_pngs(tmp_path / "two")
+    tiles = two_images.pop("grid.png")
     assert sorted(two_images) == sorted(images)
     assert all(np.array_equal(images[k], two_images[k]) for k in images)
-
     # --grid gathers every rank's images, in seed order, into one PNG.
-    grid = subprocess.run(
-        [*torchrun, "generate.py", *map(str, args), "--batch=2", "--grid", "--outdir", str(tmp_path / "grid")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert grid.returncode == 0, grid.stderr
-    assert list(read_pngs(tmp_path / "grid")) == ["grid.png"]
-    tiles = read_pngs(tmp_path / "grid")["grid.png"]
     assert tiles.shape == (3 * 8, 3 * 8, 3)
     for i, key in enumerate(sorted(images, key=lambda k: int(Path(k).stem))):
         row, col = divmod(i, 3)
