@@ -114,7 +114,7 @@ Examples:
   python generate.py --guidance=1.4
   # A named release preset, 8 GPUs
   torchrun --nproc_per_node=8 generate.py --preset=edm2-img512-xxl-guid-fid --seeds=0-49999 --subdirs
-  # Our own snapshot, class 88 only, one grid image for a quick look
+  # Our own snapshot, class 88 only, plus grid.png for a quick look
   python generate.py --net=training-runs/run/network-snapshot-0008388-0.100.safetensors --class=88 --seeds=0-15 --grid
 """)
 @click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
