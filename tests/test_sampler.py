@@ -116,7 +116,7 @@ def test_guidance_one_never_calls_the_guiding_net():
 
 
 def test_guidance_is_the_lerp_of_the_two_denoisers():
-    net, gnet = smooth_denoiser(0.7, 0.1), smooth_denoiser(0.4, 0.0)
+    net, gnet = smooth_denoiser(0.7, 0.1), smooth_denoiser(0.4, 0.05)  # autoguidance: gnet sees labels too
     noise = torch.randn([2, 3, 4, 4], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     labels = torch.eye(3, dtype=torch.float64)[[0, 2]]
     for w in (0.5, 1.4, 2.5):
