@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import colorsys
-import contextlib
+import functools
 import io
 import json
 import os
@@ -12,7 +12,7 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable
 
 import click
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edm2 import distributed, files
-from edm2.dataset import (LABELS_FILE, DatasetError, ImageFolderDataset, dataset_writer, image_fname,
+from edm2.dataset import (LABELS_FILE, DatasetError, FileTree, ImageFolderDataset, dataset_writer, image_fname,
                           is_zip_path, labels_json, latent_fname, npy_bytes, png_bytes)
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
 
@@ -111,44 +111,41 @@ def center_crop_dhariwal(image: np.ndarray, size: int) -> np.ndarray:
 TRANSFORMS = ("center-crop", "center-crop-wide", "center-crop-dhariwal")
 
 
+def unchanged(image: np.ndarray) -> np.ndarray:
+    """No crop or resize."""
+    return image
+
+
 def make_transform(transform: str | None, resolution: tuple[int, int] | None) -> Callable[[np.ndarray], np.ndarray]:
     """The image -> image function for --transform and --resolution; bad combinations are usage errors."""
     if resolution is None:
         if transform is not None:
             raise click.UsageError(f"--transform={transform} needs --resolution")
-        return lambda image: image
+        return unchanged
     width, height = resolution
     if transform == "center-crop-wide":
         if height > width:
             raise click.BadParameter(f"center-crop-wide needs width >= height, got {width}x{height}",
                                      param_hint="'--resolution'")
-        return lambda image: center_crop_wide(image, width, height)
+        return functools.partial(center_crop_wide, width=width, height=height)
     if width != height:
         raise click.BadParameter(f"{transform or 'resizing'} needs a square resolution (datasets hold square "
                                  f"images), got {width}x{height}", param_hint="'--resolution'")
     if transform == "center-crop-dhariwal":
-        return lambda image: center_crop_dhariwal(image, width)
+        return functools.partial(center_crop_dhariwal, size=width)
     if transform == "center-crop":
-        return lambda image: center_crop(image, width, height)
-    return lambda image: resize(image, width, height)
+        return functools.partial(center_crop, width=width, height=height)
+    return functools.partial(resize, width=width, height=height)
 
 
 # ----------------------------------------------------------------------------------------------
 # Image sources (convert --source).
 
-class ImageSource(NamedTuple):
-    """Image files of a folder or ZIP, in sorted order, with a reader and optional labels."""
-
-    names: list[str]
-    read: Callable[[str], bytes]
-    labels: dict[str, int] | None
-
-
-def source_labels(names: list[str], all_names: set[str], read: Callable[[str], bytes]) -> dict[str, int] | None:
+def source_labels(names: list[str], files: FileTree) -> dict[str, int] | None:
     """Classes from dataset.json if present, else from top-level folder names (ImageNet's layout)."""
-    if LABELS_FILE in all_names:
+    if LABELS_FILE in files.names:
         try:
-            listed = json.loads(read(LABELS_FILE))["labels"]
+            listed = json.loads(files.read(LABELS_FILE))["labels"]
             labels = None if listed is None else {str(name): int(label) for name, label in listed}
         except (ValueError, KeyError, TypeError) as e:
             raise click.ClickException(f"--source: {LABELS_FILE} is not in the release format ({first_line(e)})")
@@ -161,35 +158,43 @@ def source_labels(names: list[str], all_names: set[str], read: Callable[[str], b
     return {name: classes[folder] for name, folder in folders.items()} if len(classes) > 1 else None
 
 
-@contextlib.contextmanager
-def open_source(source: Path) -> Iterator[ImageSource]:
-    """List the images of a folder (recursively) or ZIP whose extensions PIL knows."""
+def open_source(source: Path) -> tuple[FileTree, list[str], dict[str, int] | None]:
+    """The files of a folder (recursively) or ZIP, the sorted names of its images, and their labels."""
+    try:
+        files = FileTree(source)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="'--source'")
     extensions = set(PIL.Image.registered_extensions())
-    if source.is_dir():
-        all_names = {Path(root, name).relative_to(source).as_posix()
-                     for root, _dirs, fnames in os.walk(source) for name in fnames}
-        def read(name: str) -> bytes:
-            return (source / name).read_bytes()
-        archive = contextlib.nullcontext()
-    else:
-        try:
-            archive = zipfile.ZipFile(source)
-        except (zipfile.BadZipFile, OSError) as e:
-            raise click.BadParameter(f"{source} is neither a folder nor a readable ZIP ({first_line(e)})",
-                                     param_hint="'--source'")
-        all_names = set(archive.namelist())
-        read = archive.read
-    with archive:
-        names = sorted(name for name in all_names if Path(name).suffix.lower() in extensions)
-        if not names:
-            raise click.BadParameter(f"{source} holds no images", param_hint="'--source'")
-        yield ImageSource(names, read, source_labels(names, all_names, read))
+    names = [name for name in files.names if Path(name).suffix.lower() in extensions]
+    if not names:
+        raise click.BadParameter(f"{source} holds no images", param_hint="'--source'")
+    return files, names, source_labels(names, files)
 
 
 def read_rgb(data: bytes) -> np.ndarray:
     """Decode an image file to uint8 HWC RGB (grayscale, palette and alpha images are converted)."""
     with PIL.Image.open(io.BytesIO(data)) as image:
         return np.asarray(image.convert("RGB"))
+
+
+class ConvertedImages(torch.utils.data.Dataset):
+    """Source images read, transformed and PNG-encoded (in DataLoader workers).
+
+    Items are (png bytes, (height, width)), or (None, reason) for a file that cannot be read.
+    """
+
+    def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray]):
+        self.files, self.names, self.transform = files, names, transform
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
+        try:
+            image = self.transform(read_rgb(self.files.read(self.names[idx])))
+        except IMAGE_ERRORS as e:
+            return None, first_line(e)
+        return png_bytes(image), image.shape[:2]
 
 
 @click.group()
@@ -215,8 +220,10 @@ def cli() -> None:
 @click.option("--max-images", type=click.IntRange(min=1), help="Convert only the first N images.")
 @click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
               help="What to do with an image that cannot be read.")
+@click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True, type=click.IntRange(min=0),
+              help="Processes reading and cropping images.")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str) -> None:
+            max_images: int | None, on_error: str, workers: int) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
@@ -229,29 +236,31 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     require_single_process("convert")
     check_dest(dest)
     transform_image = make_transform(transform, resolution)
+    files, names, labels = open_source(source)
+    names = names[:max_images]
+    images = torch.utils.data.DataLoader(ConvertedImages(files, names, transform_image), batch_size=None,
+                                         num_workers=workers)
     size, skipped = None, 0
-    with open_source(source) as images, dataset_writer(dest) as writer:
-        names = images.names[:max_images]
-        for idx, name in enumerate(tqdm(names, desc="convert", unit="img")):
-            try:
-                image = transform_image(read_rgb(images.read(name)))
-            except IMAGE_ERRORS as e:
+    with dataset_writer(dest) as writer:
+        for idx, (png, shape) in enumerate(tqdm(images, desc="convert", unit="img")):
+            name = names[idx]
+            if png is None:
                 if on_error == "stop":
-                    raise click.ClickException(f"cannot read image {name} in {source} ({first_line(e)}); "
+                    raise click.ClickException(f"cannot read image {name} in {source} ({shape}); "
                                                f"--on-error=skip leaves such images out")
-                tqdm.write(f"skipping {name}: cannot read it ({first_line(e)})", file=sys.stderr)
+                tqdm.write(f"skipping {name}: cannot read it ({shape})", file=sys.stderr)
                 skipped += 1
                 continue
             if size is None:
-                size = image.shape[:2]
+                size = shape
                 if size[0] != size[1]:
                     raise click.ClickException(f"{name} is {size[1]}x{size[0]}, not square; datasets hold square "
                                                f"images: use --resolution and --transform")
-            elif image.shape[:2] != size:
-                raise click.ClickException(f"{name} is {image.shape[1]}x{image.shape[0]} but earlier images are "
+            elif shape != size:
+                raise click.ClickException(f"{name} is {shape[1]}x{shape[0]} but earlier images are "
                                            f"{size[1]}x{size[0]}; use --resolution and --transform to make "
                                            f"them equal")
-            writer.add(image_fname(idx), png_bytes(image), None if images.labels is None else images.labels[name])
+            writer.add(image_fname(idx), png, None if labels is None else labels[name])
         if size is None:
             raise click.ClickException(f"no image of {source} could be read")
     click.echo(f"wrote {len(names) - skipped} images to {dest}" + (f" ({skipped} skipped)" if skipped else ""))
@@ -303,8 +312,10 @@ def label_of(dataset: ImageFolderDataset, idx: int) -> int | None:
     return None if dataset.raw_labels is None else int(dataset.raw_labels[idx])
 
 
-def block_batches(count: int, batch: int, blocks: list[int]) -> list[list[int]]:
-    """Index lists of the given fixed blocks [k * batch, (k + 1) * batch)."""
+def block_batches(count: int, batch: int, blocks: list[int] | None = None) -> list[list[int]]:
+    """Index lists of the fixed blocks [k * batch, (k + 1) * batch) of count images (all blocks by default)."""
+    if blocks is None:
+        blocks = list(range((count + batch - 1) // batch))
     return [list(range(k * batch, min((k + 1) * batch, count))) for k in blocks]
 
 
@@ -321,6 +332,9 @@ def prepare_work_dir(work: Path, manifest: dict) -> str | None:
         return f"{work} exists but is not an unfinished encode ({first_line(e)}); delete it or choose another --dest"
     changed = [f"{key} {previous.get(key)!r} -> {value!r}" for key, value in manifest.items()
                if previous.get(key) != value]
+    if changed and not any(work.glob("*/img-mean-std-*.npy")):
+        manifest_path.write_text(json.dumps(manifest, indent=2))  # nothing encoded yet: start afresh
+        return None
     if changed:
         return (f"{work} holds an unfinished encode with other settings ({'; '.join(changed)}); "
                 f"rerun with the same options or delete it")
@@ -330,8 +344,8 @@ def prepare_work_dir(work: Path, manifest: dict) -> str | None:
 def pending_blocks(work: Path, count: int, batch: int) -> list[int]:
     """Blocks of `batch` images with at least one latent file still missing."""
     done = {path.relative_to(work).as_posix() for path in work.glob("*/img-mean-std-*.npy")}
-    blocks = range((count + batch - 1) // batch)
-    return [k for k in blocks if any(latent_fname(i) not in done for i in range(k * batch, min((k + 1) * batch, count)))]
+    return [k for k, indices in enumerate(block_batches(count, batch))
+            if any(latent_fname(i) not in done for i in indices)]
 
 
 def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: int) -> None:
@@ -343,21 +357,31 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
                 writer.add(name, (work / name).read_bytes(), label_of(dataset, idx))
         shutil.rmtree(work)
         return
-    for leftover in [work / ENCODE_MANIFEST, *work.glob("*/.*.tmp")]:
+    for leftover in [work / ENCODE_MANIFEST, *work.glob(".*.tmp"), *work.glob("*/.*.tmp")]:
         leftover.unlink()
     with files.atomic_path(work / LABELS_FILE) as tmp:
         tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)}))
     os.replace(work, dest)
 
 
+def vae_options(command: Callable) -> Callable:
+    """The --vae, --batch and --max-images options of encode and decode."""
+    for option in reversed([
+        click.option("--vae", default=DEFAULT_VAE, show_default=True,
+                     help="diffusers AutoencoderKL: hub name or local directory."),
+        click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=click.IntRange(min=1),
+                     help="Images per VAE call (per process)."),
+        click.option("--max-images", type=click.IntRange(min=1), help="Process only the first N images."),
+    ]):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Dataset of RGB PNGs (directory or ZIP), e.g. from convert.")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
-@click.option("--vae", default=DEFAULT_VAE, show_default=True, help="diffusers AutoencoderKL: hub name or local directory.")
-@click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=click.IntRange(min=1),
-              help="Images per VAE call (per process).")
-@click.option("--max-images", type=click.IntRange(min=1), help="Encode only the first N images.")
+@vae_options
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0),
               help="Data-loading processes per GPU process.")
 def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None, workers: int) -> None:
@@ -385,6 +409,12 @@ def run_encode(source: Path, dest: Path, vae: str, batch: int, max_images: int |
     count = min(len(dataset), max_images or len(dataset))
     work = dest.with_name(dest.name + ".partial")
     manifest = {"source": str(source.resolve()), "images": count, "image_shape": dataset.image_shape, "vae": vae}
+    encoder = StabilityVAEEncoder(vae, batch_size=batch)
+    device = distributed.device()
+    try:
+        encoder.init(device)  # a VAE that cannot load should fail before any progress folder exists
+    except EncoderError as e:
+        raise click.BadParameter(str(e), param_hint="'--vae'")
     problem, pending = None, []
     if distributed.is_main():
         problem = prepare_work_dir(work, manifest)
@@ -399,8 +429,6 @@ def run_encode(source: Path, dest: Path, vae: str, batch: int, max_images: int |
     done = count - sum(map(len, block_batches(count, batch, pending)))
     if distributed.is_main() and done:
         click.echo(f"resuming from {work}: {done} of {count} images already encoded")
-    encoder = StabilityVAEEncoder(vae, batch_size=batch)
-    device = distributed.device()
     with tqdm(total=sum(map(len, batches)), desc="encode", unit="img", disable=not distributed.is_main()) as bar:
         try:
             for indices, images in batches_of(dataset, batches, workers):
@@ -411,8 +439,6 @@ def run_encode(source: Path, dest: Path, vae: str, batch: int, max_images: int |
                         with files.atomic_path(path) as tmp:
                             tmp.write_bytes(npy_bytes(latent))
                 bar.update(len(indices))
-        except EncoderError as e:
-            raise click.BadParameter(str(e), param_hint="'--vae'")
         except DatasetError as e:
             raise dataset_problem(e)
     distributed.barrier()
@@ -428,10 +454,7 @@ def run_encode(source: Path, dest: Path, vae: str, batch: int, max_images: int |
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Latent dataset of mean/std .npy files (directory or ZIP).")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory of PNGs.")
-@click.option("--vae", default=DEFAULT_VAE, show_default=True, help="diffusers AutoencoderKL: hub name or local directory.")
-@click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=click.IntRange(min=1),
-              help="Images per VAE call.")
-@click.option("--max-images", type=click.IntRange(min=1), help="Decode only the first N images.")
+@vae_options
 def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None) -> None:
     """Decode the mean of each stored latent back to a PNG, to look at a latent dataset.
 
@@ -448,7 +471,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     count = min(len(dataset), max_images or len(dataset))
     encoder = StabilityVAEEncoder(vae, batch_size=batch)
     device = distributed.device()
-    batches = block_batches(count, batch, list(range((count + batch - 1) // batch)))
+    batches = block_batches(count, batch)
     with dataset_writer(dest) as writer, tqdm(total=count, desc="decode", unit="img") as bar:
         try:
             for indices, latents in batches_of(dataset, batches, 0):
@@ -504,7 +527,7 @@ def toy_image(shape: str, resolution: int, rng: np.random.Generator) -> np.ndarr
 @click.option("--num", default=10000, show_default=True, type=click.IntRange(min=1), help="Number of images.")
 @click.option("--classes", default=6, show_default=True, type=click.IntRange(min=1),
               help=f"Number of shape classes, at most {len(SHAPES)}: {', '.join(SHAPES)}.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Random seed.")
 def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     """Make a labeled dataset of coloured shapes (class = shape) that a small model learns quickly on a CPU.
 

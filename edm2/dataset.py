@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import PIL.Image
@@ -66,7 +66,7 @@ def is_zip_path(path: str | os.PathLike) -> bool:
 class DatasetWriter:
     """Collects files and labels of a dataset being written; see dataset_writer()."""
 
-    def __init__(self, add_file):
+    def __init__(self, add_file: Callable[[str, bytes], None]):
         self._add_file = add_file
         self.labels: dict[str, int | None] = {}
 
@@ -88,17 +88,20 @@ def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) ->
 def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
     """Write a dataset to a temporary ZIP or directory, add dataset.json, and rename onto dest on success."""
     dest = Path(dest)
+    # Temporary files and folders are created private; the finished dataset gets the usual modes.
+    umask = os.umask(0)
+    os.umask(umask)
     if is_zip_path(dest):
-        with files.atomic_path(dest) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
-            writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
-            yield writer
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+        with files.atomic_path(dest) as tmp:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+                writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
+                yield writer
+                write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+            tmp.chmod(0o666 & ~umask)
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished dataset should not be
+    tmp.chmod(0o777 & ~umask)
     try:
         writer = DatasetWriter(lambda fname, data: _write_file(tmp / fname, data))
         yield writer
@@ -113,6 +116,50 @@ def _write_file(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
+class FileTree:
+    """Read-only files of a directory or ZIP, usable from several processes (each opens the ZIP itself)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._zip: zipfile.ZipFile | None = None
+        self._zip_pid: int | None = None
+        if self.path.is_dir():
+            self.is_zip = False
+            names = [Path(root, name).relative_to(self.path).as_posix()
+                     for root, _dirs, fnames in os.walk(self.path) for name in fnames]
+        elif self.path.is_file():
+            self.is_zip = True
+            names = [name for name in self._archive().namelist() if not name.endswith("/")]
+        else:
+            raise DatasetError(f"{self.path}: no such directory or ZIP file")
+        self.names: list[str] = sorted(names)
+
+    def _archive(self) -> zipfile.ZipFile:
+        # A ZipFile shares its file offset, so each process (DataLoader worker) opens its own.
+        if self._zip is None or self._zip_pid != os.getpid():
+            try:
+                self._zip = zipfile.ZipFile(self.path)
+            except (zipfile.BadZipFile, OSError) as e:
+                raise DatasetError(f"{self.path}: not a readable ZIP file ({e})") from None
+            self._zip_pid = os.getpid()
+        return self._zip
+
+    def read(self, name: str) -> bytes:
+        """The bytes of one file, named by its relative path."""
+        if self.is_zip:
+            return self._archive().read(name)
+        return (self.path / name).read_bytes()
+
+    def close(self) -> None:
+        """Close the ZIP file if this process opened it."""
+        if self._zip is not None and self._zip_pid == os.getpid():
+            self._zip.close()
+        self._zip = None
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _zip=None, _zip_pid=None)
+
+
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Images (uint8 CHW from PNG, float32 CHW from NPY) and one-hot labels of a release-format dataset.
 
@@ -123,23 +170,13 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
                  max_size: int | None = None):
         self.path = Path(path)
-        self._zip: zipfile.ZipFile | None = None
-        self._zip_pid: int | None = None
-        if self.path.is_dir():
-            self._is_zip = False
-            names = [Path(root, name).relative_to(self.path).as_posix()
-                     for root, _dirs, fnames in os.walk(self.path) for name in fnames]
-        elif self.path.is_file():
-            self._is_zip = True
-            names = self._archive().namelist()
-        else:
-            raise DatasetError(f"{self.path}: no such dataset directory or ZIP file")
-        self._all_fnames = sorted(name for name in names if Path(name).suffix.lower() in IMAGE_SUFFIXES)
+        self._files = FileTree(path)
+        self._all_fnames = [name for name in self._files.names if Path(name).suffix.lower() in IMAGE_SUFFIXES]
         if not self._all_fnames:
             raise DatasetError(f"{self.path}: no .png or .npy images found")
         if len({Path(name).suffix.lower() for name in self._all_fnames}) > 1:
             raise DatasetError(f"{self.path}: mixes .png and .npy images; a dataset holds one kind")
-        all_labels = self._read_labels(set(names)) if use_labels else None
+        all_labels = self._read_labels() if use_labels else None
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
         self._raw_idx = np.arange(len(self._all_fnames), dtype=np.int64)
@@ -158,11 +195,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             raise DatasetError(f"{self.path}: images are {self.resolution}x{self.resolution}, "
                                f"expected resolution {resolution}")
 
-    def _read_labels(self, names: set[str]) -> np.ndarray | None:
-        if LABELS_FILE not in names:
+    def _read_labels(self) -> np.ndarray | None:
+        if LABELS_FILE not in self._files.names:
             return None
         try:
-            labels = json.loads(self._read(LABELS_FILE))["labels"]
+            labels = json.loads(self._files.read(LABELS_FILE))["labels"]
             if labels is None:
                 return None
             labels = {str(name): label for name, label in labels}
@@ -177,42 +214,22 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             raise DatasetError(f"{self.path}: {LABELS_FILE} labels must be non-negative integers")
         return np.array(values, dtype=np.int64)
 
-    def _archive(self) -> zipfile.ZipFile:
-        # A ZipFile shares its file offset, so each process (DataLoader worker) opens its own.
-        if self._zip is None or self._zip_pid != os.getpid():
-            try:
-                self._zip = zipfile.ZipFile(self.path)
-            except (zipfile.BadZipFile, OSError) as e:
-                raise DatasetError(f"{self.path}: not a readable ZIP file ({e})") from None
-            self._zip_pid = os.getpid()
-        return self._zip
-
-    def _read(self, fname: str) -> bytes:
-        if self._is_zip:
-            return self._archive().read(fname)
-        return (self.path / fname).read_bytes()
-
     def _load(self, raw_idx: int) -> np.ndarray:
         fname = self._all_fnames[raw_idx]
         try:
-            data = io.BytesIO(self._read(fname))
+            data = io.BytesIO(self._files.read(fname))
             if fname.lower().endswith(".npy"):
                 return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
             image = np.asarray(PIL.Image.open(data))
-        except (OSError, ValueError, zipfile.BadZipFile, PIL.Image.DecompressionBombError) as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+        except (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError) as e:
+            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None  # PIL: SyntaxError = bad chunk
         if image.dtype != np.uint8:
             raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
-        return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1)
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__, _zip=None, _zip_pid=None)
+        return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
 
     def close(self) -> None:
         """Close the ZIP file if this process opened it."""
-        if self._zip is not None:
-            self._zip.close()
-        self._zip = None
+        self._files.close()
 
     def __len__(self) -> int:
         return int(self._raw_idx.size)
@@ -240,7 +257,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     @property
     def name(self) -> str:
         """The dataset's file or directory name without .zip."""
-        return self.path.stem if self._is_zip else self.path.name
+        return self.path.stem if self._files.is_zip else self.path.name
 
     @property
     def num_channels(self) -> int:

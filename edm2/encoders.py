@@ -110,10 +110,14 @@ class StabilityVAEEncoder(Encoder):
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _vae=None)
 
+    def init(self, device: torch.device) -> None:
+        """Load the VAE now (it is otherwise loaded on first use), onto device."""
+        self._vae_on(device)
+
     def _vae_on(self, device: torch.device):
         if self._vae is None:
             self._vae = load_vae(self.vae_name)
-        if next(self._vae.parameters()).device != device:
+        if next(self._vae.parameters()).device != torch.device(device):
             self._vae.to(device)
         return self._vae
 
@@ -143,11 +147,11 @@ class StabilityVAEEncoder(Encoder):
         return self.decode_raw((x - self._per_channel(self.bias, x)) / self._per_channel(self.scale, x))
 
     def decode_raw(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw (unnormalized) latents -> uint8 NCHW pixels; the VAE's output is clamped to [0, 1]."""
+        """Raw (unnormalized) latents -> uint8 NCHW pixels; clamped to [0, 1] and truncated, as the release."""
         vae = self._vae_on(x.device)
         with torch.no_grad():
             pixels = torch.cat([vae.decode(batch).sample for batch in x.to(torch.float32).split(self.batch_size)])
-        return (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
+        return (pixels.clamp(0, 1) * 255).to(torch.uint8)
 
     def out_channels(self, in_channels: int) -> int:
         """A dataset stores mean and std, so the network sees half its channels."""

@@ -44,6 +44,14 @@ def power_function_beta(std: float, t_next: float, t_delta: float) -> float:
     return float((1 - t_delta / t_next) ** (std_to_exp(std) + 1))  # Eq. 127
 
 
+def _inference_copy(net: torch.nn.Module) -> torch.nn.Module:
+    # A float32 copy for evaluation only: no gradients carried over or tracked.
+    ema = copy.deepcopy(net).float().eval().requires_grad_(False)
+    for p in ema.parameters():
+        p.grad = None
+    return ema
+
+
 class PowerFunctionEMA:
     """Power-function EMA tracks of a network, one float32 copy per sigma_rel (Eq. 119, 127).
 
@@ -56,7 +64,7 @@ class PowerFunctionEMA:
         self.net = net
         self.stds = tuple(float(std) for std in stds)
         std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
-        self.emas = [copy.deepcopy(net).float().requires_grad_(False) for _ in self.stds]
+        self.emas = [_inference_copy(net) for _ in self.stds]
 
     @torch.no_grad()
     def update(self, cur_nimg: int, batch_size: int) -> None:
@@ -106,12 +114,25 @@ def power_function_inner(a_ofs: np.ndarray, a_std: np.ndarray, b_ofs: np.ndarray
     return (a_exp + 1) * (b_exp + 1) * (t_lo / t_hi) ** exp_hi / ((a_exp + b_exp + 1) * t_hi)
 
 
-def solve_posthoc_coefficients(in_ofs, in_std, out_ofs, out_std) -> np.ndarray:
-    """Least-squares weights [inputs, outputs] of stored snapshots for target profiles (Algorithm 3)."""
+def _gram(in_ofs, in_std, out_ofs, out_std) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # A (Eq. 142), B (Eq. 143, one column per target) and the targets' own norms <p_r, p_r>.
     in_ofs, in_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(in_ofs, in_std))
     out_ofs, out_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(out_ofs, out_std))
-    a = power_function_inner(in_ofs[:, None], in_std[:, None], in_ofs[None, :], in_std[None, :])  # Eq. 142
-    b = power_function_inner(in_ofs[:, None], in_std[:, None], out_ofs[None, :], out_std[None, :])  # Eq. 143
+    a = power_function_inner(in_ofs[:, None], in_std[:, None], in_ofs[None, :], in_std[None, :])
+    b = power_function_inner(in_ofs[:, None], in_std[:, None], out_ofs[None, :], out_std[None, :])
+    return a, b, power_function_inner(out_ofs, out_std, out_ofs, out_std)
+
+
+def solve_posthoc_coefficients(in_ofs, in_std, out_ofs, out_std) -> np.ndarray:
+    """Least-squares weights [inputs, outputs] of stored snapshots for target profiles (Algorithm 3)."""
+    a, b, _ = _gram(in_ofs, in_std, out_ofs, out_std)
     x = np.linalg.solve(a, b)
     # The release normalizes each column so the reconstructed weights stay an average.
     return x / x.sum(axis=0, keepdims=True)
+
+
+def reconstruction_error(in_ofs, in_std, out_ofs, out_std, coefs: np.ndarray) -> np.ndarray:
+    """Squared L2 distance of the synthesized response from each target (Eq. 134), relative to <p_r, p_r>."""
+    a, b, rr = _gram(in_ofs, in_std, out_ofs, out_std)
+    x = np.float64(coefs).reshape(len(a), -1)
+    return (np.einsum("io,ij,jo->o", x, a, x) - 2 * np.einsum("io,io->o", x, b) + rr) / rr

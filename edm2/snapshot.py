@@ -46,10 +46,11 @@ def read_metadata(path: str | os.PathLike) -> dict:
     return json.loads(raw)
 
 
-def build_network(network_kwargs: dict) -> Precond:
-    """Construct a Precond from the constructor arguments stored in a snapshot."""
+def build_network(network_kwargs: dict, device: str | torch.device = "cpu") -> Precond:
+    """Construct a Precond from stored constructor arguments; on 'meta' it costs no memory or time."""
     try:
-        return Precond(**network_kwargs)
+        with torch.device(device):
+            return Precond(**network_kwargs)
     except TypeError as e:
         raise SnapshotError(f"unsupported network arguments {network_kwargs}: {e}") from None
 
@@ -65,11 +66,12 @@ def load_network(path_or_url: str | os.PathLike) -> tuple[Precond, dict]:
         net, metadata = load_release_pickle(path)
     else:
         metadata = read_metadata(path)
-        net = build_network(metadata["network_kwargs"])
+        # Built on the meta device, so random initialization is skipped; the weights are assigned.
+        net = build_network(metadata["network_kwargs"], device="meta")
         state = safetensors.torch.load_file(str(path))
         state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
         try:
-            net.load_state_dict(state, strict=True)
+            net.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
             raise SnapshotError(f"{path_or_url}: weights do not match the stored architecture: {e}") from None
     net.eval().requires_grad_(False)

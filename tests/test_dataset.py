@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import pickle
 import zipfile
 
@@ -180,6 +181,9 @@ def test_writer_output_reads_back_and_zip_is_stored(tmp_path, dest_name):
         with zipfile.ZipFile(dest) as archive:
             assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_STORED}
     assert [p.name for p in tmp_path.iterdir()] == [dest_name]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dest.stat().st_mode & 0o777 == (0o666 if dest_name.endswith(".zip") else 0o777) & ~umask
 
 
 @pytest.mark.parametrize("dest_name", ["out.zip", "out"])

@@ -116,8 +116,11 @@ def test_resume_is_exact():
 
 def test_tracker_does_not_touch_network_or_track_grads():
     net = Toy()
+    net.w.sum().backward()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     ema = phema.PowerFunctionEMA(net)
+    assert all(p.grad is None for track, _ in ema.get() for p in track.parameters())
+    assert not any(track.training for track, _ in ema.get())
     ema.update(cur_nimg=4, batch_size=4)
     ema.get()
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
@@ -160,7 +163,7 @@ def test_coefficients_columns_sum_to_one_and_fit_profiles():
         sq = (stack @ coefs[:, j] - target) ** 2
         rel = np.sum((sq[1:] + sq[:-1]) / 2 * np.diff(t)) / phema.power_function_inner(32000.0, s, 32000.0, s)
         assert rel < 5e-3
-        assert rel == pytest.approx(profile_error(ofs, std, 32000.0, s, coefs[:, j]), rel=1e-3, abs=1e-12)
+        assert rel == pytest.approx(phema.reconstruction_error(ofs, std, 32000.0, s, coefs[:, j])[0], rel=1e-3, abs=1e-12)
 
 
 def synthetic_run(num_steps, batch_size, snapshot_every, snapshot_stds, direct_stds):
@@ -193,14 +196,6 @@ def reconstruct(snapshots, out_nimg, out_stds):
     return coefs.T @ weights, coefs
 
 
-def profile_error(ofs, std, out_nimg, out_std, coefs):
-    """Relative squared L2 error of the synthesized response function (Eq. 134 / <p_r, p_r>)."""
-    a = phema.power_function_inner(ofs[:, None], std[:, None], ofs[None, :], std[None, :])
-    b = phema.power_function_inner(ofs, std, out_nimg, out_std)
-    rr = phema.power_function_inner(out_nimg, out_std, out_nimg, out_std)
-    return (coefs @ a @ coefs - 2 * coefs @ b + rr) / rr
-
-
 def test_reconstruction_matches_directly_tracked_ema_and_converges():
     # Issue 4, Must show 1: snapshots from the real tracker (0.05 and 0.10); targets never tracked.
     steps, batch, every = 2048, 8, 32
@@ -209,16 +204,16 @@ def test_reconstruction_matches_directly_tracked_ema_and_converges():
     scale = np.linalg.norm(direct[0.15] - direct[0.03])
     counts = (4, 8, 16, 32, 64)
     err = np.zeros((len(counts), len(targets)))
-    prof = np.zeros_like(err)
+    prof = np.zeros_like(err)  # relative profile MSE
     for i, n in enumerate(counts):
         stride = steps // every // n
         subset = [s for s in snapshots if (s[0] // (batch * every)) % stride == 0]
         assert len(subset) == 2 * n
         ofs, stds = np.array([s[0] for s in subset]), np.array([s[1] for s in subset])
         rec, coefs = reconstruct(subset, steps * batch, targets)
+        prof[i] = phema.reconstruction_error(ofs, stds, steps * batch, targets, coefs)
         for j, std in enumerate(targets):
             err[i, j] = np.linalg.norm(rec[j] - direct[std]) / scale
-            prof[i, j] = profile_error(ofs, stds, steps * batch, std, coefs[:, j])
     table = f"weight error\n{err}\nprofile MSE\n{prof}"
     assert np.all(err[-1] < 1e-3), table
     assert np.all(np.diff(np.log(err), axis=0) < -np.log(4)), table  # at least 4x better per doubling

@@ -1,0 +1,276 @@
+"""Calculate FID and FD_DINOv2 (paper Appendix A.5, D.4) for image folders or a network, on one GPU or many."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Callable
+
+import click
+import numpy as np
+import torch
+
+from edm2 import distributed as dist
+from edm2 import files
+from edm2.dataset import DatasetError, ImageFolderDataset
+from edm2.detectors import DETECTORS, DetectorError, load_detector
+from edm2.encoders import Encoder, EncoderError, encoder_from_config
+from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
+from edm2.networks import Precond
+from edm2.release_pickle import ReleasePickleError
+from edm2.sampler import generate_images
+from edm2.snapshot import SnapshotError, load_network
+
+# Detector weights option per metric, so a bad file or URL is reported against the option that named it.
+WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
+
+
+def parse_metrics(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """'fid,fd_dinov2' -> ['fid', 'fd_dinov2'], refusing unknown names."""
+    names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
+    unknown = [name for name in names if name not in DETECTORS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; "
+                                 f"choose from {', '.join(DETECTORS)}")
+    return names
+
+
+def metric_options(batch_default: int) -> Callable:
+    """Options every command shares: which metrics, detector weights, batch size."""
+    def decorate(fn: Callable) -> Callable:
+        options = [
+            click.option("--metrics", help="Metrics to compute", metavar="LIST", callback=parse_metrics,
+                         default="fid,fd_dinov2", show_default=True),
+            click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
+                         type=click.IntRange(min=1), default=batch_default, show_default=True),
+            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: published URL]",
+                         metavar="PATH|URL", default=None),
+            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: published ViT-L/14 URL]",
+                         metavar="PATH|URL", default=None),
+        ]
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+workers_option = click.option("--workers", "num_workers", help="Data loading processes per GPU", metavar="INT",
+                              type=click.IntRange(min=0), default=2, show_default=True)
+
+
+def distributed_command(fn: Callable) -> Callable:
+    """Run a command inside torchrun's process group (or as one plain process)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        dist.init()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dist.shutdown()
+    return wrapper
+
+
+def main_rank_first(load: Callable[[], object]) -> object:
+    """Call load() on rank 0 first, then on the others, so a download into the cache happens once."""
+    if not dist.is_main():
+        dist.barrier()
+    try:
+        return load()
+    finally:
+        if dist.is_main():
+            dist.barrier()
+
+
+def load_reference(ref_path: str, metrics: list[str]) -> dict:
+    """Reference statistics holding every requested metric; bad files and missing metrics name --ref."""
+    try:
+        ref = main_rank_first(functools.partial(load_stats, ref_path))
+    except (StatsError, files.DownloadError) as e:
+        raise click.BadParameter(str(e), param_hint="--ref") from None
+    missing = [metric for metric in metrics if metric not in ref]
+    if missing:
+        raise click.BadParameter(f"{ref_path} has no statistics for {', '.join(missing)} (it has "
+                                 f"{', '.join(ref)}); choose --metrics={','.join(m for m in metrics if m in ref)}",
+                                 param_hint="--ref")
+    return ref
+
+
+def load_detectors(metrics: list[str], weights: dict[str, str | None], device: torch.device) -> dict:
+    """Each metric's detector on this rank's device; bad weights name their option."""
+    detectors = {}
+    for metric in metrics:
+        try:
+            detectors[metric] = main_rank_first(functools.partial(load_detector, metric, weights[metric], device))
+        except (DetectorError, files.DownloadError) as e:
+            raise click.BadParameter(str(e), param_hint=f"--{WEIGHTS_OPTIONS[metric]}") from None
+    return detectors
+
+
+def open_images(path: str, option: str) -> ImageFolderDataset:
+    """The image dataset at path, checked to hold uint8 RGB or grayscale images."""
+    try:
+        dataset = ImageFolderDataset(path, use_labels=False)
+        image, _ = dataset[0]
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+    if image.dtype != np.uint8 or image.shape[0] not in (1, 3):
+        raise click.BadParameter(f"{path} holds {image.dtype} images with {image.shape[0]} channels; metrics need "
+                                 "uint8 RGB or grayscale images (decode latent datasets first)", param_hint=option)
+    return dataset
+
+
+def dataset_stats(dataset: ImageFolderDataset, indices: np.ndarray, detectors: dict, batch_size: int,
+                  num_workers: int, device: torch.device) -> tuple[dict, int]:
+    """Statistics of dataset[indices], split across ranks; an unreadable image mid-way is one clear error."""
+    batches = image_batches(dataset, indices, batch_size, num_workers, device)
+    try:
+        return calculate_stats(batches, detectors, device, num_batches=len(batches))
+    except DatasetError as e:
+        # A DataLoader worker re-raises with its traceback in the message; the last line is the error itself.
+        raise click.ClickException(str(e).strip().splitlines()[-1]) from None
+
+
+def load_generator(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder]:
+    """A network snapshot (ours or the release's .pkl) on device, with the encoder that decodes its output."""
+    try:
+        net, metadata = load_network(path)
+        encoder = encoder_from_config(metadata["encoder"])
+    except (SnapshotError, ReleasePickleError, files.DownloadError) as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+    except (KeyError, ValueError) as e:
+        raise click.BadParameter(f"{path}: no usable encoder settings ({e})", param_hint=option) from None
+    return net.to(device), encoder
+
+
+def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: str, ref_path: str) -> None:
+    """Print one human line and one JSON line with each metric's Frechet distance (rank 0)."""
+    if not dist.is_main():
+        return
+    results = {metric: frechet_distance(stats[metric]["mu"], stats[metric]["sigma"], ref[metric]["mu"],
+                                        ref[metric]["sigma"]) for metric in metrics}
+    print("  ".join(f"{metric} {value:.4f}" for metric, value in results.items())
+          + f"  ({num_images} images from {source}, reference {ref_path})", flush=True)
+    print(json.dumps({"results": results, "num_images": num_images, "images": source, "ref": ref_path}), flush=True)
+
+
+@click.group(context_settings={"max_content_width": 120})
+def cmdline() -> None:
+    """Calculate evaluation metrics (FID and FD_DINOv2).
+
+    Examples:
+
+    \b
+    # Reference statistics of a dataset (all its images)
+    python calculate_metrics.py ref --data=datasets/img512.zip --dest=refs/img512.npz
+
+    \b
+    # Metrics of 50,000 images in out/ against reference statistics (ours or the release's)
+    python calculate_metrics.py calc --images=out \\
+        --ref=https://nvlabs-fi-cdn.nvidia.com/edm2/dataset-refs/img512.pkl
+
+    \b
+    # Metrics of a network, generating images on the fly on 8 GPUs
+    torchrun --standalone --nproc_per_node=8 calculate_metrics.py gen \\
+        --net=https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/edm2-img512-s-2147483-0.130.pkl \\
+        --ref=refs/img512.npz --metrics=fid
+
+    Statistics files: .npz (ours, '<metric>/mu' and '<metric>/sigma' in float64), the release's .pkl, or
+    EDM's .npz (FID only). Detector weights come from their published URLs through the download cache
+    ($EDM2_CACHE_DIR, default ~/.cache/edm2); --inception and --dinov2 point at local copies instead.
+    """
+
+
+@cmdline.command()
+@click.option("--data", "data_path", help="Dataset: directory or ZIP of images", metavar="PATH|ZIP", required=True)
+@click.option("--dest", "dest_path", help="Statistics file to write (.npz ours, .pkl the release's format)",
+              metavar="NPZ|PKL", required=True)
+@metric_options(batch_default=64)
+@workers_option
+@distributed_command
+def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num_workers: int,
+        inception: str | None, dinov2: str | None) -> None:
+    """Calculate reference statistics of all images of a dataset for 'calc' and 'gen'."""
+    if Path(dest_path).suffix not in (".npz", ".pkl"):
+        raise click.BadParameter(f"{dest_path}: use a .npz (ours) or .pkl (release format) name", param_hint="--dest")
+    dataset = open_images(data_path, "--data")
+    if len(dataset) < 2:
+        raise click.BadParameter(f"{data_path} holds {len(dataset)} image; statistics need at least 2",
+                                 param_hint="--data")
+    device = dist.device()
+    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+    stats, num_images = dataset_stats(dataset, np.arange(len(dataset)), detectors, batch_size, num_workers, device)
+    if dist.is_main():
+        save_stats(stats, dest_path)
+        print(f"Saved {', '.join(metrics)} statistics of {num_images} images from {data_path} to {dest_path}",
+              flush=True)
+        print(json.dumps({"dest": dest_path, "num_images": num_images, "metrics": metrics}), flush=True)
+
+
+@cmdline.command()
+@click.option("--images", "images_path", help="Images: directory or ZIP", metavar="PATH|ZIP", required=True)
+@click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
+@metric_options(batch_default=64)
+@click.option("--num", "num_images", help="Number of images to use (a random subset if there are more)",
+              metavar="INT", type=click.IntRange(min=2), default=50000, show_default=True)
+@click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=click.IntRange(min=0),
+              default=0, show_default=True)
+@workers_option
+@distributed_command
+def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None,
+         dinov2: str | None, num_images: int, seed: int, num_workers: int) -> None:
+    """Calculate metrics of a set of images."""
+    reference = load_reference(ref_path, metrics)
+    dataset = open_images(images_path, "--images")
+    if len(dataset) < num_images:
+        raise click.BadParameter(f"found {len(dataset)} images in {images_path}, fewer than --num={num_images}; "
+                                 f"pass --num={len(dataset)} to use them all", param_hint="--images")
+    # The release's subset: shuffle with the seed, keep the first --num, in file order.
+    indices = np.sort(np.random.RandomState(seed % (1 << 31)).permutation(len(dataset))[:num_images])
+    device = dist.device()
+    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+    stats, count = dataset_stats(dataset, indices, detectors, batch_size, num_workers, device)
+    report(stats, reference, metrics, count, images_path, ref_path)
+
+
+@cmdline.command()
+@click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
+              required=True)
+@click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
+@click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=float, default=1.0,
+              show_default=True)
+@click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
+@metric_options(batch_default=32)
+@click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=click.IntRange(min=2),
+              default=50000, show_default=True)
+@click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
+              type=click.IntRange(min=0), default=0, show_default=True)
+@distributed_command
+def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, metrics: list[str], batch_size: int,
+        inception: str | None, dinov2: str | None, num_images: int, seed: int) -> None:
+    """Calculate metrics of a network with the default sampler settings, without saving images."""
+    if guidance != 1 and gnet_path is None:
+        raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
+    reference = load_reference(ref_path, metrics)
+    device = dist.device()
+    net, encoder = main_rank_first(functools.partial(load_generator, net_path, "--net", device))
+    gnet = None
+    if gnet_path is not None:
+        gnet, _ = main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
+        if (gnet.img_resolution, gnet.img_channels) != (net.img_resolution, net.img_channels):
+            raise click.BadParameter(f"{gnet_path} makes {gnet.img_channels}x{gnet.img_resolution}x"
+                                     f"{gnet.img_resolution} outputs, --net {net.img_channels}x{net.img_resolution}x"
+                                     f"{net.img_resolution}", param_hint="--gnet")
+    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+    seeds = range(seed, seed + num_images)
+    images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
+                                                    batch_size=batch_size, device=device))
+    try:
+        stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
+    except EncoderError as e:  # the VAE loads on first use
+        raise click.ClickException(str(e)) from None
+    report(stats, reference, metrics, count, net_path, ref_path)
+
+
+if __name__ == "__main__":
+    cmdline(prog_name="calculate_metrics.py")

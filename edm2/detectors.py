@@ -1,0 +1,226 @@
+"""Feature detectors for FID (Inception-v3) and FD_DINOv2 (DINOv2 ViT-L/14), loaded without running file code."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edm2 import files
+
+INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
+DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
+
+# dgm-eval protocol for FD_DINOv2 (paper Appendix A.5): 224x224 input, ImageNet normalization.
+DINOV2_RESOLUTION = 224
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class DetectorError(RuntimeError):
+    """A detector's weights are missing or are not what the detector expects; the message names the file."""
+
+
+def _local_weights(path_or_url: str | os.PathLike) -> str:
+    """Local path of detector weights (downloaded once into the cache); raises DetectorError if absent."""
+    path = files.cached_path(path_or_url)
+    if not path.is_file():
+        raise DetectorError(f"detector weights not found: {path_or_url}")
+    return str(path)
+
+
+class InceptionV3:
+    """FID features: 2048-d pool3 of the TF Inception-v3 (2015-12-05) graph, in its published TorchScript form."""
+
+    def __init__(self, path_or_url: str | os.PathLike = INCEPTION_URL, device: torch.device | str = "cpu"):
+        path = _local_weights(path_or_url)
+        try:
+            self.model = torch.jit.load(path, map_location=device).eval()
+        except (RuntimeError, ValueError) as e:
+            raise DetectorError(f"{path_or_url} is not a TorchScript Inception file: {e}") from None
+        self.device = torch.device(device)
+        # The TorchScript file fixes the width; one tiny probe reads it (the network resizes any input itself).
+        self.feature_dim = self(torch.zeros([1, 3, 16, 16], dtype=torch.uint8, device=self.device)).shape[1]
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 NCHW RGB images of any size -> float32 features [N, feature_dim]."""
+        return self.model(images, return_features=True).to(torch.float32)
+
+
+class _Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection (DINOv2 layout: [3, heads, head_dim] per token)."""
+
+    def __init__(self, width: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, width * 3)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, tokens, width = x.shape
+        q, k, v = self.qkv(x).reshape(n, tokens, 3, self.num_heads, width // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(n, tokens, width))
+
+
+class _LayerScale(nn.Module):
+    """Learned per-channel residual gain."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class _Mlp(nn.Module):
+    """Two-layer feed-forward network with exact GELU."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block with LayerScale on both residual branches."""
+
+    def __init__(self, width: int, num_heads: int, mlp_width: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.attn = _Attention(width, num_heads)
+        self.ls1 = _LayerScale(width)
+        self.norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = _Mlp(width, mlp_width)
+        self.ls2 = _LayerScale(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x)))
+        return x + self.ls2(self.mlp(self.norm2(x)))
+
+
+class _PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens."""
+
+    def __init__(self, in_channels: int, width: int, patch_size: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, width, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class DINOv2ViT(nn.Module):
+    """DINOv2 vision transformer (defaults: ViT-L/14); parameter names equal the official checkpoint's."""
+
+    HEAD_DIM = 64  # every published DINOv2 backbone uses 64 channels per attention head
+
+    def __init__(self, patch_size: int = 14, grid: int = 37, width: int = 1024, depth: int = 24,
+                 num_heads: int = 16, mlp_width: int = 4096, in_channels: int = 3):
+        super().__init__()
+        self.patch_size = patch_size
+        self.grid = grid
+        self.width = width
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + grid * grid, width))
+        # Used only by masked-image training; kept so the official state dict loads strictly.
+        self.mask_token = nn.Parameter(torch.zeros(1, width))
+        self.patch_embed = _PatchEmbed(in_channels, width, patch_size)
+        self.blocks = nn.ModuleList([_Block(width, num_heads, mlp_width) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor]) -> DINOv2ViT:
+        """Build the network whose shapes the state dict implies and load it strictly."""
+        try:
+            width = state["cls_token"].shape[-1]
+            out_width, in_channels, patch_size, _ = state["patch_embed.proj.weight"].shape
+            kwargs = dict(
+                patch_size=patch_size, grid=math.isqrt(state["pos_embed"].shape[1] - 1), width=width,
+                depth=len({key.split(".")[1] for key in state if key.startswith("blocks.")}),
+                num_heads=width // cls.HEAD_DIM, mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0],
+                in_channels=in_channels)
+        except (KeyError, AttributeError, ValueError, TypeError) as e:
+            raise DetectorError(f"not a DINOv2 ViT state dict (missing or malformed {e})") from None
+        with torch.device("meta"):
+            net = cls(**kwargs)
+        try:
+            net.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise DetectorError(f"state dict does not match the DINOv2 ViT layout: {e}") from None
+        return net.eval().requires_grad_(False)
+
+    def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
+        """Class + patch position embeddings for a rows x cols patch grid (bicubic resampling of the learned grid)."""
+        if rows == cols == self.grid:
+            return self.pos_embed
+        patch = self.pos_embed[:, 1:].float().reshape(1, self.grid, self.grid, self.width).permute(0, 3, 1, 2)
+        # DINOv2 resamples with scale factor (n + 0.1) / grid rather than to size n; the sample positions
+        # (and thus the features) depend on it, so we do the same.
+        scale = ((rows + 0.1) / self.grid, (cols + 0.1) / self.grid)
+        patch = F.interpolate(patch, scale_factor=scale, mode="bicubic")
+        patch = patch.permute(0, 2, 3, 1).reshape(1, rows * cols, self.width).to(self.pos_embed.dtype)
+        return torch.cat([self.pos_embed[:, :1], patch], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalized float images [N, C, H, W] -> final-norm class token [N, width]."""
+        rows, cols = x.shape[2] // self.patch_size, x.shape[3] // self.patch_size
+        tokens = self.patch_embed(x)
+        tokens = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), tokens], dim=1)
+        tokens = tokens + self.position_embedding(rows, cols)
+        for block in self.blocks:
+            tokens = block(tokens)
+        return self.norm(tokens[:, 0])  # LayerNorm acts per token, so normalizing the class token alone suffices
+
+
+class DINOv2:
+    """FD_DINOv2 features: DINOv2 ViT class token after 224x224 bicubic antialiased resize and ImageNet normalization."""
+
+    def __init__(self, path_or_url: str | os.PathLike = DINOV2_URL, device: torch.device | str = "cpu"):
+        path = _local_weights(path_or_url)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            raise DetectorError(f"{path_or_url} is not a plain PyTorch state dict: {e}") from None
+        if not isinstance(state, dict):
+            raise DetectorError(f"{path_or_url} does not hold a state dict")
+        try:
+            self.model = DINOv2ViT.from_state_dict(state).to(device)
+        except DetectorError as e:
+            raise DetectorError(f"{path_or_url}: {e}") from None
+        self.device = torch.device(device)
+        self.feature_dim = self.model.width
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).reshape(1, -1, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).reshape(1, -1, 1, 1)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 NCHW RGB images of any size -> float32 class-token features [N, feature_dim]."""
+        x = images.to(torch.float32)
+        x = F.interpolate(x, size=(DINOV2_RESOLUTION, DINOV2_RESOLUTION), mode="bicubic", antialias=True)
+        x = (x / 255 - self.mean) / self.std
+        return self.model(x).to(torch.float32)
+
+
+# Metric name -> (detector class, default weights).
+DETECTORS: dict[str, tuple[Callable[..., object], str]] = {
+    "fid": (InceptionV3, INCEPTION_URL),
+    "fd_dinov2": (DINOv2, DINOV2_URL),
+}
+
+
+def load_detector(metric: str, path_or_url: str | os.PathLike | None = None,
+                  device: torch.device | str = "cpu") -> InceptionV3 | DINOv2:
+    """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published weights or the given file."""
+    detector_class, default = DETECTORS[metric]
+    return detector_class(default if path_or_url is None else path_or_url, device=device)

@@ -1,0 +1,186 @@
+"""Generate images with the EDM sampler from our snapshots or the release's published EDM2 models."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import click
+import numpy as np
+import PIL.Image
+import torch
+
+from edm2 import distributed, files
+from edm2.encoders import EncoderError, encoder_from_config
+from edm2.presets_generate import DEFAULT_PRESET, PRESETS
+from edm2.release_pickle import ReleasePickleError
+from edm2.sampler import generate_images
+from edm2.snapshot import SnapshotError, load_network
+
+
+def parse_int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """Parse '0-63', '1,5,9' or mixtures like '0-3,10' into a list of distinct ints, in order."""
+    result = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match or (match.group(2) and int(match.group(2)) < int(match.group(1))):
+            raise click.BadParameter(f"{value!r}: expected numbers and ranges like 0-63,100,200-209")
+        first = int(match.group(1))
+        result += range(first, int(match.group(2) or first) + 1)
+    return list(dict.fromkeys(result))
+
+
+def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
+    """Fill --net, --gnet and --guidance from the preset where not given; check they fit together."""
+    if preset is None and net is None:
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        if preset not in PRESETS:
+            raise click.BadParameter(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}", param_hint="--preset")
+        chosen = PRESETS[preset]
+        net = net or chosen.net
+        gnet = gnet or chosen.gnet
+        guidance = chosen.guidance if guidance is None else guidance
+    guidance = 1.0 if guidance is None else guidance
+    if guidance != 1 and gnet is None:
+        raise click.UsageError(f"--guidance={guidance:g} needs a guiding network: give --gnet or a --preset that has one")
+    return net, gnet, guidance
+
+
+def load_for_option(option: str, path_or_url: str):
+    """load_network for a command-line option, with every failure reported as one line."""
+    try:
+        return load_network(path_or_url)
+    except (files.DownloadError, SnapshotError, ReleasePickleError, OSError) as e:
+        raise click.ClickException(f"{option}: {e}") from None
+
+
+def download_on_rank0(paths: list[str]) -> None:
+    """Let rank 0 fill the download cache alone, then share its verdict with the other ranks."""
+    error = None
+    if distributed.is_main():
+        try:
+            for path in paths:
+                files.cached_path(path)
+        except files.DownloadError as e:
+            error = str(e)
+    error = distributed.broadcast_object(error)
+    if error:
+        raise click.ClickException(error)
+
+
+def check_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
+    """The guiding net must see the same images as the main net (Eq. 152 blends their outputs)."""
+    shape, gshape = (net.img_resolution, net.img_channels), (gnet.img_resolution, gnet.img_channels)
+    if shape != gshape:
+        raise click.UsageError(
+            f"--gnet has resolution {gshape[0]} with {gshape[1]} channels but --net has resolution {shape[0]} with {shape[1]}"
+        )
+    if gnet.label_dim not in (0, net.label_dim):
+        raise click.UsageError(f"--gnet has {gnet.label_dim} classes but --net has {net.label_dim}")
+
+
+def save_png(path: Path, image: np.ndarray) -> None:
+    """Write one HWC uint8 image as PNG through a temporary file."""
+    pil = PIL.Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
+    with files.atomic_path(path) as tmp:
+        pil.save(tmp, format="PNG")
+
+
+def gather_grid(seeds: list[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
+    """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere)."""
+    shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
+    stack = torch.zeros([len(seeds), *shape], dtype=torch.uint8, device=distributed.device())
+    for i, seed in enumerate(seeds):
+        if seed in generated:
+            stack[i] = torch.from_numpy(generated[seed])
+    # Each image comes from exactly one rank, so a sum gathers them without overflow.
+    stack = distributed.all_reduce_sum(stack).cpu().numpy()
+    if not distributed.is_main():
+        return None
+    cols = math.ceil(math.sqrt(len(seeds)))
+    rows = math.ceil(len(seeds) / cols)
+    h, w, c = shape
+    grid = np.zeros([rows * h, cols * w, c], dtype=np.uint8)
+    for i, image in enumerate(stack):
+        grid[(i // cols) * h : (i // cols + 1) * h, (i % cols) * w : (i % cols + 1) * w] = image
+    return grid
+
+
+@click.command(epilog="""\b
+Examples:
+  # 64 images from the release's EDM2-S (ImageNet-512), guided by its XS unconditional model, into out/
+  python generate.py --guidance=1.4
+  # A named release preset, 8 GPUs
+  torchrun --nproc_per_node=8 generate.py --preset=edm2-img512-xxl-guid-fid --seeds=0-49999 --subdirs
+  # Our own snapshot, class 88 only, plus grid.png for a quick look
+  python generate.py --net=training-runs/run/network-snapshot-0008388-0.100.safetensors --class=88 --seeds=0-15 --grid
+""")
+@click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
+@click.option("--net", help="Main network: our .safetensors snapshot or a release .pkl, path or URL")
+@click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL")
+@click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
+@click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
+@click.option("--seeds", callback=parse_int_list, default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
+@click.option("--class", "class_idx", type=click.IntRange(min=0), help="Class label for every image [default: random per seed]")
+@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
+@click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
+@click.option("--sigma_min", type=click.FloatRange(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
+@click.option("--sigma_max", type=click.FloatRange(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
+@click.option("--rho", type=click.FloatRange(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
+@click.option("--guidance", type=float, help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
+@click.option("--S_churn", "S_churn", type=click.FloatRange(min=0), default=0, show_default=True, help="Stochasticity strength")
+@click.option("--S_min", "S_min", type=click.FloatRange(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
+@click.option("--S_max", "S_max", type=click.FloatRange(min=0), default=float("inf"), show_default=True, help="Stochasticity up to this noise level")
+@click.option("--S_noise", "S_noise", type=float, default=1, show_default=True, help="Stochastic noise inflation")
+@click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png")
+def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, **sampler_kwargs):
+    """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG."""
+    distributed.init()
+    net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
+    if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
+        raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
+    use_gnet = guidance != 1  # at guidance 1 the guiding net never runs, so it is not even loaded
+    download_on_rank0([p for p in (net_path, gnet_path if use_gnet else None) if p and files.is_url(p)])
+    net, metadata = load_for_option("--net", net_path)
+    gnet = load_for_option("--gnet", gnet_path)[0] if use_gnet else None
+    if gnet is not None:
+        check_pair(net, gnet)
+    if class_idx is not None and class_idx >= net.label_dim:
+        raise click.BadParameter(f"{class_idx} is not a class of this network ({net.label_dim} classes)", param_hint="--class")
+    if "encoder" not in metadata:
+        raise click.ClickException(f"--net: {net_path} does not say how to decode its output (no encoder settings)")
+    try:
+        encoder = encoder_from_config(metadata["encoder"])
+    except ValueError as e:
+        raise click.ClickException(f"--net: {net_path}: {e}") from None
+
+    device = distributed.device()
+    net = net.to(device)
+    gnet = gnet.to(device) if gnet is not None else None
+    distributed.print0(f"Generating {len(seeds)} images from {net_path}" + (f", guided by {gnet_path} at {guidance:g}" if gnet else ""))
+    outdir = Path(outdir)
+    generated = {}
+    batches = generate_images(
+        net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance, batch_size=batch_size, device=device, **sampler_kwargs
+    )
+    try:
+        for batch_seeds, images in batches:
+            for seed, image in zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy()):
+                save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
+                if grid:
+                    generated[seed] = image
+    except EncoderError as e:
+        raise click.ClickException(str(e)) from None
+    if grid:
+        tiles = gather_grid(seeds, generated)
+        if tiles is not None:
+            save_png(outdir / "grid.png", tiles)
+    distributed.barrier()
+    distributed.print0(f"Saved {len(seeds)} images{' and grid.png' if grid else ''} in {outdir}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

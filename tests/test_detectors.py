@@ -1,0 +1,177 @@
+"""Feature detectors: DINOv2 ViT against an independent forward pass, official parameter layout, safe loading."""
+
+import math
+import pathlib
+
+import pytest
+import torch
+
+from edm2 import detectors
+
+
+def official_dinov2_shapes(width=1024, depth=24, patch=14, grid=37, mlp=4096, channels=3):
+    """The DINOv2 checkpoint layout (names and shapes of dinov2_vit*_pretrain.pth), written out independently."""
+    shapes = {
+        "cls_token": (1, 1, width),
+        "pos_embed": (1, 1 + grid * grid, width),
+        "mask_token": (1, width),
+        "patch_embed.proj.weight": (width, channels, patch, patch),
+        "patch_embed.proj.bias": (width,),
+        "norm.weight": (width,),
+        "norm.bias": (width,),
+    }
+    for i in range(depth):
+        b = f"blocks.{i}."
+        shapes.update({
+            b + "norm1.weight": (width,), b + "norm1.bias": (width,),
+            b + "attn.qkv.weight": (3 * width, width), b + "attn.qkv.bias": (3 * width,),
+            b + "attn.proj.weight": (width, width), b + "attn.proj.bias": (width,),
+            b + "ls1.gamma": (width,),
+            b + "norm2.weight": (width,), b + "norm2.bias": (width,),
+            b + "mlp.fc1.weight": (mlp, width), b + "mlp.fc1.bias": (mlp,),
+            b + "mlp.fc2.weight": (width, mlp), b + "mlp.fc2.bias": (width,),
+            b + "ls2.gamma": (width,),
+        })
+    return shapes
+
+
+# A tiny DINOv2 (2 heads of 64 channels) with the official names; grid 5 forces position-embedding resampling.
+TINY = dict(width=128, depth=2, patch=14, grid=5, mlp=256)
+
+
+def random_state_dict(seed=0, **config):
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) * (0.3 if len(shape) > 1 else 0.5) + (1.0 if "norm" in name and
+            name.endswith("weight") else 0.0) for name, shape in official_dinov2_shapes(**config).items()}
+
+
+def reference_dinov2(state, images_uint8, heads):
+    """DINOv2 forward written from the architecture description, sharing no code with edm2.detectors."""
+    x = torch.nn.functional.interpolate(images_uint8.double(), size=(224, 224), mode="bicubic", antialias=True) / 255
+    x = (x - torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64)[:, None, None]) / \
+        torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64)[:, None, None]
+    s = {k: v.double() for k, v in state.items()}
+    w = s["patch_embed.proj.weight"]
+    width, _, p, _ = w.shape
+    patches = x.unfold(2, p, p).unfold(3, p, p)  # [N, C, rows, cols, p, p]
+    n, _, rows, cols = patches.shape[:4]
+    tokens = torch.einsum("ncijyx,dcyx->nijd", patches, w).reshape(n, rows * cols, width) + s["patch_embed.proj.bias"]
+    grid = math.isqrt(s["pos_embed"].shape[1] - 1)
+    pos = s["pos_embed"][0, 1:].T.reshape(1, width, grid, grid)
+    pos = torch.nn.functional.interpolate(pos, scale_factor=((rows + 0.1) / grid, (cols + 0.1) / grid), mode="bicubic")
+    pos = torch.cat([s["pos_embed"][0, :1], pos.reshape(width, rows * cols).T])
+    h = torch.cat([s["cls_token"].expand(n, 1, width), tokens], 1) + pos
+
+    def layer_norm(v, prefix):
+        mean, var = v.mean(-1, keepdim=True), v.var(-1, unbiased=False, keepdim=True)
+        return (v - mean) / torch.sqrt(var + 1e-6) * s[prefix + ".weight"] + s[prefix + ".bias"]
+
+    depth = len({k.split(".")[1] for k in s if k.startswith("blocks.")})
+    for i in range(depth):
+        b = f"blocks.{i}."
+        qkv = layer_norm(h, b + "norm1") @ s[b + "attn.qkv.weight"].T + s[b + "attn.qkv.bias"]
+        q, k, v = qkv.reshape(n, -1, 3, heads, width // heads).unbind(2)
+        weights = torch.softmax(torch.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(width // heads), -1)
+        attn = torch.einsum("nhqk,nkhd->nqhd", weights, v).reshape(n, -1, width)
+        h = h + s[b + "ls1.gamma"] * (attn @ s[b + "attn.proj.weight"].T + s[b + "attn.proj.bias"])
+        hidden = layer_norm(h, b + "norm2") @ s[b + "mlp.fc1.weight"].T + s[b + "mlp.fc1.bias"]
+        hidden = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+        h = h + s[b + "ls2.gamma"] * (hidden @ s[b + "mlp.fc2.weight"].T + s[b + "mlp.fc2.bias"])
+    return layer_norm(h, "norm")[:, 0]
+
+
+def test_default_dinov2_has_the_official_vitl14_layout():
+    with torch.device("meta"):
+        net = detectors.DINOv2ViT()
+    got = {name: tuple(t.shape) for name, t in net.state_dict().items()}
+    assert got == official_dinov2_shapes()
+    assert sum(math.prod(shape) for shape in got.values()) == 304_368_640  # DINOv2 ViT-L/14: 304M parameters
+    assert net.blocks[0].attn.num_heads == 16
+
+
+def test_dinov2_from_official_names_gives_reference_class_token(tmp_path):
+    state = random_state_dict(**TINY)
+    path = tmp_path / "tiny_dinov2.pth"
+    torch.save(state, path)
+    detector = detectors.load_detector("fd_dinov2", path)
+    assert detector.feature_dim == 128
+    images = torch.randint(0, 256, (3, 3, 40, 56), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    features = detector(images)
+    expected = reference_dinov2(state, images, heads=2)
+    assert features.dtype == torch.float32 and features.shape == (3, 128)
+    torch.testing.assert_close(features.double(), expected, rtol=1e-4, atol=1e-4)
+    # Each image's class token depends on that image only.
+    torch.testing.assert_close(detector(images[1:2]), features[1:2], rtol=1e-5, atol=1e-5)
+
+
+def test_dinov2_position_embedding_at_native_grid_is_the_learned_one():
+    net = detectors.DINOv2ViT.from_state_dict(random_state_dict(**TINY))
+    assert net.position_embedding(5, 5) is net.pos_embed
+    resampled = net.position_embedding(16, 16)
+    assert resampled.shape == (1, 1 + 256, 128)
+    torch.testing.assert_close(resampled[:, 0], net.pos_embed[:, 0])
+
+
+@pytest.mark.parametrize("change", ["missing", "extra", "renamed"])
+def test_dinov2_loading_is_strict(tmp_path, change):
+    state = random_state_dict(**TINY)
+    if change == "missing":
+        del state["blocks.1.ls2.gamma"]
+    elif change == "extra":
+        state["head.weight"] = torch.zeros(10, 128)
+    else:
+        state["blocks.0.attn.qkv_proj.weight"] = state.pop("blocks.0.attn.qkv.weight")
+    torch.save(state, tmp_path / "bad.pth")
+    with pytest.raises(detectors.DetectorError, match="bad.pth"):
+        detectors.DINOv2(tmp_path / "bad.pth")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def test_dinov2_file_carrying_code_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    state = random_state_dict(**TINY)
+    state["payload"] = _RunsCode(marker)
+    torch.save(state, tmp_path / "evil.pth")
+    with pytest.raises(detectors.DetectorError, match="evil.pth"):
+        detectors.DINOv2(tmp_path / "evil.pth")
+    assert not marker.exists()
+
+
+class TinyInceptionStandIn(torch.nn.Module):
+    """A stand-in with the call signature of the published Inception TorchScript (not the real network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+        self.fc = torch.nn.Linear(4 * 7 * 7, 12)
+
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        x = torch.nn.functional.interpolate(x.to(torch.float32), size=(16, 16), mode="bilinear")
+        features = self.fc(torch.relu(self.conv(x / 128 - 1)).flatten(1))
+        if return_features:
+            return features
+        return torch.softmax(features, dim=1)
+
+
+def test_inception_loads_torchscript_and_returns_features(tmp_path):
+    module = TinyInceptionStandIn()
+    torch.jit.save(torch.jit.script(module), tmp_path / "inception.pt")
+    detector = detectors.load_detector("fid", (tmp_path / "inception.pt").as_uri())
+    assert detector.feature_dim == 12
+    images = torch.randint(0, 256, (5, 3, 24, 20), dtype=torch.uint8)
+    torch.testing.assert_close(detector(images), module(images, return_features=True))
+
+
+def test_inception_rejects_missing_or_non_torchscript_files(tmp_path):
+    with pytest.raises(detectors.DetectorError, match="not found"):
+        detectors.InceptionV3(tmp_path / "absent.pt")
+    torch.save({"w": torch.zeros(1)}, tmp_path / "plain.pt")
+    with pytest.raises(detectors.DetectorError, match="plain.pt.*TorchScript"):
+        detectors.InceptionV3(tmp_path / "plain.pt")
