@@ -52,7 +52,7 @@ def test_random_draws_follow_eq16_in_a_fixed_order():
     assert abs(log_sigma.mean().item() + 0.8) < 0.01 and abs(log_sigma.std().item() - 1.6) < 0.01
 
 
-def test_loss_is_one_plus_u_terms_at_initialization():
+def test_weighted_error_is_one_at_initialization():
     # At initialization the U-Net's output gain is 0, so D = c_skip x and lambda(sigma) L(D; sigma) = 1
     # in expectation over data of std sigma_data (the property that motivates Eq. 15).
     torch.manual_seed(0)

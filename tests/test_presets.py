@@ -78,3 +78,16 @@ def test_overrides_and_unknown_preset():
     assert opts.run_dir == "training-runs/toy-tiny"
     with pytest.raises(KeyError, match="unknown preset 'nope'"):
         get_preset("nope")
+
+
+@pytest.mark.parametrize("precision, fp16, bf16", [("fp16", True, False), ("bf16", False, True), ("fp32", False, False)])
+def test_precision_selects_the_unet_dtype(precision, fp16, bf16):
+    opts = TrainingOptions.from_preset("toy-tiny", dataset=dict(resolution=8, num_channels=3, label_dim=4),
+                                       encoder={}, precision=precision)
+    net = build_network(opts, img_channels=3)
+    assert (net.use_fp16, net.use_bf16) == (fp16, bf16)
+    # FP32 master weights; 16-bit activations only on CUDA (the CPU computes in float32 whatever is chosen).
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert net.compute_dtype(torch.device("cpu")) == torch.float32
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    assert net.compute_dtype(torch.device("cuda", 0)) == want

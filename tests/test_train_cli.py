@@ -223,7 +223,7 @@ def test_torchrun_two_gloo_processes(dataset, tmp_path):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("missing", "no such dataset directory or ZIP file"),
+        ("missing", "data: no such"),
         ("unlabeled", "--cond=True but"),
         ("mixed", "mixed resolutions"),
         ("gray", "PNG images have 1 channel(s); training needs RGB (3)"),
