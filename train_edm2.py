@@ -22,8 +22,8 @@ Examples:
   # ImageNet-512, EDM2-S, 8 GPUs; run again to resume from the newest checkpoint
   torchrun --standalone --nproc_per_node=8 train_edm2.py --preset=edm2-img512-s
 \b
-  # A few minutes on a CPU: toy shapes from `python dataset_tool.py toy`
-  python train_edm2.py --preset=toy-small --data=datasets/toy32.zip
+  # About five minutes on a CPU: 16x16 toy shapes from `python dataset_tool.py toy --resolution=16`
+  python train_edm2.py --preset=toy-small --data=datasets/toy16.zip
 \b
   # Print the resolved options without training
   python train_edm2.py --preset=edm2-img64-s --data=datasets/img64.zip --dry-run

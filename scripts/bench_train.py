@@ -37,7 +37,7 @@ def synthetic_batches(batch: int, channels: int, resolution: int, label_dim: int
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True)
 @click.option("--batch-gpu", type=click.IntRange(min=1), help="Images per round  [default: the preset's batch, at most 64]")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="Accumulation rounds per step")
-@click.option("--resolution", type=click.IntRange(min=8), help="Data resolution  [default: 64, toy presets 32]")
+@click.option("--resolution", type=click.IntRange(min=8), help="Data resolution  [default: 64, toy presets 16]")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed optimizer steps")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first")
 def main(preset: str, precision: str, batch_gpu: int | None, rounds: int, resolution: int | None, steps: int,
@@ -53,7 +53,7 @@ def main(preset: str, precision: str, batch_gpu: int | None, rounds: int, resolu
     release = preset.startswith("edm2-")
     latents = preset.startswith("edm2-img512")
     data_channels = 8 if latents else 3
-    resolution = resolution or (64 if release else 32)
+    resolution = resolution or (64 if release else 16)
     label_dim = 1000 if release else 6
     encoder = StabilityVAEEncoder() if latents else StandardRGBEncoder()
     opts = TrainingOptions.from_preset(

@@ -127,7 +127,15 @@ def test_run_directory_contents(reference_run):
     assert meta["dataset"] == {"resolution": 8, "num_channels": 3, "label_dim": 4}
     assert meta["training_options"]["lr"] == 0.01 and net.label_dim == 4
     state = checkpoint.load_state(reference_run / "training-state-0000002.pt")
-    assert state["cur_nimg"] == 2048 and len(state["ema"]["emas"]) == 2
+    assert state["cur_nimg"] == 2048 and state["ema"]["stds"] == [0.05, 0.1]
+    # Each snapshot holds its EMA track (in float16); the two tracks average differently.
+    tracks = []
+    for std, ema in zip(("0.050", "0.100"), state["ema"]["emas"]):
+        saved = safetensors.torch.load_file(str(reference_run / f"network-snapshot-0000002-{std}.safetensors"))
+        assert all(torch.equal(saved[k], v.to(saved[k].dtype)) for k, v in ema.items())
+        tracks.append(ema["unet.out_conv.weight"])
+    assert not torch.equal(tracks[0], tracks[1])
+    assert not torch.equal(tracks[0], state["net"]["unet.out_conv.weight"])
     assert state["options_hash"] == checkpoint.options_hash(json.loads(state["options"]))
 
 

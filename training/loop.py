@@ -326,28 +326,29 @@ def _resume_decision(opts: TrainingOptions, run: RunDirectory) -> tuple[str | No
 
 def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) -> None:
     """Train (or resume) the run described by opts; every rank calls this after dist.init()."""
-    rank, world_size, device = dist.get_rank(), dist.get_world_size(), dist.device()
-    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-    run = RunDirectory(opts.run_dir) if rank == 0 else None
+    run = RunDirectory(opts.run_dir) if dist.is_main() else None
     try:
         with contextlib.ExitStack() as stack:
             if run:
                 log = stack.enter_context(open(run.path / "log.txt", "a"))
                 stack.enter_context(contextlib.redirect_stdout(_Tee(sys.stdout, log)))
                 stack.enter_context(contextlib.redirect_stderr(_Tee(sys.stderr, log)))
-            _train(opts, dataset, encoder, run, rank, world_size, device, batch_gpu, rounds)
+            _train(opts, dataset, encoder, run)
     except BaseException:
         if run:
             run.remove_if_fruitless()
         raise
 
 
-def _train(opts, dataset, encoder, run, rank, world_size, device, batch_gpu, rounds) -> None:
+def _train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, run: RunDirectory | None) -> None:
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), dist.device()
+    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        # FP32 parts stay true FP32, as in the release.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
     # Rank 0 decides whether and where to resume; the others follow (or raise the same error).
     path, error, state = None, None, None
     if run:
