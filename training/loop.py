@@ -375,9 +375,7 @@ def _train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
         del state
     ddp = net
     if world_size > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            net, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+        ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     if run:
         checkpoint.save_options(run.path, opts.to_json())
