@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

@@ -17,7 +17,6 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.sampler import generate_images
-from tests.test_sampler import one_thread  # noqa: F401  (autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)

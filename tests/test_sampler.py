@@ -13,15 +13,6 @@ S = 0.5  # sigma_data of the Gaussian test data
 N_PIXELS = 1 << 18  # samples per distribution check: std of the sample std is S / sqrt(2 N) = 0.0007
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors run fastest on one thread, and the shared test machines have few cores to spare."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def exact_denoiser(x, sigma, labels=None):
     """Optimal denoiser for data ~ N(0, S^2): D(x; sigma) = x S^2 / (sigma^2 + S^2)."""
     sigma = sigma.reshape(-1, 1, 1, 1)
