@@ -18,5 +18,9 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest
 
+# The whole workflow on toy data in a few minutes on a CPU; outputs go to demo-out/.
+demo: install
+	PY=$(abspath $(PY)) bash scripts/demo.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache
