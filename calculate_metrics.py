@@ -19,7 +19,7 @@ from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
 from edm2.networks import Precond
 from edm2.release_pickle import ReleasePickleError
-from edm2.sampler import generate_images
+from edm2.sampler import check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError, load_network
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
@@ -257,10 +257,10 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
     gnet = None
     if gnet_path is not None:
         gnet, _ = main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
-        if (gnet.img_resolution, gnet.img_channels) != (net.img_resolution, net.img_channels):
-            raise click.BadParameter(f"{gnet_path} makes {gnet.img_channels}x{gnet.img_resolution}x"
-                                     f"{gnet.img_resolution} outputs, --net {net.img_channels}x{net.img_resolution}x"
-                                     f"{net.img_resolution}", param_hint="--gnet")
+        try:
+            check_guidance_pair(net, gnet)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--gnet") from None
     detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
     seeds = range(seed, seed + num_images)
     images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,

@@ -15,7 +15,7 @@ from edm2 import distributed, files
 from edm2.encoders import EncoderError, encoder_from_config
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.release_pickle import ReleasePickleError
-from edm2.sampler import generate_images
+from edm2.sampler import check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError, load_network
 
 
@@ -71,14 +71,11 @@ def download_on_rank0(paths: list[str]) -> None:
 
 
 def check_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
-    """The guiding net must see the same images as the main net (Eq. 152 blends their outputs)."""
-    shape, gshape = (net.img_resolution, net.img_channels), (gnet.img_resolution, gnet.img_channels)
-    if shape != gshape:
-        raise click.UsageError(
-            f"--gnet has resolution {gshape[0]} with {gshape[1]} channels but --net has resolution {shape[0]} with {shape[1]}"
-        )
-    if gnet.label_dim not in (0, net.label_dim):
-        raise click.UsageError(f"--gnet has {gnet.label_dim} classes but --net has {net.label_dim}")
+    """The guiding net must see the same images as the main net."""
+    try:
+        check_guidance_pair(net, gnet)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--gnet") from None
 
 
 def save_png(path: Path, image: np.ndarray) -> None:

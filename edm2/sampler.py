@@ -69,6 +69,18 @@ def edm_sampler(
     return x_next
 
 
+def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
+    """Raise ValueError unless gnet can guide net: Eq. 152 blends their outputs pixel by pixel."""
+    shape, gshape = (net.img_resolution, net.img_channels), (gnet.img_resolution, gnet.img_channels)
+    if shape != gshape:
+        raise ValueError(
+            f"the guiding network has resolution {gshape[0]} with {gshape[1]} channels "
+            f"but the main network has resolution {shape[0]} with {shape[1]}"
+        )
+    if gnet.label_dim not in (0, net.label_dim):
+        raise ValueError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
+
+
 class SeededRandom:
     """One torch.Generator per image, seeded by that image's seed; draws stack along the batch axis."""
 

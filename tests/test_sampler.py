@@ -1,6 +1,7 @@
 """EDM sampler against closed forms on Gaussian data, guidance (Eq. 152), and per-seed randomness."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -147,3 +148,17 @@ def test_rank_batches_cover_every_seed_once(num_seeds, batch_size, world_size):
     flat = [s for batches in per_rank for b in batches for s in b]
     assert sorted(flat) == seeds
     assert all(len(b) <= batch_size for batches in per_rank for b in batches)
+
+
+def test_guidance_pair_must_match_in_shape_and_classes():
+    def fake(resolution, channels, label_dim):
+        return SimpleNamespace(img_resolution=resolution, img_channels=channels, label_dim=label_dim)
+
+    sampler.check_guidance_pair(fake(8, 3, 10), fake(8, 3, 0))  # unconditional guide: fine
+    sampler.check_guidance_pair(fake(8, 3, 10), fake(8, 3, 10))  # autoguidance: fine
+    with pytest.raises(ValueError, match="resolution 16 with 3 channels"):
+        sampler.check_guidance_pair(fake(8, 3, 10), fake(16, 3, 0))
+    with pytest.raises(ValueError, match="resolution 8 with 4 channels"):
+        sampler.check_guidance_pair(fake(8, 3, 10), fake(8, 4, 0))
+    with pytest.raises(ValueError, match="5 classes"):
+        sampler.check_guidance_pair(fake(8, 3, 10), fake(8, 3, 5))
