@@ -18,7 +18,6 @@ from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
 from edm2.networks import Precond
-from edm2.release_pickle import ReleasePickleError
 from edm2.sampler import check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError, load_network
 
@@ -136,7 +135,7 @@ def load_generator(path: str, option: str, device: torch.device) -> tuple[Precon
     try:
         net, metadata = load_network(path)
         encoder = encoder_from_config(metadata["encoder"])
-    except (SnapshotError, ReleasePickleError, files.DownloadError) as e:
+    except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
     except (KeyError, ValueError) as e:
         raise click.BadParameter(f"{path}: no usable encoder settings ({e})", param_hint=option) from None

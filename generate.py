@@ -14,7 +14,6 @@ import torch
 from edm2 import distributed, files
 from edm2.encoders import EncoderError, encoder_from_config
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
-from edm2.release_pickle import ReleasePickleError
 from edm2.sampler import check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError, load_network
 
@@ -52,7 +51,7 @@ def load_for_option(option: str, path_or_url: str):
     """load_network for a command-line option, with every failure reported as one line."""
     try:
         return load_network(path_or_url)
-    except (files.DownloadError, SnapshotError, ReleasePickleError, OSError) as e:
+    except (files.DownloadError, SnapshotError, OSError) as e:
         raise click.ClickException(f"{option}: {e}") from None
 
 

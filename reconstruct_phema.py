@@ -14,7 +14,6 @@ import torch
 import tqdm
 
 from edm2 import phema
-from edm2.release_pickle import ReleasePickleError
 from edm2.snapshot import SnapshotError, load_network, read_metadata, save_network
 
 SNAPSHOT_NAME = re.compile(r"(.+)-(\d+)-(\d+\.\d+)\.(safetensors|pkl)")
@@ -161,7 +160,7 @@ def load_input(snap: Snapshot) -> tuple[torch.nn.Module, dict]:
     """Load one input snapshot as a float32 network, turning file errors into one clear line."""
     try:
         return load_network(snap.path)
-    except (SnapshotError, ReleasePickleError) as e:
+    except SnapshotError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"{snap.path}: cannot read: {e}") from None

@@ -20,9 +20,10 @@ import torch
 
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.networks import Precond
+from edm2.snapshot import SnapshotError
 
 
-class ReleasePickleError(ValueError):
+class ReleasePickleError(SnapshotError):
     """The file is not a release pickle we can import safely; the message says why."""
 
 

@@ -18,7 +18,7 @@ METADATA_KEY = "edm2"
 
 
 class SnapshotError(ValueError):
-    """A snapshot file is missing, unreadable or not one of ours."""
+    """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle."""
 
 
 def save_network(path: str | os.PathLike, net: Precond, metadata: dict) -> None:
