@@ -88,20 +88,16 @@ def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) ->
 def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
     """Write a dataset to a temporary ZIP or directory, add dataset.json, and rename onto dest on success."""
     dest = Path(dest)
-    # Temporary files and folders are created private; the finished dataset gets the usual modes.
-    umask = os.umask(0)
-    os.umask(umask)
     if is_zip_path(dest):
         with files.atomic_path(dest) as tmp:
             with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
                 writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
                 yield writer
                 write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
-            tmp.chmod(0o666 & ~umask)
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    tmp.chmod(0o777 & ~umask)
+    tmp.chmod(0o777 & ~files.current_umask())  # mkdtemp makes the folder private
     try:
         writer = DatasetWriter(lambda fname, data: _write_file(tmp / fname, data))
         yield writer

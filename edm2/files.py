@@ -27,10 +27,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        # mkstemp makes the file private; the finished file gets the modes open() would have given it.
+        tmp.chmod(0o666 & ~current_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def current_umask() -> int:
+    """The process's file-creation mask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def cache_dir() -> Path:

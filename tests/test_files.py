@@ -1,5 +1,7 @@
 """Atomic writes and the download cache."""
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,14 @@ def test_unreachable_url_names_url_and_cache(tmp_path, monkeypatch):
     message = str(info.value)
     assert url in message and str(tmp_path / "cache") in message
     assert not list(Path(tmp_path / "cache").rglob("*missing.pkl"))
+
+
+def test_atomic_path_gives_the_usual_file_mode(tmp_path):
+    # mkstemp creates 0600 files; a finished file must be readable like one written with open().
+    old = os.umask(0o022)
+    try:
+        with files.atomic_path(tmp_path / "out.bin") as tmp:
+            tmp.write_bytes(b"ok")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out.bin").stat().st_mode) == 0o644
