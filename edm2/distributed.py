@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
+from typing import Sequence
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -74,3 +78,13 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's share of items (seeds, dataset indices) in batches of at most batch_size.
+
+    Every rank gets the same number of batches; the last ones may be short or empty.
+    """
+    num_batches = max(math.ceil(len(items) / (batch_size * world_size)), 1) * world_size
+    batches = np.array_split(np.asarray(items, dtype=np.int64), num_batches)[rank::world_size]
+    return [[int(i) for i in b] for b in batches]

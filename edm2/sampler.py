@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 import tqdm
 
@@ -122,13 +121,6 @@ def seeded_inputs(
     return noise, labels, rnd.randn_like
 
 
-def rank_batches(seeds: Sequence[int], batch_size: int, rank: int, world_size: int) -> list[list[int]]:
-    """This rank's share of the seeds in batches of at most batch_size; every rank gets as many batches."""
-    num_batches = max(math.ceil(len(seeds) / (batch_size * world_size)), 1) * world_size
-    batches = np.array_split(np.asarray(seeds, dtype=np.int64), num_batches)[rank::world_size]
-    return [[int(s) for s in b] for b in batches]
-
-
 def generate_images(
     net: torch.nn.Module,
     encoder,
@@ -144,7 +136,7 @@ def generate_images(
     device = torch.device(device) if device is not None else distributed.device()
     if class_idx is not None and not 0 <= class_idx < net.label_dim:
         raise ValueError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
-    batches = rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size())
+    batches = distributed.rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size())
     batches = [b for b in batches if b]
     for batch_seeds in tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()):
         noise, labels, randn_like = seeded_inputs(
