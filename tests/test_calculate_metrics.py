@@ -2,7 +2,6 @@
 
 import json
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.sampler import generate_images
 from edm2.snapshot import load_network, save_network
+from tests.helpers import free_port
 from tests.test_detectors import TinyInceptionStandIn, random_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,12 +122,6 @@ def test_calc_takes_a_seeded_random_subset(setup, tmp_path):
     subset = np.random.RandomState(7).permutation(12)[:5]
     expected = expected_distances(direct_stats(setup, setup["a"], subset), ref_b)
     assert outs[0]["results"] == pytest.approx(expected, rel=1e-7)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_give_the_statistics_of_one(setup, tmp_path):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import zipfile
@@ -17,6 +16,7 @@ from click.testing import CliRunner
 import dataset_tool
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
+from tests.helpers import free_port
 from tests.test_encoders import save_tiny_vae
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,12 +217,6 @@ def test_interrupted_encode_resumes_to_the_same_dataset(encode_setup, monkeypatc
     assert_ok(result)
     assert "6 of 10 images already encoded" in result.output
     assert dest.read_bytes() == reference.read_bytes() and not partial.exists()
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_torchrun_two_processes_equal_one(encode_setup):

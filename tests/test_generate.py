@@ -1,7 +1,6 @@
 """generate.py and generate_images: per-seed reproducibility across batch sizes and processes, presets, bad input."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.sampler import generate_images
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)
@@ -64,12 +64,6 @@ def test_same_seed_same_image_for_batch_sizes_1_and_7(nets):
         [(one_seed, one_image)] = generate_images(net, StandardRGBEncoder(), [seed], batch_size=1, **kwargs)
         assert one_seed == [seed] and torch.equal(one_image[0], images[i])
     assert len({bytes(im.numpy()) for im in images}) == 7
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_one_and_two_processes_write_the_same_images(nets, tmp_path):

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.snapshot import load_network, read_metadata
 from training import checkpoint
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
@@ -197,12 +197,6 @@ def test_damaged_newest_checkpoint_falls_back_and_changed_options_are_refused(da
     ]
     code, output = cli([f"--data={dataset}", "--status=256"], outdir)  # intervals may change
     assert code == 0 and "Training already complete" in output
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_two_gloo_processes(dataset, tmp_path):
