@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from edm2 import distributed as dist
-from edm2 import files
+from edm2 import files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
-from edm2.encoders import Encoder, EncoderError, encoder_from_config
+from edm2.encoders import Encoder, EncoderError
 from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
 from edm2.networks import Precond
 from edm2.sampler import check_guidance_pair, generate_images
-from edm2.snapshot import SnapshotError, load_network
+from edm2.snapshot import SnapshotError
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
 WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
@@ -70,21 +70,10 @@ def distributed_command(fn: Callable) -> Callable:
     return wrapper
 
 
-def main_rank_first(load: Callable[[], object]) -> object:
-    """Call load() on rank 0 first, then on the others, so a download into the cache happens once."""
-    if not dist.is_main():
-        dist.barrier()
-    try:
-        return load()
-    finally:
-        if dist.is_main():
-            dist.barrier()
-
-
 def load_reference(ref_path: str, metrics: list[str]) -> dict:
     """Reference statistics holding every requested metric; bad files and missing metrics name --ref."""
     try:
-        ref = main_rank_first(functools.partial(load_stats, ref_path))
+        ref = dist.main_rank_first(functools.partial(load_stats, ref_path))
     except (StatsError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--ref") from None
     missing = [metric for metric in metrics if metric not in ref]
@@ -100,7 +89,7 @@ def load_detectors(metrics: list[str], weights: dict[str, str | None], device: t
     detectors = {}
     for metric in metrics:
         try:
-            detectors[metric] = main_rank_first(functools.partial(load_detector, metric, weights[metric], device))
+            detectors[metric] = dist.main_rank_first(functools.partial(load_detector, metric, weights[metric], device))
         except (DetectorError, files.DownloadError) as e:
             raise click.BadParameter(str(e), param_hint=f"--{WEIGHTS_OPTIONS[metric]}") from None
     return detectors
@@ -133,12 +122,9 @@ def dataset_stats(dataset: ImageFolderDataset, indices: np.ndarray, detectors: d
 def load_generator(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder]:
     """A network snapshot (ours or the release's .pkl) on device, with the encoder that decodes its output."""
     try:
-        net, metadata = load_network(path)
-        encoder = encoder_from_config(metadata["encoder"])
+        net, encoder, _ = snapshot.load_generator(path)
     except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
-    except (KeyError, ValueError) as e:
-        raise click.BadParameter(f"{path}: no usable encoder settings ({e})", param_hint=option) from None
     return net.to(device), encoder
 
 
@@ -252,10 +238,10 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
         raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
     reference = load_reference(ref_path, metrics)
     device = dist.device()
-    net, encoder = main_rank_first(functools.partial(load_generator, net_path, "--net", device))
+    net, encoder = dist.main_rank_first(functools.partial(load_generator, net_path, "--net", device))
     gnet = None
     if gnet_path is not None:
-        gnet, _ = main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
+        gnet, _ = dist.main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
         try:
             check_guidance_pair(net, gnet)
         except ValueError as e:

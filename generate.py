@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
+from typing import Callable
 
 import click
 import numpy as np
@@ -12,10 +14,10 @@ import PIL.Image
 import torch
 
 from edm2 import distributed, files
-from edm2.encoders import EncoderError, encoder_from_config
+from edm2.encoders import EncoderError
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_guidance_pair, generate_images
-from edm2.snapshot import SnapshotError, load_network
+from edm2.snapshot import SnapshotError, load_generator, load_network
 
 
 def parse_int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -47,26 +49,12 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
     return net, gnet, guidance
 
 
-def load_for_option(option: str, path_or_url: str):
-    """load_network for a command-line option, with every failure reported as one line."""
+def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str) -> tuple:
+    """load(path_or_url) on rank 0 first (it alone downloads), every failure reported as one line."""
     try:
-        return load_network(path_or_url)
+        return distributed.main_rank_first(functools.partial(load, path_or_url))
     except (files.DownloadError, SnapshotError, OSError) as e:
         raise click.ClickException(f"{option}: {e}") from None
-
-
-def download_on_rank0(paths: list[str]) -> None:
-    """Let rank 0 fill the download cache alone, then share its verdict with the other ranks."""
-    error = None
-    if distributed.is_main():
-        try:
-            for path in paths:
-                files.cached_path(path)
-        except files.DownloadError as e:
-            error = str(e)
-    error = distributed.broadcast_object(error)
-    if error:
-        raise click.ClickException(error)
 
 
 def check_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
@@ -138,19 +126,12 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
     if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
         raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
     use_gnet = guidance != 1  # at guidance 1 the guiding net never runs, so it is not even loaded
-    download_on_rank0([p for p in (net_path, gnet_path if use_gnet else None) if p and files.is_url(p)])
-    net, metadata = load_for_option("--net", net_path)
-    gnet = load_for_option("--gnet", gnet_path)[0] if use_gnet else None
+    net, encoder, _ = load_for_option("--net", load_generator, net_path)
+    gnet = load_for_option("--gnet", load_network, gnet_path)[0] if use_gnet else None
     if gnet is not None:
         check_pair(net, gnet)
     if class_idx is not None and class_idx >= net.label_dim:
         raise click.BadParameter(f"{class_idx} is not a class of this network ({net.label_dim} classes)", param_hint="--class")
-    if "encoder" not in metadata:
-        raise click.ClickException(f"--net: {net_path} does not say how to decode its output (no encoder settings)")
-    try:
-        encoder = encoder_from_config(metadata["encoder"])
-    except ValueError as e:
-        raise click.ClickException(f"--net: {net_path}: {e}") from None
 
     device = distributed.device()
     net = net.to(device)

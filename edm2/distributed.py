@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def init(backend: str | None = None, timeout_s: float = 1800) -> None:
@@ -88,3 +90,20 @@ def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: i
     num_batches = max(math.ceil(len(items) / (batch_size * world_size)), 1) * world_size
     batches = np.array_split(np.asarray(items, dtype=np.int64), num_batches)[rank::world_size]
     return [[int(i) for i in b] for b in batches]
+
+
+def main_rank_first(fn: Callable[[], T]) -> T:
+    """Call fn on rank 0, then on the other ranks, so rank 0 alone fills caches (downloads).
+
+    If rank 0 raises, every rank raises that exception without calling fn.
+    """
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as e:  # shared with the other ranks, then raised everywhere
+            error = e
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
+    return result if is_main() else fn()

@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 
 from edm2 import files
+from edm2.encoders import Encoder, encoder_from_config
 from edm2.networks import Precond
 
 FORMAT_VERSION = 1
@@ -76,3 +77,13 @@ def load_network(path_or_url: str | os.PathLike) -> tuple[Precond, dict]:
             raise SnapshotError(f"{path_or_url}: weights do not match the stored architecture: {e}") from None
     net.eval().requires_grad_(False)
     return net, metadata
+
+
+def load_generator(path_or_url: str | os.PathLike) -> tuple[Precond, Encoder, dict]:
+    """load_network plus the encoder that turns the network's output into pixels."""
+    net, metadata = load_network(path_or_url)
+    try:
+        encoder = encoder_from_config(metadata["encoder"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"{path_or_url}: no usable encoder settings ({e!r})") from None
+    return net, encoder, metadata

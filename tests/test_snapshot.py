@@ -7,7 +7,8 @@ import safetensors.torch
 import torch
 
 from edm2.networks import Precond
-from edm2.snapshot import SnapshotError, load_network, read_metadata, save_network
+from edm2.encoders import StandardRGBEncoder
+from edm2.snapshot import SnapshotError, load_generator, load_network, read_metadata, save_network
 
 
 def tiny_net(**kwargs) -> Precond:
@@ -53,3 +54,13 @@ def test_bad_files_are_reported(tmp_path):
     safetensors.torch.save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(SnapshotError, match="not an EDM2 snapshot"):
         load_network(foreign)
+
+
+def test_load_generator_needs_encoder_settings(tmp_path):
+    net = tiny_net()
+    save_network(tmp_path / "rgb.safetensors", net, {"encoder": {"class": "StandardRGBEncoder"}})
+    save_network(tmp_path / "bare.safetensors", net, {})
+    loaded, encoder, meta = load_generator(tmp_path / "rgb.safetensors")
+    assert isinstance(encoder, StandardRGBEncoder) and meta["encoder"]["class"] == "StandardRGBEncoder"
+    with pytest.raises(SnapshotError, match="no usable encoder settings"):
+        load_generator(tmp_path / "bare.safetensors")
