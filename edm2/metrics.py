@@ -16,7 +16,7 @@ import torch
 import torch.utils.data
 import tqdm
 
-from edm2 import distributed, files
+from edm2 import distributed, files, safe_pickle
 
 Stats = dict[str, dict[str, np.ndarray]]
 
@@ -92,31 +92,9 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     return float(np.real(mean_term + np.trace(sigma1 + sigma2 - 2 * root)))
 
 
-def _numpy_pickle_globals() -> dict[tuple[str, str], object]:
-    """The NumPy callables that NumPy itself names in pickles of arrays, dtypes and scalars."""
-    reconstruct = np.zeros(0).__reduce__()[0]
-    frombuffer = np.zeros(1).__reduce_ex__(5)[0]
-    scalar = np.float64(0).__reduce__()[0]
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
-    for package in ("numpy.core", "numpy._core"):  # NumPy 1 and NumPy 2 spell the module differently
-        allowed[(f"{package}.multiarray", "_reconstruct")] = reconstruct
-        allowed[(f"{package}.multiarray", "scalar")] = scalar
-        allowed[(f"{package}.numeric", "_frombuffer")] = frombuffer
-    return allowed
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickler that builds only NumPy arrays/scalars and plain containers; any other global is refused."""
-
-    ALLOWED = {**_numpy_pickle_globals(), ("_codecs", "encode"): codecs.encode,
-               ("collections", "OrderedDict"): collections.OrderedDict}
-
-    def find_class(self, module: str, name: str) -> object:
-        try:
-            return self.ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"refusing to load '{module}.{name}': statistics pickles may hold "
-                                         "only NumPy arrays and plain containers") from None
+# What a statistics pickle (the release's format) may name: NumPy arrays and plain containers.
+_STATS_GLOBALS = {**safe_pickle.numpy_globals(), ("_codecs", "encode"): codecs.encode,
+                  ("collections", "OrderedDict"): collections.OrderedDict}
 
 
 def _checked_stats(raw: object, source: str) -> Stats:
@@ -163,7 +141,8 @@ def load_stats(path_or_url: str | os.PathLike) -> Stats:
             nested.setdefault(metric, {})[field] = value
         return _checked_stats(nested, source)
     try:
-        raw = _ArrayUnpickler(io.BytesIO(data)).load()
+        raw = safe_pickle.restricted_load(io.BytesIO(data), _STATS_GLOBALS,
+                                          "statistics pickles may hold only NumPy arrays and plain containers")
     except pickle.UnpicklingError as e:
         raise StatsError(f"{source}: {e}") from None
     except Exception as e:  # a malformed pickle can fail in many ways; none of them may escape as a traceback

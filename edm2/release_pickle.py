@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from edm2 import safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.networks import Precond
 from edm2.snapshot import SnapshotError
@@ -105,17 +106,6 @@ _ALLOWED_GLOBALS = {
 }
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        try:
-            return _ALLOWED_GLOBALS[(module, name)]
-        except KeyError:
-            raise ReleasePickleError(f"refusing to load global {module}.{name}: not part of the release's format") from None
-
-    def persistent_load(self, pid):
-        raise ReleasePickleError("refusing to load a pickle with persistent ids")
-
-
 def _module_tensors(state: dict, prefix: str, out: dict[str, torch.Tensor]) -> None:
     """Walk a pickled module tree (_parameters, _buffers, _modules) into a flat state dict."""
     skip = state.get("_non_persistent_buffers_set") or set()
@@ -182,8 +172,8 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
     with open(path, "rb") as f:
         try:
-            data = _RestrictedUnpickler(f).load()
-        except ReleasePickleError as e:
+            data = safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
+        except (ReleasePickleError, safe_pickle.RefusedGlobal) as e:
             raise ReleasePickleError(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
             raise ReleasePickleError(f"{path}: not a readable release pickle ({e.__class__.__name__}: {e})") from None
