@@ -14,7 +14,7 @@ import torch
 import tqdm
 
 from edm2 import phema
-from edm2.snapshot import SnapshotError, load_network, read_metadata, save_network
+from edm2.snapshot import SnapshotError, load_network, read_metadata, save_network, snapshot_name
 
 SNAPSHOT_NAME = re.compile(r"(.+)-(\d+)-(\d+\.\d+)\.(safetensors|pkl)")
 
@@ -247,7 +247,7 @@ def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
         for s in ours[1:]:
             check_architecture(s.path, header_architecture(s.path), ours[0].path, ref_arch)
     inputs, out_nimg = select_inputs(snapshots, kimg)
-    paths = [outdir / f"{prefix}-{out_nimg // 1000:07d}-{std:.3f}.safetensors" for std in stds]
+    paths = [outdir / snapshot_name(prefix, out_nimg, std) for std in stds]
     todo = [(std, path) for std, path in zip(stds, paths) if not (skip and path.is_file())]
     if not todo:
         click.echo("All outputs exist; nothing to do.")

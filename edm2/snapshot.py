@@ -22,6 +22,11 @@ class SnapshotError(ValueError):
     """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle."""
 
 
+def snapshot_name(prefix: str, nimg: int, std: float) -> str:
+    """File name of an EMA snapshot: {prefix}-{kimg:07d}-{std:.3f}.safetensors, kimg = nimg // 1000."""
+    return f"{prefix}-{nimg // 1000:07d}-{std:.3f}.safetensors"
+
+
 def save_network(path: str | os.PathLike, net: Precond, metadata: dict) -> None:
     """Write net's weights (float16, like the release) and metadata atomically to a .safetensors file."""
     meta = dict(metadata, format_version=FORMAT_VERSION, network_kwargs=net.init_kwargs)

@@ -23,7 +23,7 @@ from edm2 import files
 from edm2.loss import EDM2Loss, learning_rate_schedule
 from edm2.networks import Precond, count_parameters
 from edm2.phema import PowerFunctionEMA
-from edm2.snapshot import save_network
+from edm2.snapshot import save_network, snapshot_name
 from training import checkpoint
 from training.presets import get_preset
 
@@ -464,7 +464,7 @@ def _save_snapshots(run, ema, cur_nimg, opts) -> None:
             nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
             loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(),
         )
-        save_network(run.path / f"network-snapshot-{cur_nimg // 1000:07d}-{std:.3f}.safetensors", ema_net, metadata)
+        save_network(run.path / snapshot_name("network-snapshot", cur_nimg, std), ema_net, metadata)
     run.has_results = True
 
 
