@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import colorsys
 import functools
 import io
 import json
@@ -24,6 +23,8 @@ from edm2 import distributed, files
 from edm2.dataset import (LABELS_FILE, DatasetError, FileTree, ImageFolderDataset, dataset_writer, image_fname,
                           is_zip_path, labels_json, latent_fname, npy_bytes, png_bytes)
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
+from edm2.toy_shapes import SHAPES, toy_image
+from edm2.transforms import center_crop, center_crop_dhariwal, center_crop_wide, resize
 
 DEFAULT_ENCODE_BATCH = 8
 ENCODE_MANIFEST = "encode.json"
@@ -62,50 +63,6 @@ class Resolution(click.ParamType):
         if not match or int(match[1]) < 1 or int(match[2] or 1) < 1:
             self.fail(f"{value!r} is not N or WxH with positive sizes (for example 64 or 512x384)", param, ctx)
         return int(match[1]), int(match[2] or match[1])
-
-
-# ----------------------------------------------------------------------------------------------
-# Crop and resize (convert --transform).
-
-def resize(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """Resize a HWC uint8 image with LANCZOS; unchanged when it already has that size."""
-    if image.shape[1] == width and image.shape[0] == height:
-        return image
-    return np.asarray(PIL.Image.fromarray(image).resize((width, height), PIL.Image.Resampling.LANCZOS))
-
-
-def center_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """Crop the centred square of the shorter side, then resize it to width x height."""
-    h, w = image.shape[:2]
-    side = min(h, w)
-    top, left = (h - side) // 2, (w - side) // 2
-    return resize(image[top:top + side, left:left + side], width, height)
-
-
-def center_crop_wide(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """Crop the largest centred width:height region, resize it, and centre it on a black square canvas."""
-    h, w = image.shape[:2]
-    if w * height <= h * width:
-        crop_w, crop_h = w, max(1, round(w * height / width))
-    else:
-        crop_w, crop_h = max(1, round(h * width / height)), h
-    top, left = (h - crop_h) // 2, (w - crop_w) // 2
-    canvas = np.zeros((width, width, 3), dtype=np.uint8)
-    row = (width - height) // 2
-    canvas[row:row + height] = resize(image[top:top + crop_h, left:left + crop_w], width, height)
-    return canvas
-
-
-def center_crop_dhariwal(image: np.ndarray, size: int) -> np.ndarray:
-    """ADM's ImageNet preprocessing (paper App. D.3, FACTS.md): BOX-halve, BICUBIC-resize, centre-crop."""
-    pil = PIL.Image.fromarray(image)
-    while min(pil.size) >= 2 * size:
-        pil = pil.resize((pil.width // 2, pil.height // 2), PIL.Image.Resampling.BOX)
-    scale = size / min(pil.size)
-    pil = pil.resize((round(pil.width * scale), round(pil.height * scale)), PIL.Image.Resampling.BICUBIC)
-    array = np.asarray(pil)
-    top, left = (array.shape[0] - size) // 2, (array.shape[1] - size) // 2
-    return array[top:top + size, left:left + size]
 
 
 TRANSFORMS = ("center-crop", "center-crop-wide", "center-crop-dhariwal")
@@ -484,41 +441,6 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
         except DatasetError as e:
             raise dataset_problem(e)
     click.echo(f"wrote {count} images to {dest}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Toy dataset: one bright shape per image on a dark background; the class is the shape.
-
-def _abs_max(u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return np.maximum(np.abs(u), np.abs(v))
-
-
-# Masks over coordinates (u, v) scaled so the shape fits the unit square; v points down.
-SHAPES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "circle": lambda u, v: u * u + v * v <= 1,
-    "square": lambda u, v: _abs_max(u, v) <= 0.8,
-    "triangle": lambda u, v: (v <= 0.75) & (np.abs(u) <= 0.55 * (v + 1)),
-    "cross": lambda u, v: (np.minimum(np.abs(u), np.abs(v)) <= 0.3) & (_abs_max(u, v) <= 1),
-    "ring": lambda u, v: (u * u + v * v <= 1) & (u * u + v * v >= 0.55 ** 2),
-    "diamond": lambda u, v: np.abs(u) + np.abs(v) <= 1,
-    "x": lambda u, v: ((np.abs(u - v) <= 0.42) | (np.abs(u + v) <= 0.42)) & (_abs_max(u, v) <= 0.8),
-    "bars": lambda u, v: (np.abs(u) <= 0.9) & (np.abs(np.abs(v) - 0.55) <= 0.25),
-}
-TOY_BACKGROUND = np.array([24, 24, 32], dtype=np.float64)
-TOY_SUPERSAMPLING = 4
-
-
-def toy_image(shape: str, resolution: int, rng: np.random.Generator) -> np.ndarray:
-    """HWC uint8 image of one shape with random bright colour, size and position, anti-aliased."""
-    radius = rng.uniform(0.26, 0.36) * resolution
-    margin = 0.04 * resolution
-    cx, cy = rng.uniform(margin + radius, resolution - margin - radius, size=2)
-    colour = 255 * np.array(colorsys.hsv_to_rgb(rng.uniform(), rng.uniform(0.6, 1), rng.uniform(0.8, 1)))
-    s = TOY_SUPERSAMPLING
-    coords = (np.arange(resolution * s) + 0.5) / s
-    mask = SHAPES[shape]((coords[None, :] - cx) / radius, (coords[:, None] - cy) / radius)
-    coverage = mask.reshape(resolution, s, resolution, s).mean(axis=(1, 3))[:, :, None]
-    return np.round(TOY_BACKGROUND * (1 - coverage) + colour * coverage).astype(np.uint8)
 
 
 @cli.command()

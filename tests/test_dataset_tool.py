@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import dataset_tool
+from edm2 import toy_shapes, transforms
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
 from tests.helpers import free_port
@@ -98,7 +99,7 @@ def reference_adm(image, size, halve=True):
     (300, 200, 64), (200, 300, 64), (1001, 333, 64), (129, 257, 32), (97, 64, 32), (41, 23, 32), (64, 64, 64)])
 def test_center_crop_dhariwal_equals_independent_adm(width, height, size):
     image = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    ours = dataset_tool.center_crop_dhariwal(image, size).astype(int)
+    ours = transforms.center_crop_dhariwal(image, size).astype(int)
     expected = reference_adm(image, size).astype(int)
     assert ours.shape == (size, size, 3)
     # PIL's fixed-point weights may move a rare pixel by one level; any procedural slip moves most.
@@ -293,13 +294,13 @@ def test_bad_arguments_give_one_line(tmp_path, class_folders, encode_setup):
 
 def test_toy_classes_are_shapes_that_nearest_neighbour_separates(tmp_path):
     assert_ok(run("toy", "--dest", tmp_path / "toy", "--resolution", 16, "--num", 240,
-                  "--classes", len(dataset_tool.SHAPES)))
+                  "--classes", len(toy_shapes.SHAPES)))
     ds = ImageFolderDataset(tmp_path / "toy")
     images = np.stack([ds[i][0] for i in range(len(ds))]).transpose(0, 2, 3, 1).astype(np.float64)
     labels = np.array([ds[i][1].argmax() for i in range(len(ds))])
-    assert np.array_equal(labels, np.arange(240) % len(dataset_tool.SHAPES))
+    assert np.array_equal(labels, np.arange(240) % len(toy_shapes.SHAPES))
     # Foreground masks, shifted so their centroids coincide, must identify the class by 1-NN.
-    masks = np.abs(images - dataset_tool.TOY_BACKGROUND).max(axis=-1)
+    masks = np.abs(images - toy_shapes.TOY_BACKGROUND).max(axis=-1)
     masks /= masks.max(axis=(1, 2), keepdims=True)
     rows, cols = np.mgrid[:16, :16]
     centred = np.stack([np.roll(m, (round(8 - (m * rows).sum() / m.sum()), round(8 - (m * cols).sum() / m.sum())),
