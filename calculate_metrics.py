@@ -140,7 +140,7 @@ def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: 
 
 
 @click.group(context_settings={"max_content_width": 120})
-def cmdline() -> None:
+def main() -> None:
     """Calculate evaluation metrics (FID and FD_DINOv2).
 
     Examples:
@@ -166,7 +166,7 @@ def cmdline() -> None:
     """
 
 
-@cmdline.command()
+@main.command()
 @click.option("--data", "data_path", help="Dataset: directory or ZIP of images", metavar="PATH|ZIP", required=True)
 @click.option("--dest", "dest_path", help="Statistics file to write (.npz ours, .pkl the release's format)",
               metavar="NPZ|PKL", required=True)
@@ -192,7 +192,7 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
         print(json.dumps({"dest": dest_path, "num_images": num_images, "metrics": metrics}), flush=True)
 
 
-@cmdline.command()
+@main.command()
 @click.option("--images", "images_path", help="Images: directory or ZIP", metavar="PATH|ZIP", required=True)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=64)
@@ -218,7 +218,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
     report(stats, reference, metrics, count, images_path, ref_path)
 
 
-@cmdline.command()
+@main.command()
 @click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
               required=True)
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
@@ -258,4 +258,4 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
 
 
 if __name__ == "__main__":
-    cmdline(prog_name="calculate_metrics.py")
+    main(prog_name="calculate_metrics.py")

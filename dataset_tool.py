@@ -155,7 +155,7 @@ class ConvertedImages(torch.utils.data.Dataset):
 
 
 @click.group()
-def cli() -> None:
+def main() -> None:
     """Prepare datasets in the release format (directory or uncompressed ZIP of PNG/NPY + dataset.json).
 
     \b
@@ -168,7 +168,7 @@ def cli() -> None:
     """
 
 
-@cli.command()
+@main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Folder (class sub-folders give labels; dataset.json is honoured) or ZIP of images.")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
@@ -334,7 +334,7 @@ def vae_options(command: Callable) -> Callable:
     return command
 
 
-@cli.command()
+@main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Dataset of RGB PNGs (directory or ZIP), e.g. from convert.")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
@@ -407,7 +407,7 @@ def run_encode(source: Path, dest: Path, vae: str, batch: int, max_images: int |
         click.echo(f"wrote {count} latents to {dest}")
 
 
-@cli.command()
+@main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Latent dataset of mean/std .npy files (directory or ZIP).")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory of PNGs.")
@@ -443,7 +443,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     click.echo(f"wrote {count} images to {dest}")
 
 
-@cli.command()
+@main.command()
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @click.option("--resolution", default=32, show_default=True, type=click.IntRange(min=8), help="Image size.")
 @click.option("--num", default=10000, show_default=True, type=click.IntRange(min=1), help="Number of images.")
@@ -472,4 +472,4 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    main()

@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 import torch
 import torch.distributed as dist
 
+from edm2.errors import EDM2Error
+
 T = TypeVar("T")
+
+
+class DistributedError(EDM2Error):
+    """A command was started with more processes than it can use."""
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun started (1 for a plain `python` start), before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def session(single_process: bool = False) -> Iterator[None]:
+    """Join torchrun's process group for the duration of a command and always leave it again.
+
+    With single_process, a start under torchrun with several processes is refused before anything runs.
+    """
+    if single_process and launched_world_size() > 1:
+        raise DistributedError("this command runs as one process; start it with python, not torchrun")
+    init()
+    try:
+        yield
+    finally:
+        shutdown()
 
 
 def init(backend: str | None = None, timeout_s: float = 1800) -> None:
     """Join the process group torchrun describes (NCCL on CUDA, Gloo on CPU); no-op for one process."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if dist.is_initialized() or launched_world_size() <= 1:
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,10 +1,13 @@
-"""Atomic file writes and cached downloads, so no reader ever sees a half-written file."""
+"""Atomic, durable file writes, clean-up after killed writers, and cached downloads."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import re
+import shutil
+import socket
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -12,27 +15,113 @@ from typing import Iterator
 
 import requests
 
+from edm2.errors import EDM2Error
 
-class DownloadError(RuntimeError):
+TMP_SUFFIX = ".tmp"
+# .NAME.PID@HOST.RANDOM.tmp: the writer's process and host tell a stale temporary from a live one.
+_TMP_NAME = re.compile(r"^\.(?P<name>.+?)\.(?P<pid>\d+)@(?P<host>.+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+class DownloadError(EDM2Error):
     """A URL could not be fetched; the message names the URL and the cache path."""
+
+
+class OutputError(EDM2Error):
+    """An output path cannot be written (under a file, read-only, no permission); the message names it."""
+
+
+def temporary_prefix(name: str) -> str:
+    """Prefix of a temporary beside the file `name`: '.NAME.PID@HOST.'; pair it with TMP_SUFFIX."""
+    return f".{name}.{os.getpid()}@{socket.gethostname()}."
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's or a folder's contents (a folder's: its entries) to the storage device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    """Yield a temporary path beside `path`; only if the block succeeds, make it durable and rename it onto `path`.
+
+    The file is fsynced before the rename and the folder after it, so a finished file survives a power loss.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
     try:
         yield tmp
         # mkstemp makes the file private; the finished file gets the modes open() would have given it.
         tmp.chmod(0o666 & ~current_umask())
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _writer_is_gone(match: re.Match) -> bool:
+    """True when the temporary's writer ran on this host and no process with its id exists any more."""
+    if match["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(match["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a process of another user holds that id
+        return False
+    return False
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, name: str | None = None, owned: bool = False,
+                             recursive: bool = False) -> list[Path]:
+    """Delete temporaries that killed writers left in `directory`; return what was deleted.
+
+    Only temporaries of `name` when given. A temporary counts as stale when its writer process is gone;
+    with `owned` (the caller holds the folder, e.g. under a run lock) every temporary counts.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    pattern = f".{name}.*{TMP_SUFFIX}" if name is not None else f".*{TMP_SUFFIX}"
+    removed = []
+    for path in sorted(directory.rglob(pattern) if recursive else directory.glob(pattern)):
+        match = _TMP_NAME.match(path.name)
+        if not owned and (match is None or not _writer_is_gone(match)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def check_writable_dir(path: str | os.PathLike) -> None:
+    """Raise OutputError unless the folder `path` exists or can be created, and files can be written in it.
+
+    Cheap, and meant to run before any expensive work: it finds the deepest existing ancestor and creates
+    (and at once deletes) an anonymous file there, which fails on read-only filesystems, also for root.
+    """
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        raise OutputError(f"{path} {what}, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write in {existing} ({e.strerror or e})") from None
 
 
 def current_umask() -> int:

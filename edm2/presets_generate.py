@@ -23,7 +23,7 @@ def _url(dataset: str, size: str, kimg: str, std: float) -> str:
 
 def _build() -> dict[str, GeneratePreset]:
     presets = {}
-    # Training length (kimg) of each published model; EMA stds as in paper Table 6 (reference/FACTS.md).
+    # Training length (kimg) of each published model; EMA stds as in paper Table 6 (the release's generate_images.py).
     img512_kimg = {"xs": "2147483", "s": "2147483", "m": "2147483", "l": "1879048", "xl": "1342177", "xxl": "0939524"}
     img512_fid = {"xs": 0.135, "s": 0.130, "m": 0.100, "l": 0.085, "xl": 0.085, "xxl": 0.070}
     img512_dino = {"xs": 0.200, "s": 0.190, "m": 0.155, "l": 0.155, "xl": 0.155, "xxl": 0.150}

@@ -90,7 +90,7 @@ def _reconstruct_ndarray(subtype, shape, dtype):
     return np.ndarray(shape, dtype)
 
 
-# Every global the release's pickles use (reference/FACTS.md) and what it becomes here.
+# Every global the release's pickles use (as found in its published .pkl files) and what it becomes here.
 _ALLOWED_GLOBALS = {
     ("torch_utils.persistence", "_reconstruct_persistent_obj"): _persistent_record,
     ("collections", "OrderedDict"): collections.OrderedDict,

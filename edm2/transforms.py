@@ -36,7 +36,7 @@ def center_crop_wide(image: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def center_crop_dhariwal(image: np.ndarray, size: int) -> np.ndarray:
-    """ADM's ImageNet preprocessing (paper App. D.3, FACTS.md): BOX-halve, BICUBIC-resize, centre-crop."""
+    """ADM's ImageNet preprocessing (paper App. D.3; ADM's image_datasets.py): BOX-halve, BICUBIC-resize, centre-crop."""
     pil = PIL.Image.fromarray(image)
     while min(pil.size) >= 2 * size:
         pil = pil.resize((pil.width // 2, pil.height // 2), PIL.Image.Resampling.BOX)

@@ -1,14 +1,37 @@
-"""Settings shared by every test."""
+"""Fixtures shared by every test module; shared data and builders are in tests/helpers.py."""
+
+import os
 
 import pytest
 import torch
 
+from tests.helpers import forget_release_standins, install_release_standins, save_tiny_vae
+
+# EDM2_TEST_THREADS=2 runs the suite with two threads per process, to show that no tolerance depends
+# on how a reduction is split across threads.
+TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
+
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Run on one CPU thread: tiny tensors are faster without OpenMP synchronization, and results
-    are bit-identical to torchrun workers, which default to OMP_NUM_THREADS=1."""
+def test_threads():
+    """Run on TEST_THREADS CPU threads (default 1: tiny tensors are faster without OpenMP synchronization,
+    and torchrun workers default to OMP_NUM_THREADS=1)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def release_standins(tmp_path):
+    """(persistence, util) stand-ins of the release's modules; unimportable again after the test."""
+    try:
+        yield install_release_standins(tmp_path)
+    finally:
+        forget_release_standins()
+
+
+@pytest.fixture(scope="session")
+def tiny_vae_dir(tmp_path_factory):
+    """A saved tiny random AutoencoderKL (see helpers.save_tiny_vae)."""
+    return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")

@@ -1,13 +1,261 @@
-"""Small helpers shared by test modules."""
+"""Data and builders shared by the test modules: reference numbers, tiny networks and detectors, stand-ins.
 
+Fixtures live in conftest.py; test modules import from here, never from each other.
+"""
+
+import collections
+import importlib
+import pickle
 import socket
+import sys
+import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
 
+from edm2.networks import Precond
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+# ---------------------------------------------------------------------------------------------------
+# Reference numbers, typed in from the paper (Table 6) and the release's published checkpoints.
+
+# Preset size -> (model_channels, dropout, alpha_ref): paper Table 6.
+SIZES = {
+    "xs": (128, 0.00, 0.0120), "s": (192, 0.00, 0.0100), "m": (256, 0.10, 0.0090),
+    "l": (320, 0.10, 0.0080), "xl": (384, 0.10, 0.0070), "xxl": (448, 0.10, 0.0065),
+}
+# Exact trainable parameters of the release's conditional img512 checkpoints (64x64x4 latents, 1000
+# classes, including the 128 weights of the log-variance head), counted from its published .pkl files.
+IMG512_PARAMS = {
+    "xs": 124_713_253, "s": 280_212_837, "m": 497_807_781,
+    "l": 777_498_085, "xl": 1_119_283_749, "xxl": 1_523_164_773,
+}
+# The same for the release's img64 U-Nets (64x64x3 RGB), without the log-variance head.
+IMG64_UNET_PARAMS = {
+    "xs": 124_710_821, "s": 280_209_253, "m": 497_803_045, "l": 777_492_197, "xl": 1_119_276_709,
+}
+# Paper Table 6, "gigaflops" = multiply-accumulates per evaluation, img512.
+TABLE6_GMACS = {"xs": 45.5, "s": 102.2, "m": 180.8, "l": 282.2, "xl": 405.9, "xxl": 552.1}
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny networks.
+
+# The tests' U-Net: two levels, one block each, attention at 4x4; seconds to train on a CPU.
+TINY_UNET = dict(model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,), channels_per_head=16)
+
+
+def tiny_precond(img_resolution: int = 8, img_channels: int = 3, label_dim: int = 10, **overrides) -> Precond:
+    """A Precond with the tests' tiny U-Net; overrides replace any of its arguments."""
+    return Precond(img_resolution, img_channels, label_dim, **{**TINY_UNET, **overrides})
+
+
+def randomized(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """net with every parameter and buffer drawn from N(0, 1): a fresh net's zero output gains would
+    make all denoisers equal."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*net.parameters(), *net.buffers()]:
+            t.copy_(torch.randn(t.shape, generator=generator))
+    return net
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command lines.
 
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now, for torchrun's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_one_error_line(result, *fragments: str) -> str:
+    """A failed command (click's CliRunner result or a CompletedProcess): non-zero exit, no traceback,
+    and exactly one 'Error' line, which contains every fragment. Returns that line."""
+    if hasattr(result, "exit_code"):
+        code, output = result.exit_code, result.output
+        assert isinstance(result.exception, SystemExit), (result.exception, output)
+    else:
+        code, output = result.returncode, result.stdout + result.stderr
+    assert code != 0, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, output
+    for fragment in fragments:
+        assert fragment in errors[0], output
+    return errors[0]
+
+
+def tree(path: Path) -> list[str]:
+    """Every file and folder below path, relative and sorted: to check that a command left nothing behind."""
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Detectors: a tiny DINOv2 in the official checkpoint layout and an Inception stand-in.
+
+def official_dinov2_shapes(width=1024, depth=24, patch=14, grid=37, mlp=4096, channels=3) -> dict:
+    """The DINOv2 checkpoint layout (names and shapes of dinov2_vit*_pretrain.pth), written out independently."""
+    shapes = {
+        "cls_token": (1, 1, width),
+        "pos_embed": (1, 1 + grid * grid, width),
+        "mask_token": (1, width),
+        "patch_embed.proj.weight": (width, channels, patch, patch),
+        "patch_embed.proj.bias": (width,),
+        "norm.weight": (width,),
+        "norm.bias": (width,),
+    }
+    for i in range(depth):
+        b = f"blocks.{i}."
+        shapes.update({
+            b + "norm1.weight": (width,), b + "norm1.bias": (width,),
+            b + "attn.qkv.weight": (3 * width, width), b + "attn.qkv.bias": (3 * width,),
+            b + "attn.proj.weight": (width, width), b + "attn.proj.bias": (width,),
+            b + "ls1.gamma": (width,),
+            b + "norm2.weight": (width,), b + "norm2.bias": (width,),
+            b + "mlp.fc1.weight": (mlp, width), b + "mlp.fc1.bias": (mlp,),
+            b + "mlp.fc2.weight": (width, mlp), b + "mlp.fc2.bias": (width,),
+            b + "ls2.gamma": (width,),
+        })
+    return shapes
+
+
+def random_dinov2_state_dict(seed=0, **config) -> dict:
+    """Random weights in the official DINOv2 layout (norm weights near 1, so activations stay sane)."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) * (0.3 if len(shape) > 1 else 0.5) + (1.0 if "norm" in name and
+            name.endswith("weight") else 0.0) for name, shape in official_dinov2_shapes(**config).items()}
+
+
+class TinyInceptionStandIn(torch.nn.Module):
+    """A stand-in with the call signature of the published Inception TorchScript (not the real network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+        self.fc = torch.nn.Linear(4 * 7 * 7, 12)
+
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        x = torch.nn.functional.interpolate(x.to(torch.float32), size=(16, 16), mode="bilinear")
+        features = self.fc(torch.relu(self.conv(x / 128 - 1)).flatten(1))
+        if return_features:
+            return features
+        return torch.softmax(features, dim=1)
+
+
+def save_tiny_vae(path: Path) -> Path:
+    """A randomly initialized AutoencoderKL with 2 levels (2x downsampling, the real one has 4 and 8x)."""
+    from diffusers import AutoencoderKL  # seconds to import; only the VAE tests need it
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=8, sample_size=16)
+    vae.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# The release's pickle format: stand-ins for its helper modules, importable only while a test pickles.
+
+RELEASE_TINY = dict(img_resolution=8, img_channels=4, label_dim=5, **TINY_UNET)
+
+_PERSISTENCE_SRC = """
+MARKER = {marker!r}
+
+
+def _reconstruct_persistent_obj(meta):
+    open(MARKER, "w").close()
+    raise RuntimeError("the release's reconstruction code must never run")
+
+
+class Persistent:
+    \"\"\"Pickles like an instance of a class decorated with the release's persistent_class.\"\"\"
+
+    def __init__(self, class_name, state):
+        module_src = "import os\\nopen(%r, 'w').close()\\nos.system('touch %s')\\n" % (MARKER, MARKER)
+        self.meta = dict(type="class", version=6, module_src=module_src, class_name=class_name, state=state)
+
+    def __reduce__(self):
+        return (_reconstruct_persistent_obj, (self.meta,))
+"""
+_DNNLIB_UTIL_SRC = """
+class EasyDict(dict):
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        self[name] = value
+"""
+
+
+def install_release_standins(tmp_path: Path) -> tuple:
+    """Import stand-in torch_utils.persistence and dnnlib.util; running their code touches tmp_path/'ran'."""
+    root = tmp_path / "release_src"
+    for package, module, src in (("torch_utils", "persistence", _PERSISTENCE_SRC), ("dnnlib", "util", _DNNLIB_UTIL_SRC)):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+        (root / package / f"{module}.py").write_text(textwrap.dedent(src.format(marker=str(tmp_path / "ran"))))
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    return importlib.import_module("torch_utils.persistence"), importlib.import_module("dnnlib.util")
+
+
+def forget_release_standins() -> None:
+    """Make the stand-ins unimportable again, as on a machine without the release's code."""
+    sys.path[:] = [p for p in sys.path if not p.endswith("release_src")]
+    for name in [n for n in sys.modules if n.split(".")[0] in ("torch_utils", "dnnlib")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+def release_module(module: torch.nn.Module, persistence):
+    """Mirror a module as the release pickles it: float16 tensors, module tree in _parameters/_buffers/_modules."""
+    plain = (bool, int, float, str, type(None))
+    state = {k: v for k, v in vars(module).items() if isinstance(v, plain)}
+    state["_parameters"] = collections.OrderedDict(
+        (n, torch.nn.Parameter(p.detach().half(), requires_grad=False)) for n, p in module._parameters.items()
+    )
+    state["_buffers"] = collections.OrderedDict((n, b.half()) for n, b in module._buffers.items())
+    state["_non_persistent_buffers_set"] = set()
+    state["_modules"] = collections.OrderedDict((n, release_module(c, persistence)) for n, c in module._modules.items())
+    if isinstance(module, torch.nn.ModuleDict):
+        # The release's enc/dec are plain torch ModuleDicts holding persistent blocks.
+        container = torch.nn.ModuleDict.__new__(torch.nn.ModuleDict)
+        container.__dict__.update(state)
+        return container
+    return persistence.Persistent(type(module).__name__, state)
+
+
+def random_release_tiny_net(seed=0) -> Precond:
+    """A RELEASE_TINY Precond with random weights, in eval mode."""
+    torch.manual_seed(seed)
+    return randomized(Precond(**RELEASE_TINY), seed).eval()
+
+
+def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: str = "vae") -> None:
+    """Write net (built with RELEASE_TINY) as the release pickles a network, its encoder and loss."""
+    ema = release_module(net, persistence)
+    ema.meta["state"].update(_init_args=(), _init_kwargs=dict(RELEASE_TINY, dropout=0.0, use_fp16=True))
+    if encoder == "vae":
+        scale = np.float32(0.5) / np.float32([4.17, 4.62, 3.71, 3.28])
+        bias = np.float32(0) - np.float32([5.81, 3.25, 0.12, -2.15]) * scale
+        state = dict(vae_name="stabilityai/sd-vae-ft-mse", scale=scale, bias=bias, batch_size=8, _vae=None)
+        encoder = persistence.Persistent("StabilityVAEEncoder", dict(state, _init_args=(), _init_kwargs={}))
+    else:
+        encoder = persistence.Persistent("StandardRGBEncoder", dict(_init_args=(), _init_kwargs={}))
+    loss = dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
+    data = dict(
+        ema=ema,
+        encoder=encoder,
+        dataset_kwargs=util.EasyDict(class_name="training.dataset.ImageFolderDataset", path="img512-sd.zip", use_labels=True),
+        loss_fn=persistence.Persistent("EDM2Loss", dict(loss, _init_args=(), _init_kwargs=dict(P_mean=-0.4, P_std=1.0))),
+    )
+    with open(path, "wb") as f:
+        pickle.dump(data, f)

@@ -4,7 +4,6 @@ import json
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -15,13 +14,11 @@ from click.testing import CliRunner
 import calculate_metrics
 from edm2 import detectors, metrics
 from edm2.encoders import StandardRGBEncoder
-from edm2.networks import Precond
 from edm2.sampler import generate_images
 from edm2.snapshot import load_network, save_network
-from tests.helpers import free_port
-from tests.test_detectors import TinyInceptionStandIn, random_state_dict
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, free_port, random_dinov2_state_dict,
+                           randomized, tiny_precond)
 
-REPO = Path(__file__).resolve().parents[1]
 # One 64-channel head keeps the 64x64 covariances cheap for scipy's sqrtm.
 DINOV2_CONFIG = dict(width=64, depth=1, patch=14, grid=5, mlp=128)
 
@@ -40,7 +37,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(TinyInceptionStandIn()), root / "inception.pt")
-    torch.save(random_state_dict(**DINOV2_CONFIG), root / "dinov2.pth")
+    torch.save(random_dinov2_state_dict(**DINOV2_CONFIG), root / "dinov2.pth")
     return dict(
         root=root,
         a=write_images(root / "a", 12, seed=1, brightness=100),
@@ -68,7 +65,7 @@ def direct_stats(setup, folder, indices=None):
 
 
 def run(*args):
-    return CliRunner().invoke(calculate_metrics.cmdline, [str(a) for a in args])
+    return CliRunner().invoke(calculate_metrics.main, [str(a) for a in args])
 
 
 def results_of(result):
@@ -138,15 +135,6 @@ def test_two_processes_give_the_statistics_of_one(setup, tmp_path):
     assert_stats_close(metrics.load_stats(two), metrics.load_stats(one), rtol=1e-10)
 
 
-def assert_one_error_line(result, *fragments):
-    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1, result.output
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-
-
 def test_bad_input_gives_one_clear_line(setup, tmp_path):
     ref = tmp_path / "ref.npz"
     metrics.save_stats(direct_stats(setup, setup["b"]), ref)
@@ -175,11 +163,7 @@ def test_bad_input_gives_one_clear_line(setup, tmp_path):
 
 def tiny_snapshot(path, label_dim, seed):
     torch.manual_seed(seed)
-    net = Precond(8, 3, label_dim, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                  channels_per_head=16)
-    with torch.no_grad():
-        for param in net.parameters():  # fresh nets have zero output gains and thus equal denoisers
-            param.normal_()
+    net = randomized(tiny_precond(label_dim=label_dim), seed)
     save_network(path, net, {"encoder": StandardRGBEncoder().config()})
     return path
 

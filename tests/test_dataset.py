@@ -14,7 +14,7 @@ import torch
 from edm2.dataset import (DatasetError, ImageFolderDataset, dataset_writer, image_fname, latent_fname,
                           png_bytes)
 
-# Release names (FACTS.md): the folder is the first 5 digits of the 8-digit index.
+# The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
 
 

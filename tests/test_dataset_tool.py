@@ -17,26 +17,17 @@ import dataset_tool
 from edm2 import toy_shapes, transforms
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
-from tests.helpers import free_port
-from tests.test_encoders import save_tiny_vae
+from tests.helpers import assert_one_error_line, free_port, save_tiny_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return CliRunner().invoke(dataset_tool.cli, [str(arg) for arg in args])
+    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
 
 
 def assert_ok(result):
     assert result.exit_code == 0, result.output
-
-
-def assert_one_line_error(result, *words):
-    """Non-zero exit through click (no traceback) and a single 'Error:' line containing the words."""
-    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and all(word in errors[0] for word in words), result.output
 
 
 def zip_contents(path):
@@ -213,7 +204,7 @@ def test_interrupted_encode_resumes_to_the_same_dataset(encode_setup, monkeypatc
     partial = root / "resumed.zip.partial"
     assert not dest.exists() and len(list(partial.glob("*/*.npy"))) == 6
     monkeypatch.setattr(StabilityVAEEncoder, "encode_pixels", original)
-    assert_one_line_error(run(*args, "--max-images", 4), "resumed.zip.partial", "images 10 -> 4")
+    assert_one_error_line(run(*args, "--max-images", 4), "resumed.zip.partial", "images 10 -> 4")
     result = run(*args, "--workers", 2)
     assert_ok(result)
     assert "6 of 10 images already encoded" in result.output
@@ -251,7 +242,7 @@ def test_decode_writes_the_vae_decoding_of_the_mean(encode_setup, tmp_path):
 def test_corrupt_image_stops_or_is_skipped_by_name(tmp_path, class_folders):
     (class_folders / "dog" / "broken.png").write_bytes((class_folders / "dog" / "c.png").read_bytes()[:60])
     args = ["convert", "--source", class_folders, "--resolution", 8, "--transform", "center-crop"]
-    assert_one_line_error(run(*args, "--dest", tmp_path / "stop.zip"), "dog/broken.png", "--on-error=skip")
+    assert_one_error_line(run(*args, "--dest", tmp_path / "stop.zip"), "dog/broken.png", "--on-error=skip")
     assert not (tmp_path / "stop.zip").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["train"]
     result = run(*args, "--dest", tmp_path / "skip.zip", "--on-error", "skip")
     assert_ok(result)
@@ -285,7 +276,7 @@ def test_bad_arguments_give_one_line(tmp_path, class_folders, encode_setup):
         (["decode", "--source", root / "toy.zip", "--dest", tmp_path / "d.zip"], ["--source", ".npy"]),
     ]
     for args, words in cases:
-        assert_one_line_error(run(*args), *words)
+        assert_one_error_line(run(*args), *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.zip", "garbage.zip", "sizes", "train"]
 
 

@@ -7,42 +7,11 @@ import pytest
 import torch
 
 from edm2 import detectors
-
-
-def official_dinov2_shapes(width=1024, depth=24, patch=14, grid=37, mlp=4096, channels=3):
-    """The DINOv2 checkpoint layout (names and shapes of dinov2_vit*_pretrain.pth), written out independently."""
-    shapes = {
-        "cls_token": (1, 1, width),
-        "pos_embed": (1, 1 + grid * grid, width),
-        "mask_token": (1, width),
-        "patch_embed.proj.weight": (width, channels, patch, patch),
-        "patch_embed.proj.bias": (width,),
-        "norm.weight": (width,),
-        "norm.bias": (width,),
-    }
-    for i in range(depth):
-        b = f"blocks.{i}."
-        shapes.update({
-            b + "norm1.weight": (width,), b + "norm1.bias": (width,),
-            b + "attn.qkv.weight": (3 * width, width), b + "attn.qkv.bias": (3 * width,),
-            b + "attn.proj.weight": (width, width), b + "attn.proj.bias": (width,),
-            b + "ls1.gamma": (width,),
-            b + "norm2.weight": (width,), b + "norm2.bias": (width,),
-            b + "mlp.fc1.weight": (mlp, width), b + "mlp.fc1.bias": (mlp,),
-            b + "mlp.fc2.weight": (width, mlp), b + "mlp.fc2.bias": (width,),
-            b + "ls2.gamma": (width,),
-        })
-    return shapes
+from tests.helpers import TinyInceptionStandIn, official_dinov2_shapes, random_dinov2_state_dict
 
 
 # A tiny DINOv2 (2 heads of 64 channels) with the official names; grid 5 forces position-embedding resampling.
 TINY = dict(width=128, depth=2, patch=14, grid=5, mlp=256)
-
-
-def random_state_dict(seed=0, **config):
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g) * (0.3 if len(shape) > 1 else 0.5) + (1.0 if "norm" in name and
-            name.endswith("weight") else 0.0) for name, shape in official_dinov2_shapes(**config).items()}
 
 
 def reference_dinov2(state, images_uint8, heads):
@@ -90,7 +59,7 @@ def test_default_dinov2_has_the_official_vitl14_layout():
 
 
 def test_dinov2_from_official_names_gives_reference_class_token(tmp_path):
-    state = random_state_dict(**TINY)
+    state = random_dinov2_state_dict(**TINY)
     path = tmp_path / "tiny_dinov2.pth"
     torch.save(state, path)
     detector = detectors.load_detector("fd_dinov2", path)
@@ -105,7 +74,7 @@ def test_dinov2_from_official_names_gives_reference_class_token(tmp_path):
 
 
 def test_dinov2_position_embedding_at_native_grid_is_the_learned_one():
-    net = detectors.DINOv2ViT.from_state_dict(random_state_dict(**TINY))
+    net = detectors.DINOv2ViT.from_state_dict(random_dinov2_state_dict(**TINY))
     assert net.position_embedding(5, 5) is net.pos_embed
     resampled = net.position_embedding(16, 16)
     assert resampled.shape == (1, 1 + 256, 128)
@@ -114,7 +83,7 @@ def test_dinov2_position_embedding_at_native_grid_is_the_learned_one():
 
 @pytest.mark.parametrize("change", ["missing", "extra", "renamed"])
 def test_dinov2_loading_is_strict(tmp_path, change):
-    state = random_state_dict(**TINY)
+    state = random_dinov2_state_dict(**TINY)
     if change == "missing":
         del state["blocks.1.ls2.gamma"]
     elif change == "extra":
@@ -136,28 +105,12 @@ class _RunsCode:
 
 def test_dinov2_file_carrying_code_is_refused(tmp_path):
     marker = tmp_path / "ran"
-    state = random_state_dict(**TINY)
+    state = random_dinov2_state_dict(**TINY)
     state["payload"] = _RunsCode(marker)
     torch.save(state, tmp_path / "evil.pth")
     with pytest.raises(detectors.DetectorError, match="evil.pth"):
         detectors.DINOv2(tmp_path / "evil.pth")
     assert not marker.exists()
-
-
-class TinyInceptionStandIn(torch.nn.Module):
-    """A stand-in with the call signature of the published Inception TorchScript (not the real network)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
-        self.fc = torch.nn.Linear(4 * 7 * 7, 12)
-
-    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
-        x = torch.nn.functional.interpolate(x.to(torch.float32), size=(16, 16), mode="bilinear")
-        features = self.fc(torch.relu(self.conv(x / 128 - 1)).flatten(1))
-        if return_features:
-            return features
-        return torch.softmax(features, dim=1)
 
 
 def test_inception_loads_torchscript_and_returns_features(tmp_path):

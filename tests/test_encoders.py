@@ -15,24 +15,9 @@ RAW_MEAN = np.array([5.81, 3.25, 0.12, -2.15])
 RAW_STD = np.array([4.17, 4.62, 3.71, 3.28])
 
 
-def save_tiny_vae(path):
-    """A randomly initialized AutoencoderKL with 2 levels (2x downsampling, the real one has 4 and 8x)."""
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        layers_per_block=1, norm_num_groups=8, sample_size=16)
-    vae.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def vae_dir(tmp_path_factory):
-    return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")
-
-
-@pytest.fixture(scope="module")
-def vae(vae_dir):
-    return AutoencoderKL.from_pretrained(vae_dir).eval()
+def vae(tiny_vae_dir):
+    return AutoencoderKL.from_pretrained(tiny_vae_dir).eval()
 
 
 def pixels(n, size=16, seed=0):
@@ -83,11 +68,11 @@ def test_scale_bias_keep_release_float32_values_through_config():
             encoder_from_config(bad)
 
 
-def test_encode_pixels_equals_diffusers_in_batches(vae_dir, vae, monkeypatch):
+def test_encode_pixels_equals_diffusers_in_batches(tiny_vae_dir, vae, monkeypatch):
     loads, batch_sizes = [], []
     hook = vae.encoder.register_forward_pre_hook(lambda module, args: batch_sizes.append(args[0].shape[0]))
     monkeypatch.setattr(encoders, "load_vae", lambda name: loads.append(name) or vae)
-    enc = StabilityVAEEncoder(str(vae_dir), batch_size=2)
+    enc = StabilityVAEEncoder(str(tiny_vae_dir), batch_size=2)
     assert loads == []  # lazy: nothing is loaded before pixels need encoding
     x = pixels(5)
     out = enc.encode_pixels(x)
@@ -96,14 +81,14 @@ def test_encode_pixels_equals_diffusers_in_batches(vae_dir, vae, monkeypatch):
         dist = vae.encode(x.double().div(255).float()).latent_dist
     assert out.dtype == torch.float32 and out.shape == (5, 8, 8, 8)  # 2x downsampling of this VAE
     assert torch.allclose(out, torch.cat([dist.mean, dist.std], dim=1), atol=1e-5)
-    assert batch_sizes == [2, 2, 1] and loads == [str(vae_dir)]
+    assert batch_sizes == [2, 2, 1] and loads == [str(tiny_vae_dir)]
     enc.encode_pixels(x)
-    assert loads == [str(vae_dir)]  # loaded once
+    assert loads == [str(tiny_vae_dir)]  # loaded once
     assert not out.requires_grad
 
 
-def test_encode_latents_draws_from_global_rng(vae_dir):
-    enc = StabilityVAEEncoder(str(vae_dir))
+def test_encode_latents_draws_from_global_rng(tiny_vae_dir):
+    enc = StabilityVAEEncoder(str(tiny_vae_dir))
     gen = torch.Generator().manual_seed(3)
     mean, std = torch.randn(2, 4, 8, 8, generator=gen), torch.rand(2, 4, 8, 8, generator=gen)
     torch.manual_seed(7)
@@ -117,8 +102,8 @@ def test_encode_latents_draws_from_global_rng(vae_dir):
     assert not torch.allclose(enc.encode_latents(torch.cat([mean, std], dim=1)), out)
 
 
-def test_decode_equals_diffusers(vae_dir, vae):
-    enc = StabilityVAEEncoder(str(vae_dir), batch_size=3)
+def test_decode_equals_diffusers(tiny_vae_dir, vae):
+    enc = StabilityVAEEncoder(str(tiny_vae_dir), batch_size=3)
     final = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(5))
     raw = (final.double() - torch.tensor(enc.bias).double().reshape(1, 4, 1, 1)) / torch.tensor(
         enc.scale).double().reshape(1, 4, 1, 1)
@@ -131,8 +116,8 @@ def test_decode_equals_diffusers(vae_dir, vae):
     assert torch.equal(enc.decode_raw(raw.float()), out)
 
 
-def test_pickle_drops_the_vae(vae_dir):
-    enc = StabilityVAEEncoder(str(vae_dir), batch_size=4)
+def test_pickle_drops_the_vae(tiny_vae_dir):
+    enc = StabilityVAEEncoder(str(tiny_vae_dir), batch_size=4)
     first = enc.encode_pixels(pixels(2))
     data = pickle.dumps(enc)
     assert len(data) < 2000  # settings only, no weights
@@ -148,8 +133,8 @@ def test_vae_that_cannot_load_names_it(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_vae_follows_input_device(vae_dir):
-    enc = StabilityVAEEncoder(str(vae_dir))
+def test_vae_follows_input_device(tiny_vae_dir):
+    enc = StabilityVAEEncoder(str(tiny_vae_dir))
     x = pixels(2)
     on_gpu = enc.encode_pixels(x.cuda())
     assert on_gpu.device.type == "cuda"

@@ -1,12 +1,16 @@
 """Atomic writes and the download cache."""
 
 import os
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from edm2 import files
+from tests.helpers import REPO
 
 
 def test_atomic_path_renames_only_on_success(tmp_path):
@@ -50,3 +54,60 @@ def test_atomic_path_gives_the_usual_file_mode(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "out.bin").stat().st_mode) == 0o644
+
+
+def test_atomic_path_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    with files.atomic_path(tmp_path / "out.bin") as tmp:
+        tmp.write_bytes(b"ok")
+    assert events == [("fsync", str(tmp)), ("replace", str(tmp_path / "out.bin")), ("fsync", str(tmp_path))]
+
+
+def test_a_killed_writer_leaves_a_temporary_that_a_rerun_removes(tmp_path):
+    # A child process dies inside atomic_path, as a SIGKILL would leave it.
+    script = ("import os, sys; from edm2 import files\n"
+              "with files.atomic_path(sys.argv[1]) as tmp:\n"
+              "    tmp.write_bytes(b'half'); os._exit(9)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state.pt")], cwd=REPO)
+    assert result.returncode == 9
+    [stale] = tmp_path.glob(".state.pt.*.tmp")
+    live = tmp_path / f"{files.temporary_prefix('other.pt')}abc{files.TMP_SUFFIX}"  # this process: alive
+    live.write_bytes(b"busy")
+    foreign = tmp_path / ".x.pt.1@some-other-host.abc.tmp"  # cannot tell whether its writer lives
+    foreign.write_bytes(b"?")
+    assert files.remove_stale_temporaries(tmp_path) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name])
+    assert files.remove_stale_temporaries(tmp_path, name="other.pt") == []
+    assert sorted(files.remove_stale_temporaries(tmp_path, owned=True)) == sorted([live, foreign])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_writable_dir(tmp_path):
+    files.check_writable_dir(tmp_path / "new" / "deeper")  # creatable: fine, and nothing is created
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(files.OutputError, match="file, not a folder"):
+        files.check_writable_dir(tmp_path / "file")
+    with pytest.raises(files.OutputError, match="lies under .*file, which is a file"):
+        files.check_writable_dir(tmp_path / "file" / "out")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare to mount a read-only folder")
+def test_check_writable_dir_refuses_a_read_only_filesystem_also_for_root(tmp_path):
+    (tmp_path / "ro").mkdir()
+    script = ("from edm2 import files\n"
+              f"try:\n    files.check_writable_dir({str(tmp_path / 'ro' / 'out')!r})\n"
+              "except files.OutputError as e:\n    print(e)\n")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {tmp_path / 'ro'} && "
+                             f"{sys.executable} -c \"$0\"", script], cwd=REPO, capture_output=True, text=True)
+    if "mount" in result.stderr:
+        pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+    assert "Read-only file system" in result.stdout, result.stdout + result.stderr

@@ -14,18 +14,15 @@ from click.testing import CliRunner
 import generate
 from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
-from edm2.networks import Precond
 from edm2.sampler import generate_images
-from tests.helpers import free_port
+from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
 
 
 def tiny_net(label_dim, resolution=8, channels=3, seed=0):
     torch.manual_seed(seed)
-    return Precond(resolution, channels, label_dim, **TINY).eval().requires_grad_(False)
+    return tiny_precond(resolution, channels, label_dim).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -121,23 +118,17 @@ def test_every_release_preset_is_there():
     assert presets["edm2-img64-xl-fid"].net.endswith("edm2-img64-xl-0671088-0.040.pkl")
 
 
-def assert_one_line_error(result, *words):
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and all(w in errors[0] for w in words), result.output
-
-
 def test_bad_input_gets_one_clear_line(nets, tmp_path, monkeypatch):
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
     net = ["--net", nets["net"], "--outdir", out, *FAST]
-    assert_one_line_error(run_cli([*net, "--guidance=1.4"]), "--guidance", "--gnet")
-    assert_one_line_error(run_cli(["--preset=edm2-img512-huge-fid", "--outdir", out]), "--preset", "edm2-img512-huge-fid")
-    assert_one_line_error(run_cli([*net, "--gnet", nets["gnet_res16"], "--guidance=2"]), "--gnet", "resolution 16")
-    assert_one_line_error(run_cli([*net, "--gnet", nets["gnet_ch4"], "--guidance=2"]), "--gnet", "4 channels")
+    assert_one_error_line(run_cli([*net, "--guidance=1.4"]), "--guidance", "--gnet")
+    assert_one_error_line(run_cli(["--preset=edm2-img512-huge-fid", "--outdir", out]), "--preset", "edm2-img512-huge-fid")
+    assert_one_error_line(run_cli([*net, "--gnet", nets["gnet_res16"], "--guidance=2"]), "--gnet", "resolution 16")
+    assert_one_error_line(run_cli([*net, "--gnet", nets["gnet_ch4"], "--guidance=2"]), "--gnet", "4 channels")
     url = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
-    assert_one_line_error(run_cli(["--net", url, "--outdir", out]), url, str(tmp_path / "cache"))
-    assert_one_line_error(run_cli([*net, "--class=5"]), "--class", "5 classes")
-    assert_one_line_error(run_cli([*net, "--seeds=3-1"]), "--seeds")
-    assert_one_line_error(run_cli(["--net", tmp_path / "missing.safetensors", "--outdir", out]), "missing.safetensors")
+    assert_one_error_line(run_cli(["--net", url, "--outdir", out]), url, str(tmp_path / "cache"))
+    assert_one_error_line(run_cli([*net, "--class=5"]), "--class", "5 classes")
+    assert_one_error_line(run_cli([*net, "--seeds=3-1"]), "--seeds")
+    assert_one_error_line(run_cli(["--net", tmp_path / "missing.safetensors", "--outdir", out]), "missing.safetensors")
     assert not out.exists()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edm2.loss import EDM2Loss, learning_rate_schedule
-from edm2.networks import Precond
+from tests.helpers import tiny_precond
 
 
 class AffineDenoiser(torch.nn.Module):
@@ -56,8 +56,7 @@ def test_weighted_error_is_one_at_initialization():
     # At initialization the U-Net's output gain is 0, so D = c_skip x and lambda(sigma) L(D; sigma) = 1
     # in expectation over data of std sigma_data (the property that motivates Eq. 15).
     torch.manual_seed(0)
-    net = Precond(8, 3, 0, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                  channels_per_head=16, use_fp16=False)
+    net = tiny_precond(label_dim=0, use_fp16=False)
     y = 0.5 * torch.randn(512, 3, 8, 8)
     sigma = torch.logspace(-2, 1.5, 512).reshape(-1, 1, 1, 1)
     with torch.no_grad():
@@ -69,8 +68,7 @@ def test_weighted_error_is_one_at_initialization():
 
 def test_gradient_reaches_the_logvar_head():
     torch.manual_seed(0)
-    net = Precond(8, 3, 2, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                  channels_per_head=16, use_fp16=False)
+    net = tiny_precond(label_dim=2, use_fp16=False)
     loss = EDM2Loss()(net, torch.randn(4, 3, 8, 8), torch.eye(2)[[0, 1, 0, 1]])
     loss.sum().backward()
     assert net.logvar_linear.weight.grad.abs().sum() > 0

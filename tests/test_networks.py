@@ -1,39 +1,22 @@
 """The EDM2 network against the paper (Appendix B.7, Table 6) and the release's checkpoints."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from edm2.layers import normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
-
-REFERENCE = Path(__file__).resolve().parent / "data"  # copies of shared/reference/official-keys-*.txt
-SIZES = {"xs": 128, "s": 192, "m": 256, "l": 320, "xl": 384, "xxl": 448}
-
-# reference/FACTS.md: exact trainable parameters of the conditional img512 nets (with the
-# 128-weight log-variance head) and the img64 U-Nets (without it).
-IMG512_PARAMS = {
-    "xs": 124_713_253, "s": 280_212_837, "m": 497_807_781,
-    "l": 777_498_085, "xl": 1_119_283_749, "xxl": 1_523_164_773,
-}
-IMG64_UNET_PARAMS = {
-    "xs": 124_710_821, "s": 280_209_253, "m": 497_803_045, "l": 777_492_197, "xl": 1_119_276_709,
-}
-# Paper Table 6, "gigaflops" = multiply-accumulates per evaluation, img512.
-TABLE6_GMACS = {"xs": 45.5, "s": 102.2, "m": 180.8, "l": 282.2, "xl": 405.9, "xxl": 552.1}
+from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
 
 
 def meta_net(size: str, img_resolution=64, img_channels=4, label_dim=1000) -> Precond:
     with torch.device("meta"):
-        return Precond(img_resolution, img_channels, label_dim, model_channels=SIZES[size])
+        return Precond(img_resolution, img_channels, label_dim, model_channels=SIZES[size][0])
 
 
 def tiny_net(label_dim=10, **kwargs) -> Precond:
-    kwargs = dict(model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                  channels_per_head=16) | kwargs
-    return Precond(8, 3, label_dim, **kwargs)
+    return tiny_precond(label_dim=label_dim, **kwargs)
 
 
 @pytest.mark.parametrize("size", list(IMG512_PARAMS))
@@ -51,7 +34,7 @@ def test_img64_parameter_counts(size):
 @pytest.mark.parametrize("label_dim,filename", [(1000, "official-keys-img512-xs.txt"),
                                                 (0, "official-keys-img512-xs-uncond.txt")])
 def test_state_dict_matches_release(label_dim, filename):
-    expected = [line for line in (REFERENCE / filename).read_text().splitlines() if line.strip()]
+    expected = [line for line in (DATA / filename).read_text().splitlines() if line.strip()]
     net = meta_net("xs", label_dim=label_dim)
     got = [f"{name} {list(t.shape)}" for name, t in net.state_dict().items()]
     assert got == expected

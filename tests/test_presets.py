@@ -1,4 +1,4 @@
-"""Release presets against reference/FACTS.md (paper Table 6 and the release's durations/intervals)."""
+"""Release presets against paper Table 6 and the release's durations, intervals and checkpoints."""
 
 import pytest
 import torch
@@ -6,14 +6,11 @@ import torch
 from edm2.networks import count_parameters
 from training.loop import TrainingOptions, build_network
 from training.presets import PRESETS, get_preset
+from tests.helpers import IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES
 
 Mi = 2**20
 
-# FACTS.md, typed in by hand: size -> (model_channels, dropout, alpha_ref).
-SIZES = {
-    "xs": (128, 0.00, 0.0120), "s": (192, 0.00, 0.0100), "m": (256, 0.10, 0.0090),
-    "l": (320, 0.10, 0.0080), "xl": (384, 0.10, 0.0070), "xxl": (448, 0.10, 0.0065),
-}
+# The release's training durations in images (its training/presets), by dataset and size.
 DURATIONS = {
     "img512": {"xs": 2048 * Mi, "s": 2048 * Mi, "m": 2048 * Mi, "l": 1792 * Mi, "xl": 1280 * Mi, "xxl": 896 * Mi},
     "img64": {"xs": 1024 * Mi, "s": 1024 * Mi, "m": 2048 * Mi, "l": 1024 * Mi, "xl": 640 * Mi},
@@ -41,14 +38,9 @@ def test_release_preset_values(res, size):
     assert p.data == ("datasets/img512-sd.zip" if res == "img512" else "datasets/img64.zip")
 
 
-# FACTS.md: exact trainable parameters of the conditional img512 nets (latents 64x64x4, 1000 classes)
-# and of the img64 U-Nets (RGB; + 128 for the log-variance head).
-PARAMS = {
-    ("img512", "xs"): 124_713_253, ("img512", "s"): 280_212_837, ("img512", "m"): 497_807_781,
-    ("img512", "l"): 777_498_085, ("img512", "xl"): 1_119_283_749, ("img512", "xxl"): 1_523_164_773,
-    ("img64", "xs"): 124_710_821 + 128, ("img64", "s"): 280_209_253 + 128, ("img64", "m"): 497_803_045 + 128,
-    ("img64", "l"): 777_492_197 + 128, ("img64", "xl"): 1_119_276_709 + 128,
-}
+# The img64 counts gain the 128 weights of the log-variance head.
+PARAMS = {**{("img512", size): n for size, n in IMG512_PARAMS.items()},
+          **{("img64", size): n + 128 for size, n in IMG64_UNET_PARAMS.items()}}
 
 
 @pytest.mark.parametrize("res, size", [("img512", "xs"), ("img512", "xxl"), ("img64", "s"), ("img64", "xl")])

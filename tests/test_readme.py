@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def readme_commands() -> list[str]:
@@ -36,13 +36,12 @@ def script_and_args(command: str) -> tuple[Path, list[str]]:
 
 
 def click_entry_point(script: Path) -> click.Command:
-    """The click command a script calls under `if __name__ == "__main__":`."""
-    name = re.search(r'if __name__ == "__main__":\s+(\w+)\(', script.read_text()).group(1)
+    """The click command of a command-line script: every script names it `main`."""
     spec = importlib.util.spec_from_file_location(f"readme_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return getattr(module, name)
+    return module.main
 
 
 def test_readme_has_the_workflow_commands():

@@ -14,14 +14,11 @@ from edm2 import phema
 from edm2.networks import Precond
 from edm2.sampler import edm_sampler
 from edm2.snapshot import load_network, save_network
-from tests.test_release_pickle import forget_standins, random_tiny_net, standins, write_release_pickle  # noqa: F401
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO, forget_release_standins, random_release_tiny_net, tiny_precond, write_release_pickle
 
 
 def tiny_net(model_channels=16) -> Precond:
-    return Precond(8, 3, 10, model_channels=model_channels, channel_mult=(1, 2), num_blocks=1,
-                   attn_resolutions=(4,), channels_per_head=16)
+    return tiny_precond(model_channels=model_channels)
 
 
 def fake_training_run(run_dir: Path, num_snapshots=6, steps_per_snapshot=4, batch_size=256) -> None:
@@ -98,14 +95,14 @@ def test_reconstruction_from_our_run_loads_and_samples(tmp_path, monkeypatch):
     assert {u["ema_std"] for u in meta["phema"]["inputs"]} == {0.05}
 
 
-def test_release_pickles_as_inputs(tmp_path, standins):
+def test_release_pickles_as_inputs(tmp_path, release_standins):
     # Raw snapshots in the release's format, read through edm2.snapshot.load_network's safe importer;
-    # the image count comes from the file name's kimg (reference/FACTS.md).
+    # the image count comes from the file name's kimg (the release's naming: kimg = images // 1000 of 1024-image batches).
     names = []
     for seed, (kimg, std) in enumerate([(134217, 0.05), (134217, 0.10), (268435, 0.05), (268435, 0.10)]):
         names.append(f"edm2-img512-xs-{kimg:07d}-{std:.3f}.pkl")
-        write_release_pickle(tmp_path / names[-1], random_tiny_net(seed), *standins)
-    forget_standins()
+        write_release_pickle(tmp_path / names[-1], random_release_tiny_net(seed), *release_standins)
+    forget_release_standins()
     result = run_cli(f"--indir={tmp_path}", "--std=0.07")
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "ran").exists()

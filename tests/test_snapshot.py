@@ -9,11 +9,11 @@ import torch
 from edm2.networks import Precond
 from edm2.encoders import StandardRGBEncoder
 from edm2.snapshot import SnapshotError, load_generator, load_network, read_metadata, save_network
+from tests.helpers import tiny_precond
 
 
 def tiny_net(**kwargs) -> Precond:
-    return Precond(8, 3, 10, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                   channels_per_head=16, **kwargs)
+    return tiny_precond(**kwargs)
 
 
 def test_roundtrip_float16_weights_and_metadata(tmp_path):

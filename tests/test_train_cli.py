@@ -20,9 +20,8 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.snapshot import load_network, read_metadata
 from training import checkpoint
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
 
 
@@ -52,14 +51,14 @@ def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
 
 
 def run(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data, outdir, *extra), cwd=ROOT, env=ENV, capture_output=True,
+    result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=ENV, capture_output=True,
                             text=True, timeout=300)
     assert "Traceback" not in result.stderr, result.stderr
     return result
 
 
 def start(data: Path, outdir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command(data, outdir, *extra), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    return subprocess.Popen(train_command(data, outdir, *extra), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -206,7 +205,7 @@ def test_torchrun_two_gloo_processes(dataset, tmp_path):
         "train_edm2.py", *TRAIN, "--duration=1Ki", "--batch-gpu=8", f"--data={dataset}", f"--outdir={outdir}",
         "--workers=0",
     ]
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 process(es) x 2 round(s) x 8 images" in result.stdout
     assert sorted(p.name for p in outdir.glob("network-snapshot-*")) == [

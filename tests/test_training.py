@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from edm2.loss import EDM2Loss
-from edm2.networks import Precond
 from training import checkpoint
 from training.loop import (
     HYPERPARAMETERS, DataOrder, TrainingOptions, accumulate_gradients, optimizer_step, round_seed,
     rounds_per_step,
 )
+from tests.helpers import tiny_precond
 
 
 def take(iterator, n):
@@ -59,8 +59,7 @@ def test_batch_must_split_evenly():
 
 def tiny_net():
     torch.manual_seed(0)
-    net = Precond(8, 3, 4, model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,),
-                  channels_per_head=16, use_fp16=False)
+    net = tiny_precond(label_dim=4, use_fp16=False)
     with torch.no_grad():
         net.unet.out_gain.fill_(0.5)
     return net.train()

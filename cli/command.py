@@ -1,0 +1,28 @@
+"""click command classes that turn every library error into one line, a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import click
+
+from edm2.errors import EDM2Error, one_line
+
+
+class _OneLineErrors:
+    """Mixin for click commands: EDM2Error and OSError (a full disk, a read-only folder) become click errors."""
+
+    def invoke(self, ctx: click.Context):
+        """Run the command, reporting library and file-system errors as `Error: <one line>`."""
+        try:
+            return super().invoke(ctx)
+        except (EDM2Error, OSError) as e:
+            raise click.ClickException(one_line(e)) from None
+
+
+class Command(_OneLineErrors, click.Command):
+    """A click command whose library errors read as one line."""
+
+
+class Group(_OneLineErrors, click.Group):
+    """A click group whose subcommands' library errors read as one line."""
+
+    command_class = Command

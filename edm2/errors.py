@@ -1,0 +1,25 @@
+"""The root of every error the library raises on purpose, and how any error reads as one line."""
+
+from __future__ import annotations
+
+
+class EDM2Error(Exception):
+    """Base class of the library's errors: bad input or a file it cannot use; the message says which and why."""
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message as a single line, also when a DataLoader worker wrapped it with a traceback."""
+    if isinstance(error, OSError) and error.strerror:
+        # str() of an OSError starts with '[Errno N]'; the file and the reason are what a user needs.
+        where = error.filename if error.filename is not None else ""
+        return f"{where}: {error.strerror}" if where else error.strerror
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    # A worker's re-raised error carries 'Original Traceback', whose last line is 'module.Class: message'.
+    wrapped = len(lines) > 1 and lines[1].startswith("Original Traceback")
+    line = lines[-1] if wrapped else lines[0]
+    qualified = f"{type(error).__module__}.{type(error).__name__}: "
+    for prefix in (qualified, f"{type(error).__name__}: "):
+        line = line.removeprefix(prefix)
+    return line

@@ -1,0 +1,121 @@
+"""House rules a reader relies on: small modules and functions, no import cycles, one error root,
+test modules independent of each other, nothing that names a file outside the repository."""
+
+import ast
+import importlib
+import inspect
+import subprocess
+
+import pytest
+
+from edm2.errors import EDM2Error
+from tests.helpers import REPO
+
+PACKAGES = ("edm2", "training", "cli")
+MAX_FILE_LINES = 350
+MAX_FUNCTION_LINES = 60
+# Raised on purpose without being bad input: an abstract method, and the second Ctrl-C that aborts at once.
+NOT_ERRORS = (NotImplementedError, KeyboardInterrupt)
+
+
+def tracked(pattern: str) -> list[str]:
+    """Files git tracks (or would track) under a pathspec, relative to the repository."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", pattern],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return sorted(set(out.split()))
+
+
+def product_files() -> list[str]:
+    """Python files of the library, the training code, the command lines and the scripts."""
+    files = [f for package in PACKAGES for f in tracked(f"{package}/*.py")]
+    return files + [f for f in tracked("*.py") if "/" not in f] + tracked("scripts/*.py")
+
+
+def module_name(path: str) -> str:
+    """'edm2/files.py' -> 'edm2.files'; a package's __init__ is the package."""
+    return path[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def imported_modules(path: str, known: set[str]) -> set[str]:
+    """Project modules that a file imports anywhere, inside functions too."""
+    found = set()
+    for node in ast.walk(ast.parse((REPO / path).read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # 'from edm2 import files' imports the module edm2.files when one exists.
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                     for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+@pytest.mark.parametrize("path", product_files())
+def test_file_and_functions_are_short(path):
+    source = (REPO / path).read_text()
+    assert len(source.splitlines()) <= MAX_FILE_LINES, f"{path} has {len(source.splitlines())} lines"
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{path}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_import_cycle():
+    files = {module_name(f): f for f in product_files() if f.split("/")[0] in PACKAGES}
+    graph = {name: imported_modules(path, set(files)) - {name} for name, path in files.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            assert state.get(target) != "open", "import cycle: " + " -> ".join(stack[stack.index(target):] + [target])
+            if target not in state:
+                visit(target, stack + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+@pytest.mark.parametrize("path", tracked("tests/test_*.py"))
+def test_test_modules_import_no_other_test_module(path):
+    tree = ast.parse((REPO / path).read_text())
+    modules = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    assert not [m for m in modules if m.split(".")[-1].startswith("test_")], path
+
+
+def test_nothing_names_a_file_outside_the_repository():
+    outside = ("../shared", "shared/reference", "FACTS.md", "DESIGN.md", "edm2-paper.md")
+    offenders = [(path, word) for path in tracked(".") if path != "tests/test_structure.py"
+                 for word in outside if (REPO / path).is_file() and word in (REPO / path).read_text(errors="replace")]
+    assert not offenders
+
+
+def raised_classes(path: str) -> list[tuple[int, type]]:
+    """(line, class) of every `raise Name(...)` in a library file whose name resolves to a class."""
+    module = importlib.import_module(module_name(path))
+    found = []
+    for node in ast.walk(ast.parse((REPO / path).read_text())):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            expression = ast.unparse(node.exc.func)
+            value = module
+            for part in expression.split("."):
+                value = getattr(value, part, None)
+            if inspect.isclass(value):
+                found.append((node.lineno, value))
+    return found
+
+
+@pytest.mark.parametrize("path", [f for package in ("edm2", "training") for f in tracked(f"{package}/*.py")])
+def test_library_errors_share_one_root(path):
+    module = importlib.import_module(module_name(path))
+    defined = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+               if cls.__module__ == module.__name__ and issubclass(cls, BaseException)]
+    assert all(issubclass(cls, EDM2Error) for cls in defined), [c.__name__ for c in defined]
+    wrong = [(line, cls.__name__) for line, cls in raised_classes(path)
+             if not issubclass(cls, (EDM2Error, *NOT_ERRORS))]
+    assert not wrong, f"{path} raises errors outside EDM2Error: {wrong}"
