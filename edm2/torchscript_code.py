@@ -270,8 +270,12 @@ def _parse_code(name: str, data: bytes) -> ast.Module:
 
 def check_code(files: dict[str, bytes]) -> set[str]:
     """Parse and check every code file ({'code/__torch__/a/b.py': text}); return the classes the code defines."""
-    modules = {name[len("code/"):-len(".py")].replace("/", "."): _parse_code(name, text) for name, text in files.items()}
-    definitions = _Definitions(modules)
-    for module, tree in modules.items():
-        _CodeChecker(f"code/{module.replace('.', '/')}.py", definitions).module(tree)
+    try:
+        modules = {name[len("code/"):-len(".py")].replace("/", "."): _parse_code(name, text)
+                   for name, text in files.items()}
+        definitions = _Definitions(modules)
+        for module, tree in modules.items():
+            _CodeChecker(f"code/{module.replace('.', '/')}.py", definitions).module(tree)
+    except RecursionError:
+        raise UnsafeTorchScript("the archive's code nests deeper than any model's code") from None
     return definitions.classes

@@ -113,6 +113,22 @@ def assert_stats_close(got, expected, scale):
         np.testing.assert_allclose(got[metric]["sigma"], expected[metric]["sigma"], rtol=0, atol=5 * scale[metric] * error)
 
 
+def test_the_statistics_tolerance_covers_round_off_and_nothing_more():
+    # Features another CPU computes differ in the last float32 digits (4e-7 of the feature scale was seen);
+    # the derived tolerance admits that, and refuses a difference a wrong image or batch would make.
+    rng = np.random.default_rng(0)
+    features = rng.normal(0, 1, (12, 16)).astype(np.float32).astype(np.float64)
+    scale = {"fid": np.abs(features).max()}
+
+    def stats(f):
+        return {"fid": {"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)}}
+
+    assert_stats_close(stats(features * (1 + 4e-7 * rng.choice([-1, 1], features.shape))), stats(features), scale)
+    with pytest.raises(AssertionError):
+        assert_stats_close(stats(features + 1e-3 * scale["fid"] * rng.standard_normal(features.shape)),
+                           stats(features), scale)
+
+
 def fd_rounding(stats, ref, n):
     """{metric: how far two float64 evaluations of the Frechet distance may be apart} for the same float32
     features whose statistics (n images; 0 for bit-identical statistics) were summed in different orders.
@@ -281,8 +297,8 @@ def snapshot_pair_of_other_resolutions(tmp_path):
     return tiny_snapshot(tmp_path / "gnet16.safetensors", label_dim=0, seed=2, resolution=16)
 
 
-# id -> (arguments given (setup, tmp_path, ref), fragments of the one error line). The inputs a case needs are
-# written before the run; the check compares the folder's files before and after.
+# id -> (arguments given (setup, tmp_path, ref), fragments of the one error line, each a string or a function of
+# tmp_path). The inputs a case needs are written before the run; the check compares the folder before and after.
 BAD_INPUT = {
     # ref
     "ref dest suffix": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.json"], ["--dest", ".npz"]),
@@ -297,7 +313,8 @@ BAD_INPUT = {
     "ref latents": (lambda s, t, r: ["ref", "--data", write_latents(t / "lat"), "--dest", t / "a.npz"],
                     ["--data", "float32", "decode"]),
     "ref inception url": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--inception",
-                                           "http://127.0.0.1:9/inception-2015-12-05.pt"], ["--inception", "127.0.0.1"]),
+                                           "http://127.0.0.1:9/inception-2015-12-05.pt"],
+                          ["--inception", "http://127.0.0.1:9/inception-2015-12-05.pt", lambda t: str(t / "cache")]),
     "ref inception absent": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--inception",
                                               t / "absent.pt"], ["--inception", "not found"]),
     "ref inception writes files": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--inception",
@@ -376,7 +393,18 @@ def test_bad_input_gives_one_clear_line(setup, ref_b, tmp_path, monkeypatch, arg
     weights = [w for option, path in zip(setup["weights"][::2], setup["weights"][1::2]) if option not in args
                for w in (option, path)]
     before = tree(tmp_path)
-    assert_one_error_line(run(*args, *weights), *fragments)
+    assert_one_error_line(run(*args, *weights), *[f(tmp_path) if callable(f) else f for f in fragments])
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.bad_input
+def test_an_unreadable_image_mid_way_is_one_line(setup, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(setup["a"], images)
+    (images / "img0007.png").write_bytes(b"\x89PNG truncated")
+    before = tree(tmp_path)
+    result = run("ref", "--data", images, "--dest", tmp_path / "a.npz", "--batch", 4, "--workers", 1, *setup["weights"])
+    assert_one_error_line(result, "img0007.png")
     assert tree(tmp_path) == before
 
 

@@ -197,6 +197,7 @@ HIDDEN_CODE = {
     "triple quotes": ("torch.relu(x)\n    _z = \"\"\"torch.save\"\"\"", "string literal"),
     "non-ASCII": ("torch.relu(\u0445)", "ASCII"),
     "tab": ("torch.relu(x)\n\t", "control characters"),
+    "deep nesting": ("x" + " + x" * 20000, "nests deeper"),
 }
 
 
