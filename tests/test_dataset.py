@@ -246,13 +246,15 @@ def test_a_raw_image_folder_points_to_dataset_tool_convert(tmp_path, case):
 
 
 def test_raw_images_of_one_size_open_and_a_later_odd_one_points_to_convert(tmp_path):
-    # generate.py's outputs (flat, or in blocks of 1000 with --subdirs) are raw-named but usable as they are.
+    # generate.py's outputs (flat, or in blocks of 1000 with --subdirs, and --grid's grid.png at the top)
+    # are raw-named but usable as they are (a caller leaves grid.png out).
     flat = write_members(tmp_path / "flat", {"000000.png": rgb(8, 1), "000001.png": rgb(8, 2)})
-    blocks = write_members(tmp_path / "blocks", {"000000/000000.png": rgb(8, 1), "001000/001000.png": rgb(8, 2)})
+    blocks = write_members(tmp_path / "blocks", {"000000/000000.png": rgb(8, 1), "001000/001000.png": rgb(8, 2),
+                                                 "grid.png": rgb(16)})
     for path in [flat, blocks]:
         ds = ImageFolderDataset(path, use_labels=False)
-        assert len(ds) == 2 and ds[1][0].max() == 2
-    # Only the first image of each folder is checked up front; a later one of another size fails when read.
+        assert ds[0][0].max() == 1 and ds[1][0].max() == 2
+    # Only the first image of each sub-folder is checked up front; a later one of another size fails when read.
     write_members(flat, {"000002.png": rgb(4)})
     ds = ImageFolderDataset(flat)
     with pytest.raises(DatasetError, match="mixed resolutions") as info:
