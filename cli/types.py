@@ -57,6 +57,8 @@ class SeedList(click.ParamType):
 
     def _seed(self, text: str, param, ctx) -> int:
         """One seed; compared as text first, so a thousand-digit number is refused without converting it."""
-        if len(text.lstrip("0")) > len(str(MAX_SEED)) or int(text) >= MAX_SEED:
-            self.fail(f"seed {text if len(text) <= 30 else text[:27] + '...'} is not below {MAX_SEED} (2**32)", param, ctx)
-        return int(text)
+        digits = text.lstrip("0") or "0"
+        if len(digits) > len(str(MAX_SEED)) or int(digits) >= MAX_SEED:
+            self.fail(f"seed {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} (2**32)",
+                      param, ctx)
+        return int(digits)

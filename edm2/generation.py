@@ -96,9 +96,6 @@ class SeedRanges(Sequence[int]):
     def __contains__(self, seed: object) -> bool:
         return any(seed in r for r in self.ranges)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SeedRanges) and self.ranges == other.ranges
-
     def __repr__(self) -> str:
         parts = (f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in self.ranges)
         return f"SeedRanges('{','.join(parts)}')"

@@ -19,7 +19,9 @@ import generate
 from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.generation import generate_images
+from cli.types import SeedList
 from edm2.files import TMP_SUFFIX
+from edm2.generation import MAX_SEED
 from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
@@ -109,6 +111,17 @@ def test_default_command_uses_the_s_guid_fid_preset(nets, tmp_path, monkeypatch)
     assert sorted(read_pngs(tmp_path / "out")) == ["000000.png", "000001.png"]
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("0-63", list(range(64))),
+    ("5", [5]),
+    ("0-3, 10,2-5, 007", [0, 1, 2, 3, 10, 4, 5, 7]),  # as before: distinct, in the order first given
+    (" 9 - 11 ,9", [9, 10, 11]),
+    ("4294967295", [MAX_SEED - 1]),
+])
+def test_seeds_option_parses_lists_and_ranges(text, expected):
+    assert list(SeedList().convert(text, None, None)) == expected
+
+
 URL = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
 # One malformed input per case: the arguments and the fragments its one error line must contain. {tmp} is
 # the test's folder (holding a plain file named `file`), {net} etc. the snapshots of the nets fixture.
@@ -128,6 +141,7 @@ BAD_INPUT = {
     "seeds past 32 bits": (["--net", "{net}", "--seeds=0-99999999999"], ["--seeds", "99999999999", "4294967296"]),
     "seed 2**32": (["--net", "{net}", "--seeds=5,4294967296"], ["--seeds", "4294967296 is not below"]),
     "thousand-digit seed": (["--net", "{net}", "--seeds=" + "9" * 5000], ["--seeds", "is not below"]),
+    "thousand zeros, then 2**32": (["--net", "{net}", "--seeds=" + "0" * 5000 + "4294967296"], ["--seeds", "4294967296"]),
     "empty seed": (["--net", "{net}", "--seeds=1,,2"], ["--seeds", "0-63,100"]),
     "no seeds": (["--net", "{net}", "--seeds="], ["--seeds"]),
     "negative seed": (["--net", "{net}", "--seeds=-5"], ["--seeds"]),
