@@ -16,12 +16,11 @@ import torch
 from click.testing import CliRunner
 
 import generate
+from cli.types import SeedList
 from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
-from edm2.generation import generate_images
-from cli.types import SeedList
 from edm2.files import TMP_SUFFIX
-from edm2.generation import MAX_SEED
+from edm2.generation import MAX_SEED, generate_images
 from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
@@ -34,7 +33,8 @@ def tiny_net(label_dim, resolution=8, channels=3, seed=0):
 
 @pytest.fixture(scope="module")
 def nets(tmp_path_factory):
-    """Snapshots of a conditional net, an unconditional guiding net and two ill-fitting guiding nets."""
+    """Snapshots of a conditional net, an unconditional guiding net, three ill-fitting guiding nets and a
+    file that is no snapshot."""
     root = tmp_path_factory.mktemp("nets")
     paths = {"garbage": root / "garbage.safetensors"}
     paths["garbage"].write_bytes(b"not a snapshot at all")
