@@ -17,11 +17,10 @@ from edm2 import distributed, files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder
-from edm2.errors import EDM2Error
+from edm2.generation import GenerationError, check_guidance_pair, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
-from edm2.sampler import check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError
 from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 
@@ -260,7 +259,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
             gnet, _ = distributed.main_rank_first(functools.partial(network_for_option, gnet_path, "--gnet", device))
             try:
                 check_guidance_pair(net, gnet)
-            except (ValueError, EDM2Error) as e:
+            except GenerationError as e:
                 raise click.BadParameter(str(e), param_hint="--gnet") from None
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)

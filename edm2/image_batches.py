@@ -25,7 +25,7 @@ def _stack_images(items: list[tuple[np.ndarray, object]]) -> torch.Tensor:
 def image_batches(dataset: torch.utils.data.Dataset, indices: np.ndarray, batch_size: int, num_workers: int = 2,
                   device: torch.device | str = "cpu") -> torch.utils.data.DataLoader:
     """A loader over this rank's share of dataset[indices], yielding uint8 NCHW batches."""
-    batches = distributed.rank_batches(indices, batch_size, distributed.get_rank(), distributed.get_world_size())
-    batches = [batch for batch in batches if batch]
+    batches = distributed.rank_batches(indices, batch_size, distributed.get_rank(), distributed.get_world_size(),
+                                       skip_empty=True)
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                                        collate_fn=_stack_images, pin_memory=torch.device(device).type == "cuda")

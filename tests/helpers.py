@@ -5,13 +5,17 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 
 import collections
 import importlib
+import io
 import pickle
 import socket
+import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
+import PIL.Image
 import torch
 
 from edm2.networks import Precond
@@ -273,3 +277,33 @@ def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: s
     )
     with open(path, "wb") as f:
         pickle.dump(data, f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Datasets built by hand, independently of edm2.dataset_writer.
+
+def png_file(array: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 HWC (or HW grayscale) array, written by PIL with its default compression."""
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(array).save(buffer, format="png")
+    return buffer.getvalue()
+
+
+def write_members(root: Path, members: dict, zip_name: str | None = None) -> Path:
+    """Write {relative name: bytes} below root, or into the uncompressed ZIP root/zip_name; return the dataset."""
+    if zip_name:
+        with zipfile.ZipFile(root / zip_name, "w", zipfile.ZIP_STORED) as archive:
+            for name, data in members.items():
+                archive.writestr(name, data)
+        return root / zip_name
+    for name, data in members.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def dead_pid() -> int:
+    """The id of a process of this host that has exited (as a SIGKILLed writer's)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
