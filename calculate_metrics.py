@@ -172,6 +172,8 @@ def main() -> None:
     Statistics files: .npz (ours, '<metric>/mu' and '<metric>/sigma' in float64), the release's .pkl, or
     EDM's .npz (FID only). Detector weights come from their published URLs through the download cache
     ($EDM2_CACHE_DIR, default ~/.cache/edm2); --inception and --dinov2 point at local copies instead.
+    An Inception file is a TorchScript program: its code is read first and refused unless it is tensor
+    arithmetic only (no file, storage, process or network operations).
     """
 
 

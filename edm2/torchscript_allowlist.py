@@ -24,7 +24,7 @@ ATEN_OPS = frozenset({
     "sum", "mean", "var", "std", "amax", "amin", "max", "min", "softmax", "log_softmax", "batch_norm",
     "layer_norm", "group_norm", "instance_norm",
     # Shapes, views and dtype/device conversion.
-    "size", "dim", "numel", "reshape", "view", "flatten", "squeeze", "unsqueeze", "permute", "transpose", "t",
+    "size", "dim", "numel", "stride", "reshape", "view", "flatten", "squeeze", "unsqueeze", "permute", "transpose", "t",
     "expand", "expand_as", "repeat", "select", "slice", "narrow", "index_select", "chunk", "split", "unbind",
     "stack", "cat", "contiguous", "clone", "detach", "to", "type_as", "view_as", "float", "half",
     # Tensors from numbers (never from files or memory).
@@ -58,7 +58,7 @@ BUILTIN_CALLS = frozenset({
 TYPE_ARGUMENT_CALLS = frozenset({"annotate", "unchecked_cast", "uninitialized", "isinstance"})
 
 # Tensor attributes read without a call.
-TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "is_cuda", "requires_grad", "ndim", "T"})
+TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "is_cuda", "requires_grad", "ndim", "T", "data"})
 
 # Type names in annotations; GENERIC_TYPES take type arguments in brackets.
 TYPE_NAMES = frozenset({"Tensor", "int", "float", "bool", "str", "NoneType", "Device", "number", "Any"})
