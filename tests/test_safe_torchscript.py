@@ -108,6 +108,7 @@ def test_tensor_arithmetic_loads_and_gives_the_features_of_the_unchecked_program
     torch.testing.assert_close(features, expected, rtol=0, atol=bound)
     torch.testing.assert_close(features, net(images, return_features=True), rtol=0, atol=bound)
     probabilities = detector.model(images)  # the classifier head (linear, softmax, matmul) runs as well
+    # Each row: 10 softmax outputs summed in float32, then summed again: within 10 eps32 of 1.
     torch.testing.assert_close(probabilities.sum(1), torch.ones(5), rtol=0, atol=10 * EPS32)
 
 
