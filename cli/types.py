@@ -77,7 +77,8 @@ class StdList(click.ParamType):
             if v is not None:
                 stds.append(v)
                 continue
-            if i < 2 or numbers[i - 2] is None or numbers[i - 1] is None or i + 1 >= len(numbers) or numbers[i + 1] is None:
+            around = numbers[i - 2:i] + numbers[i + 1:i + 2] if i >= 2 else []
+            if len(around) < 3 or None in around:
                 self.fail(f"{value!r}: '...' needs two numbers before it and one after", param, ctx)
             a, b, c = numbers[i - 2], numbers[i - 1], numbers[i + 1]
             count = (c - b) / (b - a) if b != a else -1.0

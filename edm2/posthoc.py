@@ -211,7 +211,8 @@ def combine(tracks: Sequence[Track], out_nimg: int, stds: Sequence[float], batch
     stds = [float(s) for s in stds]
     phema.std_to_exp(np.array(stds))  # refuse an impossible sigma_rel before loading anything
     if not tracks or any(not 0 < t.nimg <= out_nimg for t in tracks):
-        raise PosthocError(f"need tracks taken after 0 and up to {out_nimg} images, got times {[t.nimg for t in tracks]}")
+        times = [t.nimg for t in tracks]
+        raise PosthocError(f"need tracks taken after 0 and up to {out_nimg} images, got times {times}")
     in_nimg, in_std = [t.nimg for t in tracks], [t.std for t in tracks]
     num_passes = math.ceil(len(stds) / batch)
     with tqdm.tqdm(total=num_passes * len(tracks), unit="snapshot", desc="Reconstructing", disable=not progress) as bar:

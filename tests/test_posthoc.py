@@ -56,7 +56,7 @@ def test_combine_networks_in_memory(tmp_path):
             frozen = copy.deepcopy(track)
             tracks.append(posthoc.Track(f"step{k}-{std}", nimg, std, lambda frozen=frozen: (copy.deepcopy(frozen), {})))
     loaded = [t.load()[0] for t in tracks]
-    outputs = list((std, copy.deepcopy(out), meta) for std, out, meta in posthoc.combine(tracks, nimg, [0.04, 0.2], batch=1))
+    outputs = [(std, copy.deepcopy(out), meta) for std, out, meta in posthoc.combine(tracks, nimg, [0.04, 0.2], batch=1)]
     assert [std for std, _, _ in outputs] == [0.04, 0.2]
     for std, out, meta in outputs:
         assert meta["nimg"] == nimg and meta["ema_std"] == std

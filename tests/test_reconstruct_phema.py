@@ -77,6 +77,7 @@ def test_reconstruction_from_our_run_loads_and_samples(tmp_path, monkeypatch):
     net, meta = load_network(out_dir / "phema-0000006-0.030.safetensors")
     assert meta["nimg"] == 6144 and meta["ema_std"] == 0.03 and meta["preset"] == "tiny"
     used = meta["phema"]["inputs"]
+    # Normalized in float64 (Algorithm 3): the sum is 1 within 12 * 2^-53 * sum|c|, far inside approx's 1e-6.
     assert len(used) == 12 and sum(u["coef"] for u in used) == pytest.approx(1.0)
     assert meta["phema"]["profile_error"] < 0.05
     assert_is_combination(net, used, run)
@@ -173,7 +174,9 @@ BAD_INPUT = {
     "instd nan": (["--std=0.1", "--instd=nan"], ["--instd", "'nan' is not a finite number"], None),
     "range to inf": (["--std=0.01,0.02,...,inf"], ["'inf' is not a finite number"], None),
     "range to nan": (["--std=0.01,0.02,...,nan"], ["'nan' is not a finite number"], None),
-    "range of millions": (["--std=0.125,0.125000000931322574615478515625,...,0.25"], ["more than the 288 distinct sigma_rel"], None),
+    # A step of exactly 2^-30: 2^27 values, which click used to materialize as one list.
+    "range of millions": (["--std=0.125,0.125000000931322574615478515625,...,0.25"],
+                          ["more than the 288 distinct sigma_rel"], None),
     "uneven range": (["--std=0.01,0.02,...,0.055"], ["not an evenly spaced range"], None),
     "range without start": (["--std=0.01,...,0.05"], ["needs two numbers before it"], None),
     "not a number": (["--std=0.1,abc"], ["not a comma-separated list"], None),
