@@ -69,9 +69,11 @@ def randomized(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 # EMA snapshot files.
 
 def fake_training_run(run_dir: Path, num_snapshots: int = 6, steps_per_snapshot: int = 4, batch_size: int = 256,
-                      **overrides) -> None:
+                      **overrides) -> Path:
     """Random-walk 'training' of a tiny net (tiny_precond(**overrides)) whose two EMA tracks (0.05, 0.10)
-    are saved as our snapshot files, network-snapshot-KIMG-STD.safetensors, after every steps_per_snapshot steps."""
+    are saved as our snapshot files, network-snapshot-KIMG-STD.safetensors, after every steps_per_snapshot steps.
+    Returns run_dir, created if needed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     net = tiny_precond(**overrides)
     ema = PowerFunctionEMA(net)
@@ -86,6 +88,7 @@ def fake_training_run(run_dir: Path, num_snapshots: int = 6, steps_per_snapshot:
         for track, std in ema.get():
             save_network(run_dir / snapshot_name("network-snapshot", nimg, std), track,
                          {"nimg": nimg, "ema_std": std, "preset": "tiny"})
+    return run_dir
 
 
 def write_raw_snapshot(path: Path, metadata: str | None, net: torch.nn.Module | None = None) -> Path:

@@ -16,9 +16,7 @@ from tests.helpers import fake_training_run, tiny_precond
 
 
 def test_python_api_writes_what_the_command_line_writes(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=3)
+    run = fake_training_run(tmp_path / "run", num_snapshots=3)
     result = CliRunner().invoke(reconstruct_phema.main, [f"--indir={run}", f"--outdir={tmp_path / 'cli'}",
                                                          "--std=0.03,0.07,0.15", "--batch=2"])
     assert result.exit_code == 0, result.output
@@ -73,9 +71,7 @@ def test_combine_networks_in_memory(tmp_path):
 
 
 def test_listing_and_times(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=3)
+    run = fake_training_run(tmp_path / "run", num_snapshots=3)
     save_network(run / "other-0000003-0.100.safetensors", tiny_precond(), {"nimg": 4096, "ema_std": 0.1})
     snaps = posthoc.list_snapshots(run, inprefix="network-snapshot")
     assert [(s.nimg, s.std) for s in snaps] == [(n, s) for n in (1024, 2048, 3072) for s in (0.05, 0.1)]
@@ -99,9 +95,7 @@ def test_listing_and_times(tmp_path):
 
 
 def test_library_errors(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=2)
+    run = fake_training_run(tmp_path / "run", num_snapshots=2)
     with pytest.raises(posthoc.NoSnapshotsError, match="is not a directory"):
         posthoc.list_snapshots(tmp_path / "missing")
     with pytest.raises(posthoc.NoSnapshotsError, match="none of the given files"):

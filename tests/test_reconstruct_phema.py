@@ -190,7 +190,7 @@ BAD_INPUT = {
     "no run directory": (["--std=0.1"], ["no run directory under training-runs/"],
                          lambda tmp: shutil.rmtree(tmp / "training-runs")),
     "mixed networks": (["--std=0.1", "--indir=mixed"], ["network architecture differs"],
-                       lambda tmp: (tmp / "mixed").mkdir() or write_mixed(tmp / "mixed")),
+                       lambda tmp: write_mixed(tmp / "mixed")),
     "corrupt pickle": (["--std=0.1", "--indir=corrupt"], ["not a readable release pickle"],
                        lambda tmp: (tmp / "corrupt").mkdir() or (tmp / "corrupt" / "edm2-img512-xs-0134217-0.050.pkl")
                        .write_bytes(b"truncated")),
@@ -225,9 +225,7 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, monkeypatch, 
     # Issue 4, Must show 4; issue 15: before any network is loaded (only a corrupt input needs loading to be found).
     args, fragments, prepare = BAD_INPUT[case]
     monkeypatch.setenv("WORLD_SIZE", "1")  # restored after the test, also where a case changes it
-    run = tmp_path / "training-runs" / "tiny"
-    run.mkdir(parents=True)
-    fake_training_run(run, num_snapshots=2)
+    fake_training_run(tmp_path / "training-runs" / "tiny", num_snapshots=2)
     if prepare is not None:
         prepare(tmp_path)
     if case != "corrupt pickle":
@@ -264,9 +262,7 @@ def run_on_tmpfs(tmp_path: Path, mount_options: str, args: list[str]) -> tuple[s
 @pytest.mark.bad_input
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare to mount a read-only folder")
 def test_a_read_only_outdir_is_refused_before_loading(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=2)
+    run = fake_training_run(tmp_path / "run", num_snapshots=2)
     result, left = run_on_tmpfs(tmp_path, "ro", [f"--indir={run}", f"--outdir={tmp_path / 'mnt' / 'out'}", "--std=0.1"])
     assert_one_error_line(result, "cannot write in", "Read-only file system")
     assert "Reconstructing" not in result.stderr and left == []
@@ -274,9 +270,7 @@ def test_a_read_only_outdir_is_refused_before_loading(tmp_path):
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare to mount a tiny tmpfs")
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=2)
+    run = fake_training_run(tmp_path / "run", num_snapshots=2)
     size = (run / "network-snapshot-0000002-0.100.safetensors").stat().st_size
     assert size > 64 * 1024  # the output cannot fit
     result, left = run_on_tmpfs(tmp_path, "size=64k", [f"--indir={run}", f"--outdir={tmp_path / 'mnt' / 'out'}",
@@ -286,10 +280,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
-    run, out = tmp_path / "run", tmp_path / "out"
-    run.mkdir()
+    run, out = fake_training_run(tmp_path / "run", num_snapshots=2), tmp_path / "out"
     out.mkdir()
-    fake_training_run(run, num_snapshots=2)
     dead = subprocess.Popen(["true"])
     dead.wait()  # its process id now belongs to no process
     stale = out / f".phema-0000002-0.100.safetensors.{dead.pid}@{socket.gethostname()}.x1{files.TMP_SUFFIX}"
@@ -304,9 +296,7 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
 def test_one_input_network_in_memory_at_a_time(tmp_path, monkeypatch):
     # Memory is one input plus --batch outputs: every input is released before the next one loads, also
     # across passes (the outputs of a pass are saved and dropped before the next pass starts).
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=3)
+    run = fake_training_run(tmp_path / "run", num_snapshots=3)
     loaded = []
 
     def load(path):

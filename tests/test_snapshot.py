@@ -161,9 +161,7 @@ def run_without_read_permission(args: list[str], unreadable: Path) -> subprocess
 @pytest.mark.bad_input
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a real EACCES")
 def test_a_file_without_read_permission_is_reported_as_such(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=2)
+    run = fake_training_run(tmp_path / "run", num_snapshots=2)
     path = run / "network-snapshot-0000001-0.100.safetensors"
     before = tree(tmp_path)
     result = run_without_read_permission(["reconstruct_phema.py", f"--indir={run}", "--std=0.1"], path)
@@ -193,9 +191,7 @@ RUN_CASES["other weights"] = (BAD_FILES["other weights"][0], "network architectu
 @pytest.mark.parametrize("case", RUN_CASES)
 def test_reconstruct_phema_answers_a_bad_snapshot_with_one_line(tmp_path, case):
     make, message = RUN_CASES[case]
-    run = tmp_path / "run"
-    run.mkdir()
-    fake_training_run(run, num_snapshots=2)
+    run = fake_training_run(tmp_path / "run", num_snapshots=2)
     path = run / "network-snapshot-0000009-0.050.safetensors"
     make(path)
     before = tree(tmp_path)
