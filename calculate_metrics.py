@@ -11,15 +11,18 @@ import click
 import numpy as np
 import torch
 
-from edm2 import distributed as dist
-from edm2 import files, snapshot
+from cli.command import Group
+from cli.types import Number
+from edm2 import distributed, files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
-from edm2.encoders import Encoder, EncoderError
-from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
-from edm2.networks import Precond
+from edm2.encoders import Encoder
 from edm2.generation import GenerationError, check_guidance_pair, generate_images
+from edm2.image_batches import GRID_FILE, image_batches, sample_indices
+from edm2.metrics import calculate_stats, frechet_distance
+from edm2.networks import Precond
 from edm2.snapshot import SnapshotError
+from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
 WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
@@ -58,22 +61,13 @@ workers_option = click.option("--workers", "num_workers", help="Data loading pro
                               type=click.IntRange(min=0), default=2, show_default=True)
 
 
-def distributed_command(fn: Callable) -> Callable:
-    """Run a command inside torchrun's process group (or as one plain process)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        dist.init()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            dist.shutdown()
-    return wrapper
-
-
 def load_reference(ref_path: str, metrics: list[str]) -> dict:
     """Reference statistics holding every requested metric; bad files and missing metrics name --ref."""
     try:
-        ref = dist.main_rank_first(functools.partial(load_stats, ref_path))
+        ref = distributed.main_rank_first(functools.partial(load_stats, ref_path))
+    except NotStatisticsError as e:
+        raise click.BadParameter(f"{e}; compute its statistics first: python calculate_metrics.py ref "
+                                 f"--data={ref_path} --dest=REF.npz, then pass --ref=REF.npz", param_hint="--ref") from None
     except (StatsError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--ref") from None
     missing = [metric for metric in metrics if metric not in ref]
@@ -89,10 +83,22 @@ def load_detectors(metrics: list[str], weights: dict[str, str | None], device: t
     detectors = {}
     for metric in metrics:
         try:
-            detectors[metric] = dist.main_rank_first(functools.partial(load_detector, metric, weights[metric], device))
+            detectors[metric] = distributed.main_rank_first(
+                functools.partial(load_detector, metric, weights[metric], device))
         except (DetectorError, files.DownloadError) as e:
             raise click.BadParameter(str(e), param_hint=f"--{WEIGHTS_OPTIONS[metric]}") from None
     return detectors
+
+
+def check_dimensions(ref: dict, ref_path: str, detectors: dict) -> None:
+    """Refuse reference statistics whose width differs from the detector's features (before computing any)."""
+    for metric, detector in detectors.items():
+        dim = ref[metric]["mu"].shape[0]
+        if dim != detector.feature_dim:
+            option = WEIGHTS_OPTIONS[metric]
+            raise click.BadParameter(f"{ref_path} holds {dim}-dimensional {metric} statistics but the --{option} "
+                                     f"detector gives {detector.feature_dim} features; they were computed with "
+                                     f"another detector", param_hint="--ref")
 
 
 def open_images(path: str, option: str) -> ImageFolderDataset:
@@ -108,19 +114,22 @@ def open_images(path: str, option: str) -> ImageFolderDataset:
     return dataset
 
 
-def dataset_stats(dataset: ImageFolderDataset, indices: np.ndarray, detectors: dict, batch_size: int,
-                  num_workers: int, device: torch.device) -> tuple[dict, int]:
-    """Statistics of dataset[indices], split across ranks; an unreadable image mid-way is one clear error."""
-    batches = image_batches(dataset, indices, batch_size, num_workers, device)
+def check_dest(dest_path: str) -> Path:
+    """The statistics file to write: a .npz or .pkl name in a folder we can write; checked before any work."""
+    dest = Path(dest_path)
+    if dest.suffix not in (".npz", ".pkl"):
+        raise click.BadParameter(f"{dest_path}: use a .npz (ours) or .pkl (release format) name", param_hint="--dest")
+    if dest.is_dir():
+        raise click.BadParameter(f"{dest_path} is a folder; name the statistics file to write", param_hint="--dest")
     try:
-        return calculate_stats(batches, detectors, device, num_batches=len(batches))
-    except DatasetError as e:
-        # A DataLoader worker re-raises with its traceback in the message; the last line is the error itself.
-        raise click.ClickException(str(e).strip().splitlines()[-1]) from None
+        files.check_writable_dir(dest.parent)
+    except files.OutputError as e:
+        raise click.BadParameter(str(e), param_hint="--dest") from None
+    return dest
 
 
-def load_generator(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder]:
-    """A network snapshot (ours or the release's .pkl) on device, with the encoder that decodes its output."""
+def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder]:
+    """A network snapshot (ours or the release's .pkl) on device, with its encoder; bad files name the option."""
     try:
         net, encoder, _ = snapshot.load_generator(path)
     except (SnapshotError, files.DownloadError) as e:
@@ -130,7 +139,7 @@ def load_generator(path: str, option: str, device: torch.device) -> tuple[Precon
 
 def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: str, ref_path: str) -> None:
     """Print one human line and one JSON line with each metric's Frechet distance (rank 0)."""
-    if not dist.is_main():
+    if not distributed.is_main():
         return
     results = {metric: frechet_distance(stats[metric]["mu"], stats[metric]["sigma"], ref[metric]["mu"],
                                         ref[metric]["sigma"]) for metric in metrics}
@@ -139,7 +148,7 @@ def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: 
     print(json.dumps({"results": results, "num_images": num_images, "images": source, "ref": ref_path}), flush=True)
 
 
-@click.group(context_settings={"max_content_width": 120})
+@click.group(cls=Group, context_settings={"max_content_width": 120})
 def main() -> None:
     """Calculate evaluation metrics (FID and FD_DINOv2).
 
@@ -163,6 +172,8 @@ def main() -> None:
     Statistics files: .npz (ours, '<metric>/mu' and '<metric>/sigma' in float64), the release's .pkl, or
     EDM's .npz (FID only). Detector weights come from their published URLs through the download cache
     ($EDM2_CACHE_DIR, default ~/.cache/edm2); --inception and --dinov2 point at local copies instead.
+    An Inception file is a TorchScript program: its code is read first and refused unless it is tensor
+    arithmetic only (no file, storage, process or network operations).
     """
 
 
@@ -172,28 +183,31 @@ def main() -> None:
               metavar="NPZ|PKL", required=True)
 @metric_options(batch_default=64)
 @workers_option
-@distributed_command
 def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num_workers: int,
         inception: str | None, dinov2: str | None) -> None:
     """Calculate reference statistics of all images of a dataset for 'calc' and 'gen'."""
-    if Path(dest_path).suffix not in (".npz", ".pkl"):
-        raise click.BadParameter(f"{dest_path}: use a .npz (ours) or .pkl (release format) name", param_hint="--dest")
-    dataset = open_images(data_path, "--data")
-    if len(dataset) < 2:
-        raise click.BadParameter(f"{data_path} holds {len(dataset)} image; statistics need at least 2",
-                                 param_hint="--data")
-    device = dist.device()
-    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
-    stats, num_images = dataset_stats(dataset, np.arange(len(dataset)), detectors, batch_size, num_workers, device)
-    if dist.is_main():
-        save_stats(stats, dest_path)
-        print(f"Saved {', '.join(metrics)} statistics of {num_images} images from {data_path} to {dest_path}",
-              flush=True)
-        print(json.dumps({"dest": dest_path, "num_images": num_images, "metrics": metrics}), flush=True)
+    dest = check_dest(dest_path)
+    with distributed.session():
+        dataset = open_images(data_path, "--data")
+        if len(dataset) < 2:
+            raise click.BadParameter(f"{data_path} holds {len(dataset)} image; statistics need at least 2",
+                                     param_hint="--data")
+        if distributed.is_main():
+            files.remove_stale_temporaries(dest.parent, name=dest.name)  # left by a killed earlier run
+        device = distributed.device()
+        detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+        batches = image_batches(dataset, np.arange(len(dataset)), batch_size, num_workers, device)
+        stats, num_images = calculate_stats(batches, detectors, device, num_batches=len(batches))
+        if distributed.is_main():
+            save_stats(dest, stats)
+            print(f"Saved {', '.join(metrics)} statistics of {num_images} images from {data_path} to {dest_path}",
+                  flush=True)
+            print(json.dumps({"dest": dest_path, "num_images": num_images, "metrics": metrics}), flush=True)
 
 
 @main.command()
-@click.option("--images", "images_path", help="Images: directory or ZIP", metavar="PATH|ZIP", required=True)
+@click.option("--images", "images_path", help=f"Images: directory or ZIP (a top-level {GRID_FILE} from "
+              "generate.py --grid is skipped)", metavar="PATH|ZIP", required=True)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=64)
 @click.option("--num", "num_images", help="Number of images to use (a random subset if there are more)",
@@ -201,28 +215,31 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
 @click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=click.IntRange(min=0),
               default=0, show_default=True)
 @workers_option
-@distributed_command
 def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None,
          dinov2: str | None, num_images: int, seed: int, num_workers: int) -> None:
     """Calculate metrics of a set of images."""
-    reference = load_reference(ref_path, metrics)
-    dataset = open_images(images_path, "--images")
-    if len(dataset) < num_images:
-        raise click.BadParameter(f"found {len(dataset)} images in {images_path}, fewer than --num={num_images}; "
-                                 f"pass --num={len(dataset)} to use them all", param_hint="--images")
-    # The release's subset: shuffle with the seed, keep the first --num, in file order.
-    indices = np.sort(np.random.RandomState(seed % (1 << 31)).permutation(len(dataset))[:num_images])
-    device = dist.device()
-    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
-    stats, count = dataset_stats(dataset, indices, detectors, batch_size, num_workers, device)
-    report(stats, reference, metrics, count, images_path, ref_path)
+    with distributed.session():
+        reference = load_reference(ref_path, metrics)
+        dataset = open_images(images_path, "--images")
+        samples = sample_indices(dataset.fnames)
+        if len(samples) < num_images:
+            raise click.BadParameter(f"found {len(samples)} images in {images_path}, fewer than --num={num_images}; "
+                                     f"pass --num={len(samples)} to use them all", param_hint="--images")
+        # The release's subset: shuffle with the seed, keep the first --num, in file order.
+        indices = samples[np.sort(np.random.RandomState(seed % (1 << 31)).permutation(len(samples))[:num_images])]
+        device = distributed.device()
+        detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+        check_dimensions(reference, ref_path, detectors)
+        batches = image_batches(dataset, indices, batch_size, num_workers, device)
+        stats, count = calculate_stats(batches, detectors, device, num_batches=len(batches))
+        report(stats, reference, metrics, count, images_path, ref_path)
 
 
 @main.command()
 @click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
               required=True)
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
-@click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=float, default=1.0,
+@click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=Number(), default=1.0,
               show_default=True)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
@@ -230,31 +247,29 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
               type=click.IntRange(min=0), default=0, show_default=True)
-@distributed_command
 def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, metrics: list[str], batch_size: int,
         inception: str | None, dinov2: str | None, num_images: int, seed: int) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     if guidance != 1 and gnet_path is None:
         raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
-    reference = load_reference(ref_path, metrics)
-    device = dist.device()
-    net, encoder = dist.main_rank_first(functools.partial(load_generator, net_path, "--net", device))
-    gnet = None
-    if gnet_path is not None:
-        gnet, _ = dist.main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
-        try:
-            check_guidance_pair(net, gnet)
-        except GenerationError as e:
-            raise click.BadParameter(str(e), param_hint="--gnet") from None
-    detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
-    seeds = range(seed, seed + num_images)
-    images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
-                                                    batch_size=batch_size, device=device))
-    try:
+    with distributed.session():
+        reference = load_reference(ref_path, metrics)
+        device = distributed.device()
+        net, encoder = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
+        gnet = None
+        if gnet_path is not None:
+            gnet, _ = distributed.main_rank_first(functools.partial(network_for_option, gnet_path, "--gnet", device))
+            try:
+                check_guidance_pair(net, gnet)
+            except GenerationError as e:
+                raise click.BadParameter(str(e), param_hint="--gnet") from None
+        detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
+        check_dimensions(reference, ref_path, detectors)
+        seeds = range(seed, seed + num_images)
+        images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
+                                                        batch_size=batch_size, device=device))
         stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
-    except EncoderError as e:  # the VAE loads on first use
-        raise click.ClickException(str(e)) from None
-    report(stats, reference, metrics, count, net_path, ref_path)
+        report(stats, reference, metrics, count, net_path, ref_path)
 
 
 if __name__ == "__main__":

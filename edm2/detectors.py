@@ -1,4 +1,8 @@
-"""Feature detectors for FID (Inception-v3) and FD_DINOv2 (DINOv2 ViT-L/14), loaded without running file code."""
+"""Feature detectors for FID (Inception-v3) and FD_DINOv2 (DINOv2 ViT-L/14), loaded without running file code.
+
+The Inception file is a TorchScript program; edm2/safe_torchscript.py reads its code and refuses it unless it is
+tensor arithmetic only, before anything of it runs. DINOv2 weights are a plain state dict for our own network.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edm2 import files
+from edm2 import files, safe_torchscript
+from edm2.errors import EDM2Error
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
@@ -22,7 +27,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class DetectorError(RuntimeError):
+class DetectorError(EDM2Error):
     """A detector's weights are missing or are not what the detector expects; the message names the file."""
 
 
@@ -40,8 +45,10 @@ class InceptionV3:
     def __init__(self, path_or_url: str | os.PathLike = INCEPTION_URL, device: torch.device | str = "cpu"):
         path = _local_weights(path_or_url)
         try:
-            self.model = torch.jit.load(path, map_location=device).eval()
-        except (RuntimeError, ValueError) as e:
+            self.model = safe_torchscript.load_torchscript(path, map_location=device).eval()
+        except safe_torchscript.UnsafeTorchScript as e:
+            raise DetectorError(f"refusing to load {path_or_url}: {e}") from None
+        except (RuntimeError, ValueError, OSError) as e:
             raise DetectorError(f"{path_or_url} is not a TorchScript Inception file: {e}") from None
         self.device = torch.device(device)
         # The TorchScript file fixes the width; one tiny probe reads it (the network resizes any input itself).

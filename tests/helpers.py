@@ -188,6 +188,20 @@ class TinyInceptionStandIn(torch.nn.Module):
         return torch.softmax(features, dim=1)
 
 
+class FileWritingInception(torch.nn.Module):
+    """TinyInceptionStandIn's features, but its forward also creates and writes the file `marker` through
+    torch.from_file(shared=True): the kind of TorchScript program a detector file must never be allowed to run."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+        self.features = TinyInceptionStandIn()
+
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        written = torch.from_file(self.marker, shared=True, size=4, dtype=torch.uint8).fill_(1)
+        return self.features(x, return_features) + written.float().sum() * 0  # used, so TorchScript keeps it
+
+
 def save_tiny_vae(path: Path) -> Path:
     """A randomly initialized AutoencoderKL with 2 levels (2x downsampling, the real one has 4 and 8x)."""
     from diffusers import AutoencoderKL  # seconds to import; only the VAE tests need it
