@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from edm2.networks import count_parameters
-from training.loop import TrainingOptions, build_network
-from training.presets import PRESETS, get_preset
+from training.options import TrainingOptions
+from training.presets import PRESETS, PresetError, get_preset
+from training.state import init_network
 from tests.helpers import IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES
 
 Mi = 2**20
@@ -34,7 +35,7 @@ def test_release_preset_values(res, size):
     assert p.duration == DURATIONS[res][size]
     assert p.batch == 2048 and p.rampup_Mimg == 10 and p.ema_stds == (0.050, 0.100)
     assert (p.status, p.snapshot, p.checkpoint) == (128 * 2**10, 8 * Mi, 128 * Mi)
-    assert p.network == ()  # the release's architecture defaults
+    assert p.network == {}  # the release's architecture defaults
     assert p.data == ("datasets/img512-sd.zip" if res == "img512" else "datasets/img64.zip")
 
 
@@ -50,7 +51,7 @@ def test_preset_builds_the_release_network(res, size):
         f"edm2-{res}-{size}", dataset=dict(resolution=64, num_channels=num_channels, label_dim=1000), encoder={}
     )
     with torch.device("meta"):
-        net = build_network(opts, img_channels=4 if res == "img512" else 3)
+        net = init_network(opts, img_channels=4 if res == "img512" else 3)
     assert count_parameters(net) == PARAMS[(res, size)]
     assert net.init_kwargs["dropout"] == SIZES[size][1] and net.init_kwargs["use_fp16"]
 
@@ -68,7 +69,7 @@ def test_overrides_and_unknown_preset():
     )
     assert opts.lr == 0.5 and opts.batch == get_preset("toy-tiny").batch and opts.seed == 7
     assert opts.run_dir == "training-runs/toy-tiny"
-    with pytest.raises(KeyError, match="unknown preset 'nope'"):
+    with pytest.raises(PresetError, match="unknown preset 'nope'"):
         get_preset("nope")
 
 
@@ -76,7 +77,7 @@ def test_overrides_and_unknown_preset():
 def test_precision_selects_the_unet_dtype(precision, fp16, bf16):
     opts = TrainingOptions.from_preset("toy-tiny", dataset=dict(resolution=8, num_channels=3, label_dim=4),
                                        encoder={}, precision=precision)
-    net = build_network(opts, img_channels=3)
+    net = init_network(opts, img_channels=3)
     assert (net.use_fp16, net.use_bf16) == (fp16, bf16)
     # FP32 master weights; 16-bit activations only on CUDA (the CPU computes in float32 whatever is chosen).
     assert all(p.dtype == torch.float32 for p in net.parameters())

@@ -8,10 +8,9 @@ import torch
 
 from edm2.loss import EDM2Loss
 from training import checkpoint
-from training.loop import (
-    HYPERPARAMETERS, DataOrder, TrainingOptions, accumulate_gradients, optimizer_step, round_seed,
-    rounds_per_step,
-)
+from training.data_order import DataOrder, round_seed
+from training.options import OptionsError, OptionsMismatch, TrainingOptions, check_same_hyperparameters, rounds_per_step
+from training.step import accumulate_gradients, optimizer_step
 from tests.helpers import tiny_precond
 
 
@@ -51,9 +50,9 @@ def test_round_seeds_differ_by_rank_step_and_round():
 def test_batch_must_split_evenly():
     assert rounds_per_step(2048, 0, 32) == (64, 1)
     assert rounds_per_step(2048, 16, 32) == (16, 4)
-    with pytest.raises(ValueError, match="batch 2048 is not divisible by 3 process"):
+    with pytest.raises(OptionsError, match="batch 2048 is not divisible by 3 process"):
         rounds_per_step(2048, 0, 3)
-    with pytest.raises(ValueError, match="batch-gpu 48"):
+    with pytest.raises(OptionsError, match="batch-gpu 48"):
         rounds_per_step(2048, 48, 2)
 
 
@@ -80,8 +79,8 @@ class Identity:
 
 def gradients(batches, rounds, scale):
     net = tiny_net()
-    loss = accumulate_gradients(net, FixedNoiseLoss(), Identity(), iter(batches), rounds, 0, 0, 0, scale,
-                                torch.device("cpu"))
+    loss = accumulate_gradients(net, FixedNoiseLoss(), Identity(), iter(batches), seeds=[0] * rounds, scale=scale,
+                                device=torch.device("cpu"))
     return loss, [p.grad.clone() for p in net.parameters()]
 
 
@@ -149,15 +148,15 @@ def test_changed_hyperparameters_are_named():
     base = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={})
     changed = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={}, lr=0.02,
                                           P_std=2.0, status=64, workers=0, duration=4096)
-    with pytest.raises(checkpoint.OptionsMismatch) as info:
-        checkpoint.check_same_hyperparameters(base.hyperparameters(), changed.hyperparameters(), HYPERPARAMETERS)
+    with pytest.raises(OptionsMismatch) as info:
+        check_same_hyperparameters(base.hyperparameters(), changed.hyperparameters())
     assert str(info.value) == (
         "cannot resume with different hyperparameters (P_std: run has 1.6, now 2.0, lr: run has 0.01, now 0.02)"
     )
     # Intervals, duration and workers may change between invocations.
     relaxed = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={}, status=64,
                                           workers=0, duration=4096, batch_gpu=8)
-    checkpoint.check_same_hyperparameters(base.hyperparameters(), relaxed.hyperparameters(), HYPERPARAMETERS)
+    check_same_hyperparameters(base.hyperparameters(), relaxed.hyperparameters())
     assert json.loads(json.dumps(base.hyperparameters())) == base.hyperparameters()
 
 
