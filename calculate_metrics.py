@@ -18,7 +18,7 @@ from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder, EncoderError
 from edm2.metrics import StatsError, calculate_stats, frechet_distance, image_batches, load_stats, save_stats
 from edm2.networks import Precond
-from edm2.sampler import check_guidance_pair, generate_images
+from edm2.generation import GenerationError, check_guidance_pair, generate_images
 from edm2.snapshot import SnapshotError
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
@@ -244,7 +244,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
         gnet, _ = dist.main_rank_first(functools.partial(load_generator, gnet_path, "--gnet", device))
         try:
             check_guidance_pair(net, gnet)
-        except ValueError as e:
+        except GenerationError as e:
             raise click.BadParameter(str(e), param_hint="--gnet") from None
     detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
     seeds = range(seed, seed + num_images)

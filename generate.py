@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import click
 import numpy as np
 import PIL.Image
 import torch
 
+from cli.command import Command
+from cli.types import Number, SeedList
 from edm2 import distributed, files
-from edm2.encoders import EncoderError
+from edm2.errors import EDM2Error, one_line
+from edm2.generation import GenerationError, check_guidance_pair, generate_images
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
-from edm2.sampler import check_guidance_pair, generate_images
-from edm2.snapshot import SnapshotError, load_generator, load_network
-
-
-def parse_int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    """Parse '0-63', '1,5,9' or mixtures like '0-3,10' into a list of distinct ints, in order."""
-    result = []
-    for part in value.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if not match or (match.group(2) and int(match.group(2)) < int(match.group(1))):
-            raise click.BadParameter(f"{value!r}: expected numbers and ranges like 0-63,100,200-209")
-        first = int(match.group(1))
-        result += range(first, int(match.group(2) or first) + 1)
-    return list(dict.fromkeys(result))
+from edm2.sampler import check_settings
+from edm2.snapshot import load_generator, load_network
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -49,30 +40,50 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
     return net, gnet, guidance
 
 
+def check_before_work(outdir: str, guidance: float, sampler_kwargs: dict) -> None:
+    """Refuse sampler settings that cannot work and an output folder that cannot be written, before any loading."""
+    if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
+        raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
+    check_settings(guidance=guidance, **sampler_kwargs)
+    files.check_writable_dir(outdir)
+
+
 def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str) -> tuple:
-    """load(path_or_url) on rank 0 first (it alone downloads), every failure reported as one line."""
+    """load(path_or_url) on rank 0 first (it alone downloads); a failure is one line that names the option."""
     try:
         return distributed.main_rank_first(functools.partial(load, path_or_url))
-    except (files.DownloadError, SnapshotError, OSError) as e:
-        raise click.ClickException(f"{option}: {e}") from None
+    except (EDM2Error, OSError) as e:
+        raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
-def check_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
-    """The guiding net must see the same images as the main net."""
-    try:
-        check_guidance_pair(net, gnet)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--gnet") from None
+def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_idx: int | None):
+    """(net, gnet or None, encoder) on this rank's device; gnet is loaded only when guidance uses it."""
+    net, encoder, _ = load_for_option("--net", load_generator, net_path)
+    gnet = load_for_option("--gnet", load_network, gnet_path)[0] if guidance != 1 else None
+    if gnet is not None:
+        try:
+            check_guidance_pair(net, gnet)
+        except GenerationError as e:
+            raise click.BadParameter(str(e), param_hint="--gnet") from None
+    if class_idx is not None and class_idx >= net.label_dim:
+        raise click.BadParameter(f"{class_idx} is not a class of this network ({net.label_dim} classes)", param_hint="--class")
+    device = distributed.device()
+    return net.to(device), (gnet.to(device) if gnet is not None else None), encoder
 
 
 def save_png(path: Path, image: np.ndarray) -> None:
     """Write one HWC uint8 image as PNG through a temporary file."""
     pil = PIL.Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
-    with files.atomic_path(path) as tmp:
-        pil.save(tmp, format="PNG")
+    try:
+        with files.atomic_path(path) as tmp:
+            pil.save(tmp, format="PNG")
+    except OSError as e:
+        if e.filename is None:  # a full disk fails when the file is closed, with no name: name the image
+            e.filename = str(path)
+        raise
 
 
-def gather_grid(seeds: list[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
+def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
     """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere)."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(seeds), *shape], dtype=torch.uint8, device=distributed.device())
@@ -92,7 +103,7 @@ def gather_grid(seeds: list[int], generated: dict[int, np.ndarray]) -> np.ndarra
     return grid
 
 
-@click.command(epilog="""\b
+@click.command(cls=Command, epilog="""\b
 Examples:
   # 64 images from the release's EDM2-S (ImageNet-512), guided by its XS unconditional model, into out/
   python generate.py --guidance=1.4
@@ -106,57 +117,46 @@ Examples:
 @click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL")
 @click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
 @click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
-@click.option("--seeds", callback=parse_int_list, default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
+@click.option("--seeds", type=SeedList(), default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
 @click.option("--class", "class_idx", type=click.IntRange(min=0), help="Class label for every image [default: random per seed]")
 @click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
 @click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
-@click.option("--sigma_min", type=click.FloatRange(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
-@click.option("--sigma_max", type=click.FloatRange(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
-@click.option("--rho", type=click.FloatRange(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
-@click.option("--guidance", type=float, help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
-@click.option("--S_churn", "S_churn", type=click.FloatRange(min=0), default=0, show_default=True, help="Stochasticity strength")
-@click.option("--S_min", "S_min", type=click.FloatRange(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
-@click.option("--S_max", "S_max", type=click.FloatRange(min=0), default=float("inf"), show_default=True, help="Stochasticity up to this noise level")
-@click.option("--S_noise", "S_noise", type=float, default=1, show_default=True, help="Stochastic noise inflation")
+@click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
+@click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
+@click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
+@click.option("--guidance", type=Number(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
+@click.option("--S_churn", "S_churn", type=Number(min=0), default=0, show_default=True, help="Stochasticity strength")
+@click.option("--S_min", "S_min", type=Number(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
+@click.option("--S_max", "S_max", type=Number(min=0, allow_inf=True), default=float("inf"), show_default=True,
+              help="Stochasticity up to this noise level")
+@click.option("--S_noise", "S_noise", type=Number(min=0), default=1, show_default=True, help="Stochastic noise inflation")
 @click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png")
 def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG."""
-    distributed.init()
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
-    if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
-        raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
-    use_gnet = guidance != 1  # at guidance 1 the guiding net never runs, so it is not even loaded
-    net, encoder, _ = load_for_option("--net", load_generator, net_path)
-    gnet = load_for_option("--gnet", load_network, gnet_path)[0] if use_gnet else None
-    if gnet is not None:
-        check_pair(net, gnet)
-    if class_idx is not None and class_idx >= net.label_dim:
-        raise click.BadParameter(f"{class_idx} is not a class of this network ({net.label_dim} classes)", param_hint="--class")
-
-    device = distributed.device()
-    net = net.to(device)
-    gnet = gnet.to(device) if gnet is not None else None
-    distributed.print0(f"Generating {len(seeds)} images from {net_path}" + (f", guided by {gnet_path} at {guidance:g}" if gnet else ""))
+    check_before_work(outdir, guidance, sampler_kwargs)
     outdir = Path(outdir)
-    generated = {}
-    batches = generate_images(
-        net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance, batch_size=batch_size, device=device, **sampler_kwargs
-    )
-    try:
-        for batch_seeds, images in batches:
-            for seed, image in zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy()):
-                save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
-                if grid:
-                    generated[seed] = image
-    except EncoderError as e:
-        raise click.ClickException(str(e)) from None
-    if grid:
-        tiles = gather_grid(seeds, generated)
-        if tiles is not None:
-            save_png(outdir / "grid.png", tiles)
-    distributed.barrier()
-    distributed.print0(f"Saved {len(seeds)} images{' and grid.png' if grid else ''} in {outdir}")
-    distributed.shutdown()
+    with distributed.session():
+        if distributed.is_main():  # what an earlier, killed run left half-written
+            files.remove_stale_temporaries(outdir, recursive=subdirs)
+        net, gnet, encoder = load_networks(net_path, gnet_path, guidance, class_idx)
+        distributed.print0(f"Generating {len(seeds)} images from {net_path}"
+                           + (f", guided by {gnet_path} at {guidance:g}" if gnet is not None else ""))
+        batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
+                                  batch_size=batch_size, device=distributed.device(), **sampler_kwargs)
+        generated = {}
+        with contextlib.closing(batches):  # on an error, the progress bar ends before the error line
+            for batch_seeds, images in batches:
+                for seed, image in zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy()):
+                    save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
+                    if grid:
+                        generated[seed] = image
+        if grid:
+            tiles = gather_grid(seeds, generated)
+            if tiles is not None:
+                save_png(outdir / "grid.png", tiles)
+        distributed.barrier()
+        distributed.print0(f"Saved {len(seeds)} images{' and grid.png' if grid else ''} in {outdir}")
 
 
 if __name__ == "__main__":

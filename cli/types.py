@@ -7,6 +7,8 @@ import re
 
 import click
 
+from edm2.generation import MAX_SEED, SeedRanges
+
 
 class Number(click.FloatRange):
     """A float in an optional range that is never NaN, and finite unless allow_inf says otherwise.
@@ -27,6 +29,39 @@ class Number(click.FloatRange):
         if math.isnan(number) or (math.isinf(number) and not self.allow_inf):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
+
+
+class SeedList(click.ParamType):
+    """Seeds like '0-63', '1,5,9' or '0-3,10': distinct, in the order given, held as ranges (never one list).
+
+    Seeds must lie in [0, 2**32) (edm2.generation.MAX_SEED), so '0-99999999999' is refused, not expanded.
+    """
+
+    name = "seeds"
+    _PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+
+    def convert(self, value, param, ctx) -> SeedRanges:
+        """Parse value into a SeedRanges; refuse malformed parts, reversed ranges and seeds out of range."""
+        if isinstance(value, SeedRanges):
+            return value
+        ranges = []
+        for part in str(value).split(","):
+            match = self._PART.fullmatch(part)
+            if not match:
+                self.fail(f"{value!r}: expected numbers and ranges like 0-63,100,200-209", param, ctx)
+            first, last = (self._seed(text, param, ctx) for text in (match[1], match[2] or match[1]))
+            if last < first:
+                self.fail(f"{part.strip()!r}: a range must not end before it starts", param, ctx)
+            ranges.append(range(first, last + 1))
+        return SeedRanges(ranges)
+
+    def _seed(self, text: str, param, ctx) -> int:
+        """One seed; compared as text first, so a thousand-digit number is refused without converting it."""
+        digits = text.lstrip("0") or "0"
+        if len(digits) > len(str(MAX_SEED)) or int(digits) >= MAX_SEED:
+            self.fail(f"seed {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} (2**32)",
+                      param, ctx)
+        return int(digits)
 
 
 class ImageCount(click.ParamType):

@@ -1,30 +1,33 @@
-"""Release-format datasets: a directory or uncompressed ZIP of PNG or NPY images plus dataset.json."""
+"""Reading release-format datasets: a directory or ZIP of PNG or NPY images plus dataset.json.
+
+Writing them is edm2/dataset_writer.py's job; dataset_tool.py makes them from other images.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-import shutil
-import tempfile
+import re
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import IO
 
 import numpy as np
 import PIL.Image
 import torch
 
-from edm2 import files
+from edm2.errors import EDM2Error
 
 IMAGE_SUFFIXES = (".png", ".npy")
 LABELS_FILE = "dataset.json"
-# A fixed timestamp keeps ZIP bytes identical between runs that write identical files.
-_ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)
+# The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
+RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
+# What PIL raises for files that are not (complete) images; SyntaxError comes from broken PNG chunks.
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError)
 
 
-class DatasetError(ValueError):
+class DatasetError(EDM2Error):
     """A dataset that cannot be used; the message names its path and what is wrong."""
 
 
@@ -38,78 +41,21 @@ def latent_fname(idx: int) -> str:
     return f"{idx // 1000:05d}/img-mean-std-{idx:08d}.npy"
 
 
-def png_bytes(image: np.ndarray, compress_level: int = 0) -> bytes:
-    """Encode a uint8 HWC RGB array as PNG (uncompressed by default, like the release)."""
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(image).save(buffer, format="png", compress_level=compress_level)
-    return buffer.getvalue()
+def suffix(name: str) -> str:
+    """A file name's extension in lower case ('.png'); os.path is several times faster than pathlib on millions."""
+    return os.path.splitext(name)[1].lower()
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    """Serialize an array in .npy format."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
+def source_image_names(names: list[str]) -> list[str]:
+    """The names among `names` that PIL can read as images (what dataset_tool.py convert takes in)."""
+    extensions = set(PIL.Image.registered_extensions())
+    return [name for name in names if suffix(name) in extensions]
 
 
-def labels_json(labels: dict[str, int | None]) -> str:
-    """dataset.json text: every file's class, or null unless every file has one (as the release)."""
-    complete = len(labels) > 0 and all(label is not None for label in labels.values())
-    return json.dumps({"labels": [[name, int(label)] for name, label in labels.items()] if complete else None})
-
-
-def is_zip_path(path: str | os.PathLike) -> bool:
-    """True when a dataset path names a ZIP file rather than a directory."""
-    return str(path).lower().endswith(".zip")
-
-
-class DatasetWriter:
-    """Collects files and labels of a dataset being written; see dataset_writer()."""
-
-    def __init__(self, add_file: Callable[[str, bytes], None]):
-        self._add_file = add_file
-        self.labels: dict[str, int | None] = {}
-
-    def add(self, fname: str, data: bytes, label: int | None = None) -> None:
-        """Store one image file under its release name with its class (None for unlabeled)."""
-        self._add_file(fname, data)
-        self.labels[fname] = label
-
-
-def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) -> None:
-    """Add an uncompressed member with a fixed timestamp, so equal inputs give equal ZIP bytes."""
-    info = zipfile.ZipInfo(fname, date_time=_ZIP_DATE_TIME)
-    info.compress_type = zipfile.ZIP_STORED
-    info.external_attr = 0o644 << 16
-    archive.writestr(info, data)
-
-
-@contextlib.contextmanager
-def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
-    """Write a dataset to a temporary ZIP or directory, add dataset.json, and rename onto dest on success."""
-    dest = Path(dest)
-    if is_zip_path(dest):
-        with files.atomic_path(dest) as tmp:
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
-                writer = DatasetWriter(lambda fname, data: write_zip_member(archive, fname, data))
-                yield writer
-                write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    tmp.chmod(0o777 & ~files.current_umask())  # mkdtemp makes the folder private
-    try:
-        writer = DatasetWriter(lambda fname, data: _write_file(tmp / fname, data))
-        yield writer
-        (tmp / LABELS_FILE).write_text(labels_json(writer.labels))
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+def convert_hint(path: str | os.PathLike) -> str:
+    """The pointer for a folder of images that is not a dataset yet."""
+    return (f"; a folder of images becomes a dataset with `python dataset_tool.py convert --source={path} "
+            f"--dest=DATASET.zip` first")
 
 
 class FileTree:
@@ -146,6 +92,10 @@ class FileTree:
             return self._archive().read(name)
         return (self.path / name).read_bytes()
 
+    def open(self, name: str) -> IO[bytes]:
+        """One file as a binary stream, to read its header without the rest."""
+        return self._archive().open(name) if self.is_zip else open(self.path / name, "rb")
+
     def close(self) -> None:
         """Close the ZIP file if this process opened it."""
         if self._zip is not None and self._zip_pid == os.getpid():
@@ -156,59 +106,132 @@ class FileTree:
         return dict(self.__dict__, _zip=None, _zip_pid=None)
 
 
+def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
+    """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels.
+
+    The one reader of dataset.json ({"labels": [[name, class], ...]} or {"labels": null}, the release's
+    format): every name must be listed, with a non-negative integer class.
+    """
+    if LABELS_FILE not in files.names:
+        return None
+    try:
+        text = files.read(LABELS_FILE)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
+    labels = _parse_labels(text, files.path)
+    if labels is None:
+        return None
+    missing = [name for name in names if name not in labels]
+    if missing:
+        raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {missing[0]} "
+                           f"({len(missing)} images unlabeled)")
+    values = [labels[name] for name in names]
+    wrong = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if wrong:
+        raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers, "
+                           f"found {json.dumps(wrong[0])}")
+    return values
+
+
+def _parse_labels(text: bytes, path: Path) -> dict[str, object] | None:
+    """{name: label} of a dataset.json text, None for null labels; the labels themselves are checked later."""
+    try:
+        listed = json.loads(text)["labels"]
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = "no 'labels' key" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise DatasetError(f"{path}: {LABELS_FILE} is not in the release format "
+                           f'{{"labels": [[name, class], ...]}} ({reason})') from None
+    if listed is None:
+        return None
+    if not isinstance(listed, list) or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                                               for e in listed):
+        raise DatasetError(f"{path}: {LABELS_FILE} is not in the release format "
+                           f'{{"labels": [[name, class], ...]}} (labels is not a list of [name, class] pairs)')
+    return {name: label for name, label in listed}
+
+
+def is_raw_image_folder(files: FileTree) -> bool:
+    """True for images that dataset_tool.py did not write: no dataset.json, and names not in the release layout."""
+    if LABELS_FILE in files.names:
+        return False
+    images = set(PIL.Image.registered_extensions()) | set(IMAGE_SUFFIXES)
+    return any(suffix(name) in images and RELEASE_NAME.fullmatch(name) is None for name in files.names)
+
+
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Images (uint8 CHW from PNG, float32 CHW from NPY) and one-hot labels of a release-format dataset.
 
     The first image fixes the shape; every later image is checked against it when read, because
-    reading all headers up front would take minutes on ImageNet-sized datasets.
+    reading all headers up front would take minutes on ImageNet-sized datasets. Images that
+    dataset_tool.py did not write (is_raw_image_folder) are checked a little more up front: no other
+    image formats beside them, and the first image of every sub-folder has the first image's size; every
+    error about them ends with a pointer to `dataset_tool.py convert`.
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
                  max_size: int | None = None):
         self.path = Path(path)
         self._files = FileTree(path)
-        self._all_fnames = [name for name in self._files.names if Path(name).suffix.lower() in IMAGE_SUFFIXES]
+        self._raw = is_raw_image_folder(self._files)
+        try:
+            self._open(resolution, use_labels, max_size)
+        except DatasetError as e:
+            raise DatasetError(f"{e}{convert_hint(self.path)}" if self._raw else str(e)) from None
+
+    def _open(self, resolution: int | None, use_labels: bool, max_size: int | None) -> None:
+        suffixes = [suffix(name) for name in self._files.names]
+        self._all_fnames = [name for name, kind in zip(self._files.names, suffixes) if kind in IMAGE_SUFFIXES]
+        kinds = set(suffixes)
+        others = sorted(kinds & set(PIL.Image.registered_extensions()) - {".png"})
         if not self._all_fnames:
-            raise DatasetError(f"{self.path}: no .png or .npy images found")
-        if len({Path(name).suffix.lower() for name in self._all_fnames}) > 1:
+            found = f" (found {', '.join(others)} files)" if others else ""
+            raise DatasetError(f"{self.path}: no .png or .npy images found{found}")
+        if self._raw and others:
+            raise DatasetError(f"{self.path}: holds {', '.join(others)} images beside the .png/.npy ones; "
+                               f"a dataset holds one kind")
+        if set(IMAGE_SUFFIXES) <= kinds:
             raise DatasetError(f"{self.path}: mixes .png and .npy images; a dataset holds one kind")
-        all_labels = self._read_labels() if use_labels else None
+        all_labels = read_labels(self._files, self._all_fnames) if use_labels else None
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
         self._raw_idx = np.arange(len(self._all_fnames), dtype=np.int64)
         if max_size is not None and max_size < self._raw_idx.size:
             np.random.RandomState(0).shuffle(self._raw_idx)
             self._raw_idx = np.sort(self._raw_idx[:max_size])
-        self.raw_labels = None if all_labels is None else all_labels[self._raw_idx]
-        self.label_dim = 0 if all_labels is None else int(all_labels.max()) + 1
+        self.raw_labels = None if all_labels is None else np.array(all_labels, dtype=np.int64)[self._raw_idx]
+        self.label_dim = 0 if all_labels is None else max(all_labels) + 1
 
         first = self._load(self._raw_idx[0])
         if first.ndim != 3 or first.shape[1] != first.shape[2]:
             raise DatasetError(f"{self.path}: {self._all_fnames[self._raw_idx[0]]} has shape "
                                f"{_shape_text(first.shape)}; images must be square CHW")
         self.image_shape = list(first.shape)
+        if self._raw:
+            self._check_folder_sizes()
         if resolution is not None and self.resolution != resolution:
             raise DatasetError(f"{self.path}: images are {self.resolution}x{self.resolution}, "
                                f"expected resolution {resolution}")
 
-    def _read_labels(self) -> np.ndarray | None:
-        if LABELS_FILE not in self._files.names:
-            return None
+    def _check_folder_sizes(self) -> None:
+        # One header per sub-folder: the class folders of a raw image tree (ImageNet's) hold images of many
+        # sizes. Top-level files are left to the check when read: generate.py puts its grid.png there.
+        firsts = {os.path.dirname(name): idx for idx, name in reversed(list(enumerate(self._all_fnames)))}
+        for idx in sorted(idx for folder, idx in firsts.items() if folder):
+            name, size = self._all_fnames[idx], self._image_size(idx)
+            if size != self.image_shape[1:]:
+                raise DatasetError(f"{self.path}: {name} is {_shape_text(size[::-1])} but "
+                                   f"{self._all_fnames[self._raw_idx[0]]} is {_shape_text(self.image_shape[:0:-1])}; "
+                                   f"mixed sizes")
+
+    def _image_size(self, raw_idx: int) -> list[int]:
+        fname = self._all_fnames[raw_idx]
+        if fname.lower().endswith(".npy"):
+            return list(self._load(raw_idx).shape[1:])
         try:
-            labels = json.loads(self._files.read(LABELS_FILE))["labels"]
-            if labels is None:
-                return None
-            labels = {str(name): label for name, label in labels}
-        except (ValueError, KeyError, TypeError) as e:
-            raise DatasetError(f"{self.path}: {LABELS_FILE} is not in the release format ({e})") from None
-        missing = [name for name in self._all_fnames if name not in labels]
-        if missing:
-            raise DatasetError(f"{self.path}: {LABELS_FILE} has no label for {missing[0]} "
-                               f"({len(missing)} images unlabeled)")
-        values = [labels[name] for name in self._all_fnames]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise DatasetError(f"{self.path}: {LABELS_FILE} labels must be non-negative integers")
-        return np.array(values, dtype=np.int64)
+            with self._files.open(fname) as stream, PIL.Image.open(stream) as image:
+                return [image.height, image.width]
+        except IMAGE_ERRORS as e:
+            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
 
     def _load(self, raw_idx: int) -> np.ndarray:
         fname = self._all_fnames[raw_idx]
@@ -217,8 +240,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             if fname.lower().endswith(".npy"):
                 return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
             image = np.asarray(PIL.Image.open(data))
-        except (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError) as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None  # PIL: SyntaxError = bad chunk
+        except IMAGE_ERRORS as e:
+            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
         if image.dtype != np.uint8:
             raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
         return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
@@ -234,8 +257,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         raw_idx = self._raw_idx[idx]
         image = self._load(raw_idx)
         if list(image.shape) != self.image_shape:
+            hint = convert_hint(self.path) if self._raw else ""
             raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(image.shape)} "
-                               f"but the first image has {_shape_text(self.image_shape)}; mixed resolutions")
+                               f"but the first image has {_shape_text(self.image_shape)}; mixed resolutions{hint}")
         return image, self.get_label(idx)
 
     def get_label(self, idx: int) -> np.ndarray:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 from typing import Callable, Iterator, Sequence, TypeVar
-
-import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -133,14 +130,40 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
-def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+class RankBatches(Sequence[list[int]]):
+    """One rank's batches of a sequence, computed batch by batch: the items are never copied into one list."""
+
+    def __init__(self, items: Sequence[int], batch_size: int, rank: int, world_size: int, skip_empty: bool = False):
+        self.items = items
+        # np.array_split's rule, in integers: num_batches parts, the first `extra` of them one item longer.
+        num_batches = max(-(-len(items) // (batch_size * world_size)), 1) * world_size
+        self.size, self.extra = divmod(len(items), num_batches)
+        # Parts are empty only when there are fewer items than parts: those from index len(items) on.
+        self.indices = range(rank, min(num_batches, len(items)) if skip_empty else num_batches, world_size)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        """Batch i of this rank, as a list of the items' ints (a slice gives a list of batches)."""
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        part = self.indices[i]
+        start = part * self.size + min(part, self.extra)
+        stop = start + self.size + (part < self.extra)
+        return [int(item) for item in self.items[start:stop]]
+
+
+def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: int,
+                 skip_empty: bool = False) -> RankBatches:
     """This rank's share of items (seeds, dataset indices) in batches of at most batch_size.
 
-    Every rank gets the same number of batches; the last ones may be short or empty.
+    Every rank gets the same number of batches, the last ones short or empty; skip_empty leaves the empty
+    ones out (they come only at the end, when there are fewer items than batches). Batch j of all ranks
+    together is part j of np.array_split(items, num_batches); rank r takes parts r, r + world_size, ...
+    Each batch is computed when asked for, so items may be a huge lazy sequence.
     """
-    num_batches = max(math.ceil(len(items) / (batch_size * world_size)), 1) * world_size
-    batches = np.array_split(np.asarray(items, dtype=np.int64), num_batches)[rank::world_size]
-    return [[int(i) for i in b] for b in batches]
+    return RankBatches(items, batch_size, rank, world_size, skip_empty)
 
 
 def main_rank_first(fn: Callable[[], T]) -> T:

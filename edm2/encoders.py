@@ -13,11 +13,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from edm2.errors import EDM2Error, one_line
+
 DEFAULT_VAE = "stabilityai/sd-vae-ft-mse"
 
 
-class EncoderError(RuntimeError):
-    """The VAE cannot be loaded; the message names it."""
+class EncoderError(EDM2Error):
+    """The VAE cannot be loaded, or an encoder cannot be built as asked; the message names what and why."""
+
+
+class EncoderSettingsError(EncoderError, ValueError):
+    """Settings that describe no encoder; also a ValueError, as which readers of stored settings catch it."""
 
 
 class Encoder:
@@ -98,9 +104,10 @@ class StabilityVAEEncoder(Encoder):
 
     def _setup(self, vae_name: str, scale: np.ndarray, bias: np.ndarray, batch_size: int) -> None:
         if scale.shape != bias.shape or scale.ndim != 1:
-            raise ValueError(f"scale and bias must be equal-length vectors, got {scale.shape} and {bias.shape}")
+            raise EncoderSettingsError(f"scale and bias must be equal-length vectors, got {scale.shape} and "
+                                       f"{bias.shape}")
         if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+            raise EncoderSettingsError(f"batch_size must be positive, got {batch_size}")
         self.vae_name = str(vae_name)
         self.scale = scale
         self.bias = bias
@@ -156,7 +163,8 @@ class StabilityVAEEncoder(Encoder):
     def out_channels(self, in_channels: int) -> int:
         """A dataset stores mean and std, so the network sees half its channels."""
         if in_channels % 2:
-            raise ValueError(f"latent datasets store mean and std (an even channel count), got {in_channels}")
+            raise EncoderSettingsError(f"latent datasets store mean and std (an even channel count), "
+                                       f"got {in_channels}")
         return in_channels // 2
 
     def config(self) -> dict:
@@ -175,8 +183,11 @@ def encoder_from_config(config: dict) -> Encoder:
     if kind == "StandardRGBEncoder" and not settings:
         return StandardRGBEncoder()
     if kind == "StabilityVAEEncoder" and {"vae_name", "scale", "bias"} <= set(settings) <= _VAE_KEYS:
-        return StabilityVAEEncoder.from_scale_bias(**settings)
-    raise ValueError(f"not an encoder config: {config}")
+        try:
+            return StabilityVAEEncoder.from_scale_bias(**settings)
+        except (TypeError, ValueError) as e:  # numbers that are not numbers; EncoderSettingsError included
+            raise EncoderSettingsError(f"not an encoder config: {config} ({one_line(e)})") from None
+    raise EncoderSettingsError(f"not an encoder config: {config}")
 
 
 def load_vae(vae_name: str):
@@ -196,7 +207,6 @@ def load_vae(vae_name: str):
         except Exception:  # not in the local cache: ask the hub
             vae = AutoencoderKL.from_pretrained(vae_name, **options)
     except Exception as e:  # the hub raises many kinds (OSError, ValueError, HTTP errors)
-        reason = (str(e).strip().splitlines() or [""])[0]
         raise EncoderError(f"cannot load the VAE '{vae_name}' (hub name or local directory): "
-                           f"{type(e).__name__}: {reason}") from None
+                           f"{type(e).__name__}: {one_line(e)}") from None
     return vae.eval().requires_grad_(False)

@@ -9,6 +9,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edm2.errors import EDM2Error
+
+
+class ArchitectureError(EDM2Error):
+    """A network or layer asked for with settings it does not have (an unknown block flavor or resampling)."""
+
 
 def normalize(x: torch.Tensor, dim: Sequence[int] | int | None = None, eps: float = 1e-4) -> torch.Tensor:
     """Scale x to unit RMS along `dim` (default: all but the first), Algorithm 1."""
@@ -50,7 +56,7 @@ def resample(x: torch.Tensor, mode: str = "keep") -> torch.Tensor:
     if mode == "up":
         # Transposed convolution with the [1,1] filter (gain 4) repeats every pixel 2x2.
         return x.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
-    raise ValueError(f"unknown resample mode {mode!r}")
+    raise ArchitectureError(f"unknown resample mode {mode!r}")
 
 
 class MPFourier(torch.nn.Module):

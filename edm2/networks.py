@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from edm2.layers import MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
+from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
 
 
 class Block(torch.nn.Module):
@@ -30,7 +30,7 @@ class Block(torch.nn.Module):
     ):
         super().__init__()
         if flavor not in ("enc", "dec"):
-            raise ValueError(f"unknown block flavor {flavor!r}")
+            raise ArchitectureError(f"unknown block flavor {flavor!r}")
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.flavor = flavor

@@ -1,4 +1,11 @@
-"""The release's generation presets: published network, guiding network and guidance strength."""
+"""The release's generation presets: published network, guiding network and guidance strength.
+
+One row per preset, as the release publishes them (config_presets in its generate_images.py). File names
+read edm2-{dataset}-{size}-{training length in kimg}-{EMA length sigma_rel}.pkl. The comment on each row
+is the number the paper reports for that preset: EDM2 paper Table 6 (also Tables 2, 3 and 5) and
+Table 1 of the autoguidance paper (Karras et al. 2024, "Guiding a Diffusion Model with a Bad Version of
+Itself"); lower is better.
+"""
 
 from __future__ import annotations
 
@@ -17,47 +24,50 @@ class GeneratePreset:
     guidance: float = 1.0
 
 
-def _url(dataset: str, size: str, kimg: str, std: float) -> str:
-    return f"{BASE_URL}edm2-{dataset}-{size}-{kimg}-{std:.3f}.pkl"
+def _preset(net: str, gnet: str | None = None, guidance: float = 1.0) -> GeneratePreset:
+    """A preset from the release's file names."""
+    return GeneratePreset(BASE_URL + net, None if gnet is None else BASE_URL + gnet, guidance)
 
 
-def _build() -> dict[str, GeneratePreset]:
-    presets = {}
-    # Training length (kimg) of each published model; EMA stds as in paper Table 6 (the release's generate_images.py).
-    img512_kimg = {"xs": "2147483", "s": "2147483", "m": "2147483", "l": "1879048", "xl": "1342177", "xxl": "0939524"}
-    img512_fid = {"xs": 0.135, "s": 0.130, "m": 0.100, "l": 0.085, "xl": 0.085, "xxl": 0.070}
-    img512_dino = {"xs": 0.200, "s": 0.190, "m": 0.155, "l": 0.155, "xl": 0.155, "xxl": 0.150}
-    # Guided by the unconditional XS model with the same EMA std: (fid std, fid w, dino std, dino w).
-    img512_guid = {
-        "xs": (0.045, 1.40, 0.150, 1.70),
-        "s": (0.025, 1.40, 0.085, 1.90),
-        "m": (0.030, 1.20, 0.015, 2.00),
-        "l": (0.015, 1.20, 0.035, 1.70),
-        "xl": (0.020, 1.20, 0.030, 1.70),
-        "xxl": (0.015, 1.20, 0.015, 1.70),
-    }
-    for size, kimg in img512_kimg.items():
-        presets[f"edm2-img512-{size}-fid"] = GeneratePreset(_url("img512", size, kimg, img512_fid[size]))
-        presets[f"edm2-img512-{size}-dino"] = GeneratePreset(_url("img512", size, kimg, img512_dino[size]))
-        fid_std, fid_w, dino_std, dino_w = img512_guid[size]
-        for metric, std, w in (("fid", fid_std, fid_w), ("dino", dino_std, dino_w)):
-            net, gnet = _url("img512", size, kimg, std), _url("img512", "xs-uncond", "2147483", std)
-            presets[f"edm2-img512-{size}-guid-{metric}"] = GeneratePreset(net, gnet, w)
-    img64 = {"s": ("1073741", 0.075), "m": ("2147483", 0.060), "l": ("1073741", 0.040), "xl": ("0671088", 0.040)}
-    for size, (kimg, std) in img64.items():
-        presets[f"edm2-img64-{size}-fid"] = GeneratePreset(_url("img64", size, kimg, std))
-    # Autoguidance: a smaller, shorter-trained version of the model guides it.
-    autog = {
-        "edm2-img512-s-autog-fid": (("img512", "s", "2147483", 0.070), ("img512", "xs", "0134217", 0.125), 2.10),
-        "edm2-img512-s-autog-dino": (("img512", "s", "2147483", 0.120), ("img512", "xs", "0134217", 0.165), 2.45),
-        "edm2-img512-xxl-autog-fid": (("img512", "xxl", "0939524", 0.075), ("img512", "m", "0268435", 0.155), 2.05),
-        "edm2-img512-xxl-autog-dino": (("img512", "xxl", "0939524", 0.130), ("img512", "m", "0268435", 0.205), 2.30),
-        "edm2-img64-s-autog-fid": (("img64", "s", "1073741", 0.045), ("img64", "xs", "0134217", 0.110), 1.70),
-        "edm2-img64-s-autog-dino": (("img64", "s", "1073741", 0.105), ("img64", "xs", "0134217", 0.175), 2.20),
-    }
-    for name, (net, gnet, w) in autog.items():
-        presets[name] = GeneratePreset(_url(*net), _url(*gnet), w)
-    return presets
-
-
-PRESETS: dict[str, GeneratePreset] = _build()
+PRESETS: dict[str, GeneratePreset] = {
+    # EDM2 paper, ImageNet-512 without guidance; EMA length chosen for FID (Table 2) or FD_DINOv2 (Table 5).
+    "edm2-img512-xs-fid":               _preset(net="edm2-img512-xs-2147483-0.135.pkl"),  # FID 3.53
+    "edm2-img512-xs-dino":              _preset(net="edm2-img512-xs-2147483-0.200.pkl"),  # FD_DINOv2 103.39
+    "edm2-img512-s-fid":                _preset(net="edm2-img512-s-2147483-0.130.pkl"),  # FID 2.56
+    "edm2-img512-s-dino":               _preset(net="edm2-img512-s-2147483-0.190.pkl"),  # FD_DINOv2 68.64
+    "edm2-img512-m-fid":                _preset(net="edm2-img512-m-2147483-0.100.pkl"),  # FID 2.25
+    "edm2-img512-m-dino":               _preset(net="edm2-img512-m-2147483-0.155.pkl"),  # FD_DINOv2 58.44
+    "edm2-img512-l-fid":                _preset(net="edm2-img512-l-1879048-0.085.pkl"),  # FID 2.06
+    "edm2-img512-l-dino":               _preset(net="edm2-img512-l-1879048-0.155.pkl"),  # FD_DINOv2 52.25
+    "edm2-img512-xl-fid":               _preset(net="edm2-img512-xl-1342177-0.085.pkl"),  # FID 1.96
+    "edm2-img512-xl-dino":              _preset(net="edm2-img512-xl-1342177-0.155.pkl"),  # FD_DINOv2 45.96
+    "edm2-img512-xxl-fid":              _preset(net="edm2-img512-xxl-0939524-0.070.pkl"),  # FID 1.91
+    "edm2-img512-xxl-dino":             _preset(net="edm2-img512-xxl-0939524-0.150.pkl"),  # FD_DINOv2 42.84
+    # EDM2 paper, ImageNet-64 without guidance (Table 3).
+    "edm2-img64-s-fid":                 _preset(net="edm2-img64-s-1073741-0.075.pkl"),  # FID 1.58
+    "edm2-img64-m-fid":                 _preset(net="edm2-img64-m-2147483-0.060.pkl"),  # FID 1.43
+    "edm2-img64-l-fid":                 _preset(net="edm2-img64-l-1073741-0.040.pkl"),  # FID 1.33
+    "edm2-img64-xl-fid":                _preset(net="edm2-img64-xl-0671088-0.040.pkl"),  # FID 1.33
+    # EDM2 paper, ImageNet-512 guided by the unconditional XS model at the same EMA length (Tables 2, 5).
+    "edm2-img512-xs-guid-fid":          _preset(net="edm2-img512-xs-2147483-0.045.pkl", gnet="edm2-img512-xs-uncond-2147483-0.045.pkl", guidance=1.40),  # FID 2.91
+    "edm2-img512-xs-guid-dino":         _preset(net="edm2-img512-xs-2147483-0.150.pkl", gnet="edm2-img512-xs-uncond-2147483-0.150.pkl", guidance=1.70),  # FD_DINOv2 79.94
+    "edm2-img512-s-guid-fid":           _preset(net="edm2-img512-s-2147483-0.025.pkl", gnet="edm2-img512-xs-uncond-2147483-0.025.pkl", guidance=1.40),  # FID 2.23
+    "edm2-img512-s-guid-dino":          _preset(net="edm2-img512-s-2147483-0.085.pkl", gnet="edm2-img512-xs-uncond-2147483-0.085.pkl", guidance=1.90),  # FD_DINOv2 52.32
+    "edm2-img512-m-guid-fid":           _preset(net="edm2-img512-m-2147483-0.030.pkl", gnet="edm2-img512-xs-uncond-2147483-0.030.pkl", guidance=1.20),  # FID 2.01
+    "edm2-img512-m-guid-dino":          _preset(net="edm2-img512-m-2147483-0.015.pkl", gnet="edm2-img512-xs-uncond-2147483-0.015.pkl", guidance=2.00),  # FD_DINOv2 41.98
+    "edm2-img512-l-guid-fid":           _preset(net="edm2-img512-l-1879048-0.015.pkl", gnet="edm2-img512-xs-uncond-2147483-0.015.pkl", guidance=1.20),  # FID 1.88
+    "edm2-img512-l-guid-dino":          _preset(net="edm2-img512-l-1879048-0.035.pkl", gnet="edm2-img512-xs-uncond-2147483-0.035.pkl", guidance=1.70),  # FD_DINOv2 38.20
+    "edm2-img512-xl-guid-fid":          _preset(net="edm2-img512-xl-1342177-0.020.pkl", gnet="edm2-img512-xs-uncond-2147483-0.020.pkl", guidance=1.20),  # FID 1.85
+    "edm2-img512-xl-guid-dino":         _preset(net="edm2-img512-xl-1342177-0.030.pkl", gnet="edm2-img512-xs-uncond-2147483-0.030.pkl", guidance=1.70),  # FD_DINOv2 35.67
+    "edm2-img512-xxl-guid-fid":         _preset(net="edm2-img512-xxl-0939524-0.015.pkl", gnet="edm2-img512-xs-uncond-2147483-0.015.pkl", guidance=1.20),  # FID 1.81
+    "edm2-img512-xxl-guid-dino":        _preset(net="edm2-img512-xxl-0939524-0.015.pkl", gnet="edm2-img512-xs-uncond-2147483-0.015.pkl", guidance=1.70),  # FD_DINOv2 33.09
+    # Autoguidance paper Table 1: guided by a smaller, shorter-trained version of the same model.
+    "edm2-img512-s-autog-fid":          _preset(net="edm2-img512-s-2147483-0.070.pkl", gnet="edm2-img512-xs-0134217-0.125.pkl", guidance=2.10),  # FID 1.34
+    "edm2-img512-s-autog-dino":         _preset(net="edm2-img512-s-2147483-0.120.pkl", gnet="edm2-img512-xs-0134217-0.165.pkl", guidance=2.45),  # FD_DINOv2 36.67
+    "edm2-img512-xxl-autog-fid":        _preset(net="edm2-img512-xxl-0939524-0.075.pkl", gnet="edm2-img512-m-0268435-0.155.pkl", guidance=2.05),  # FID 1.25
+    "edm2-img512-xxl-autog-dino":       _preset(net="edm2-img512-xxl-0939524-0.130.pkl", gnet="edm2-img512-m-0268435-0.205.pkl", guidance=2.30),  # FD_DINOv2 24.18
+    "edm2-img512-s-uncond-autog-fid":   _preset(net="edm2-img512-s-uncond-2147483-0.070.pkl", gnet="edm2-img512-xs-uncond-0134217-0.110.pkl", guidance=2.85),  # FID 3.86 (unconditional)
+    "edm2-img512-s-uncond-autog-dino":  _preset(net="edm2-img512-s-uncond-2147483-0.090.pkl", gnet="edm2-img512-xs-uncond-0134217-0.125.pkl", guidance=2.90),  # FD_DINOv2 90.39 (unconditional)
+    "edm2-img64-s-autog-fid":           _preset(net="edm2-img64-s-1073741-0.045.pkl", gnet="edm2-img64-xs-0134217-0.110.pkl", guidance=1.70),  # FID 1.01
+    "edm2-img64-s-autog-dino":          _preset(net="edm2-img64-s-1073741-0.105.pkl", gnet="edm2-img64-xs-0134217-0.175.pkl", guidance=2.20),  # FD_DINOv2 31.85
+}

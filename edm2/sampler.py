@@ -1,14 +1,17 @@
-"""EDM sampler (Heun with churn and guidance) and per-seed random inputs, so an image depends on its seed alone."""
+"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn, and the guidance blend (paper Eq. 152)."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable
 
 import torch
-import tqdm
 
-from edm2 import distributed
+from edm2.errors import EDM2Error
+
+
+class SamplerError(EDM2Error):
+    """Sampler settings that cannot produce images; the message names the setting."""
 
 
 def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) -> torch.Tensor:
@@ -16,6 +19,40 @@ def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) 
     i = torch.arange(num_steps, dtype=torch.float64)
     t = (sigma_max ** (1 / rho) + i / max(num_steps - 1, 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
     return torch.cat([t, torch.zeros(1, dtype=torch.float64)])
+
+
+def check_settings(
+    *, num_steps: int, sigma_min: float, sigma_max: float, rho: float, guidance: float, S_churn: float, S_min: float,
+    S_max: float, S_noise: float, dtype: torch.dtype = torch.float32,
+) -> None:
+    """Raise SamplerError unless edm_sampler can run with these settings (its arguments of the same names).
+
+    Cheap, so that a command line can check its options before it loads a network.
+    """
+    if num_steps < 1:
+        raise SamplerError(f"num_steps={num_steps}: at least one step is needed")
+    finite = dict(sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance, S_churn=S_churn,
+                  S_min=S_min, S_noise=S_noise)
+    for name, value in [*finite.items(), ("S_max", S_max)]:
+        if math.isnan(value) or (name in finite and math.isinf(value)):
+            raise SamplerError(f"{name}={value}: not a finite number")
+    for name in ("sigma_min", "sigma_max", "rho"):
+        if finite[name] <= 0:
+            raise SamplerError(f"{name}={finite[name]:g}: must be positive")
+    if sigma_min >= sigma_max:
+        raise SamplerError(f"sigma_min={sigma_min:g} must be below sigma_max={sigma_max:g}")
+    if S_churn < 0 or S_noise < 0:
+        raise SamplerError(f"S_churn={S_churn:g} and S_noise={S_noise:g} cannot be negative")
+    try:
+        t = sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1]
+    except OverflowError:  # sigma ** (1 / rho) beyond float64
+        t = torch.tensor([math.inf])
+    # The preconditioning squares sigma (paper Appendix B.1, c_skip, c_out, c_in) in the sampler's precision; past
+    # these limits a level's square overflows or vanishes there, and the images are NaN.
+    squares = t.to(dtype).square()
+    if not (torch.isfinite(t).all() and (t[1:] < t[:-1]).all() and torch.isfinite(squares).all() and (squares > 0).all()):
+        raise SamplerError(f"the noise levels from sigma_max={sigma_max:g} to sigma_min={sigma_min:g} with rho={rho:g} and "
+                           f"{num_steps} steps are not decreasing levels whose squares are finite and above 0 in {dtype}")
 
 
 def edm_sampler(
@@ -45,8 +82,10 @@ def edm_sampler(
         # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
         return torch.lerp(gnet(x, sigma, labels).to(dtype), d, guidance)
 
+    check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
+                   S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype)
     if guidance != 1 and gnet is None:
-        raise ValueError("guidance other than 1 needs a guiding network (gnet)")
+        raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
@@ -66,83 +105,3 @@ def edm_sampler(
             d_prime = (x_next - denoise(x_next, t_next)) / t_next
             x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
     return x_next
-
-
-def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
-    """Raise ValueError unless gnet can guide net: Eq. 152 blends their outputs pixel by pixel."""
-    shape, gshape = (net.img_resolution, net.img_channels), (gnet.img_resolution, gnet.img_channels)
-    if shape != gshape:
-        raise ValueError(
-            f"the guiding network has resolution {gshape[0]} with {gshape[1]} channels "
-            f"but the main network has resolution {shape[0]} with {shape[1]}"
-        )
-    if gnet.label_dim not in (0, net.label_dim):
-        raise ValueError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
-
-
-class SeededRandom:
-    """One torch.Generator per image, seeded by that image's seed; draws stack along the batch axis."""
-
-    def __init__(self, seeds: Sequence[int], device: torch.device | str = "cpu"):
-        self.generators = [torch.Generator(device).manual_seed(int(seed)) for seed in seeds]
-        self.device = torch.device(device)
-
-    def randn(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Normal noise of shape [len(seeds), *shape]; row i comes from seed i's generator."""
-        return torch.stack([torch.randn(tuple(shape), generator=g, device=self.device, dtype=dtype) for g in self.generators])
-
-    def randint(self, high: int) -> torch.Tensor:
-        """One integer in [0, high) per image, from that image's generator."""
-        return torch.cat([torch.randint(high, (1,), generator=g, device=self.device) for g in self.generators])
-
-    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
-        """Drop-in for torch.randn_like that keeps each image on its own generator."""
-        return self.randn(x.shape[1:], dtype=x.dtype)
-
-
-def seeded_inputs(
-    seeds: Sequence[int],
-    img_channels: int,
-    img_resolution: int,
-    label_dim: int,
-    class_idx: int | None = None,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor]]:
-    """Initial unit noise, one-hot class labels (random per seed unless class_idx) and a per-seed randn_like."""
-    rnd = SeededRandom(seeds, device)
-    noise = rnd.randn([img_channels, img_resolution, img_resolution])
-    labels = None
-    if label_dim > 0:
-        # Draw the random class even when class_idx overrides it, so churn noise does not depend on class_idx.
-        classes = rnd.randint(label_dim)
-        if class_idx is not None:
-            classes = torch.full_like(classes, class_idx)
-        labels = torch.nn.functional.one_hot(classes, label_dim).to(torch.float32)
-    return noise, labels, rnd.randn_like
-
-
-def generate_images(
-    net: torch.nn.Module,
-    encoder,
-    seeds: Sequence[int],
-    class_idx: int | None = None,
-    gnet: torch.nn.Module | None = None,
-    guidance: float = 1.0,
-    batch_size: int = 32,
-    device: torch.device | str | None = None,
-    **sampler_kwargs,
-) -> Iterator[tuple[list[int], torch.Tensor]]:
-    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`)."""
-    device = torch.device(device) if device is not None else distributed.device()
-    if class_idx is not None and not 0 <= class_idx < net.label_dim:
-        raise ValueError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
-    batches = distributed.rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size())
-    batches = [b for b in batches if b]
-    for batch_seeds in tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()):
-        noise, labels, randn_like = seeded_inputs(
-            batch_seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx, device
-        )
-        with torch.no_grad():
-            latents = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, randn_like=randn_like, **sampler_kwargs)
-            images = encoder.decode(latents)
-        yield batch_seeds, images

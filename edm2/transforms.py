@@ -2,8 +2,51 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import numpy as np
 import PIL.Image
+
+from edm2.errors import EDM2Error
+
+TRANSFORMS = ("center-crop", "center-crop-wide", "center-crop-dhariwal")
+
+
+class TransformError(EDM2Error):
+    """A crop/resize mode and an output size that do not go together."""
+
+
+def unchanged(image: np.ndarray) -> np.ndarray:
+    """No crop or resize."""
+    return image
+
+
+def make_transform(transform: str | None, size: tuple[int, int] | None) -> Callable[[np.ndarray], np.ndarray]:
+    """The image -> image function of a mode (TRANSFORMS, None = resize only) and an output (width, height).
+
+    Without a size, images stay as they are; datasets hold square images, so only center-crop-wide (which
+    pads to a square) takes a width different from the height.
+    """
+    if size is None:
+        if transform is not None:
+            raise TransformError(f"{transform} needs an output size")
+        return unchanged
+    width, height = size
+    if transform not in (None, *TRANSFORMS):
+        raise TransformError(f"unknown transform {transform!r}; choose one of {', '.join(TRANSFORMS)}")
+    if transform == "center-crop-wide":
+        if height > width:
+            raise TransformError(f"center-crop-wide needs width >= height, got {width}x{height}")
+        return functools.partial(center_crop_wide, width=width, height=height)
+    if width != height:
+        raise TransformError(f"{transform or 'resizing'} needs a square resolution (datasets hold square "
+                             f"images), got {width}x{height}")
+    if transform == "center-crop-dhariwal":
+        return functools.partial(center_crop_dhariwal, size=width)
+    if transform == "center-crop":
+        return functools.partial(center_crop, width=width, height=height)
+    return functools.partial(resize, width=width, height=height)
 
 
 def resize(image: np.ndarray, width: int, height: int) -> np.ndarray:

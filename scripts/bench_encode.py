@@ -20,7 +20,7 @@ import dataset_tool  # noqa: E402  (the repository root is put on the path just 
 
 def invoke(*args) -> None:
     """Run a dataset_tool command in this process; stop on failure."""
-    result = CliRunner().invoke(dataset_tool.cli, [str(arg) for arg in args])
+    result = CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
     if result.exit_code != 0:
         raise click.ClickException(f"dataset_tool {args[0]} failed: {result.output.strip()}")
 

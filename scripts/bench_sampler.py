@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
 from edm2.networks import Precond
-from edm2.sampler import edm_sampler, seeded_inputs
+from edm2.generation import seeded_inputs
+from edm2.sampler import edm_sampler
 
 
 def images_per_second(net, gnet, guidance, batch_size, num_steps, repeats, device) -> float:

@@ -5,6 +5,7 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 
 import collections
 import importlib
+import io
 import json
 import os
 import pickle
@@ -13,9 +14,11 @@ import subprocess
 import sys
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
+import PIL.Image
 import torch
 
 from edm2.networks import Precond
@@ -275,8 +278,6 @@ TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with o
 
 def write_image_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB", labels=True, sizes=None) -> Path:
     """A release-format dataset written with PIL: PNG files plus dataset.json."""
-    import PIL.Image  # only the dataset writers need it
-
     rng = np.random.default_rng(0)
     path.mkdir(parents=True)
     names = []
@@ -336,3 +337,33 @@ def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers"))
             meta["training_options"].pop(key)
         contents[path.name] = ({k: v.view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}, meta)
     return contents
+
+
+# ---------------------------------------------------------------------------------------------------
+# Datasets built by hand, independently of edm2.dataset_writer.
+
+def png_file(array: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 HWC (or HW grayscale) array, written by PIL with its default compression."""
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(array).save(buffer, format="png")
+    return buffer.getvalue()
+
+
+def write_members(root: Path, members: dict, zip_name: str | None = None) -> Path:
+    """Write {relative name: bytes} below root, or into the uncompressed ZIP root/zip_name; return the dataset."""
+    if zip_name:
+        with zipfile.ZipFile(root / zip_name, "w", zipfile.ZIP_STORED) as archive:
+            for name, data in members.items():
+                archive.writestr(name, data)
+        return root / zip_name
+    for name, data in members.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def dead_pid() -> int:
+    """The id of a process of this host that has exited (as a SIGKILLed writer's)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import calculate_metrics
 from edm2 import detectors, metrics
 from edm2.encoders import StandardRGBEncoder
-from edm2.sampler import generate_images
+from edm2.generation import generate_images
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, free_port, random_dinov2_state_dict,
                            randomized, tiny_precond)

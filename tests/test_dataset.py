@@ -1,18 +1,20 @@
-"""ImageFolderDataset on hand-made release-format datasets, and the atomic dataset writer."""
+"""ImageFolderDataset on hand-made release-format datasets, its one dataset.json reader, and the pointer
+to `dataset_tool.py convert` for folders of raw images (also through train_edm2.py)."""
 
 import io
 import json
-import os
 import pickle
-import zipfile
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from click.testing import CliRunner
 
-from edm2.dataset import (DatasetError, ImageFolderDataset, dataset_writer, image_fname, latent_fname,
-                          png_bytes)
+import train_edm2
+from edm2.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
+from edm2.errors import EDM2Error
+from tests.helpers import assert_one_error_line, png_file, tree, write_members
 
 # The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
@@ -23,32 +25,12 @@ def release_name(idx, latent=False):
     return f"{digits[:5]}/img-mean-std-{digits}.npy" if latent else f"{digits[:5]}/img{digits}.png"
 
 
-def encode_png(array):
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(array).save(buffer, format="png")
-    return buffer.getvalue()
-
-
-def make_release_dataset(root, members, zip_name=None):
-    """Write {name: bytes} as a directory, or as an uncompressed ZIP with zipfile directly."""
-    if zip_name:
-        path = root / zip_name
-        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-            for name, data in members.items():
-                archive.writestr(name, data)
-        return path
-    for name, data in members.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_bytes(data)
-    return root
-
-
 @pytest.fixture
 def rgb_members():
     rng = np.random.default_rng(0)
     images = {release_name(i): rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for i in INDICES}
     labels = {name: label for name, label in zip(images, [2, 0, 4, 2])}
-    members = {name: encode_png(image) for name, image in reversed(list(images.items()))}
+    members = {name: png_file(image) for name, image in reversed(list(images.items()))}
     members["dataset.json"] = json.dumps({"labels": [[n, labels[n]] for n in reversed(list(labels))]}).encode()
     return images, labels, members
 
@@ -56,7 +38,7 @@ def rgb_members():
 @pytest.mark.parametrize("as_zip", [False, True])
 def test_reads_release_png_dataset(tmp_path, rgb_members, as_zip):
     images, labels, members = rgb_members
-    path = make_release_dataset(tmp_path, members, "data.zip" if as_zip else None)
+    path = write_members(tmp_path, members, "data.zip" if as_zip else None)
     ds = ImageFolderDataset(path)
     assert len(ds) == 4 and ds.image_shape == [3, 8, 8]
     assert (ds.resolution, ds.num_channels, ds.label_dim, ds.has_labels) == (8, 3, 5, True)
@@ -77,7 +59,7 @@ def test_reads_latent_npy_dataset(tmp_path):
         buffer = io.BytesIO()
         np.save(buffer, array)
         members[name] = buffer.getvalue()
-    ds = ImageFolderDataset(make_release_dataset(tmp_path, members, "latents.zip"), resolution=4)
+    ds = ImageFolderDataset(write_members(tmp_path, members, "latents.zip"), resolution=4)
     assert (len(ds), ds.num_channels, ds.resolution, ds.has_labels, ds.label_dim) == (4, 8, 4, False, 0)
     for i, name in enumerate(sorted(latents)):
         image, label = ds[i]
@@ -92,14 +74,14 @@ def test_unlabeled(tmp_path, rgb_members, labels_json):
         del members["dataset.json"]
     elif isinstance(labels_json, dict):
         members["dataset.json"] = json.dumps(labels_json).encode()
-    ds = ImageFolderDataset(make_release_dataset(tmp_path, members), use_labels=labels_json != "use_labels=False")
+    ds = ImageFolderDataset(write_members(tmp_path, members), use_labels=labels_json != "use_labels=False")
     assert (ds.has_labels, ds.label_dim, ds.raw_labels) == (False, 0, None)
     assert ds[0][1].shape == (0,)
 
 
 def test_max_size_is_a_fixed_subset_with_matching_labels(tmp_path, rgb_members):
     images, labels, members = rgb_members
-    path = make_release_dataset(tmp_path, members)
+    path = write_members(tmp_path, members)
     ds = ImageFolderDataset(path, max_size=2)
     assert len(ds) == 2 and ds.fnames == ImageFolderDataset(path, max_size=2).fnames
     assert set(ds.fnames) < set(images) and ds.fnames == sorted(ds.fnames)
@@ -108,53 +90,192 @@ def test_max_size_is_a_fixed_subset_with_matching_labels(tmp_path, rgb_members):
         assert np.array_equal(ds[i][0], images[name].transpose(2, 0, 1)) and ds[i][1].argmax() == labels[name]
 
 
-def broken_datasets(tmp_path):
-    """(path, words the one-line error must contain) for each kind of bad dataset."""
-    square = encode_png(np.zeros((8, 8, 3), np.uint8))
-    cases = {"missing": (tmp_path / "nothing-here", ["no such"])}
+SQUARE = png_file(np.zeros((8, 8, 3), np.uint8))
+
+
+def missing(tmp_path):
+    return tmp_path / "nothing-here"
+
+
+def bad_zip(tmp_path):
     (tmp_path / "garbage.zip").write_bytes(b"this is not a zip file")
-    cases["bad zip"] = (tmp_path / "garbage.zip", ["not a readable ZIP"])
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "notes.txt").write_text("no images")
-    cases["no images"] = (tmp_path / "empty", ["no .png or .npy"])
-    wide = make_release_dataset(tmp_path, {"a.png": encode_png(np.zeros((8, 6, 3), np.uint8))}, "wide.zip")
-    cases["not square"] = (wide, ["a.png", "square"])
-    (tmp_path / "mixed").mkdir()
-    make_release_dataset(tmp_path / "mixed", {"a.png": square, "b.npy": b""})
-    cases["png and npy"] = (tmp_path / "mixed", ["mixes"])
-    (tmp_path / "unlisted").mkdir()
+    return tmp_path / "garbage.zip"
+
+
+def no_images(tmp_path):
+    return write_members(tmp_path / "empty", {"notes.txt": b"no images"})
+
+
+def not_square(tmp_path):
+    return write_members(tmp_path, {"a.png": png_file(np.zeros((8, 6, 3), np.uint8))}, "wide.zip")
+
+
+def png_and_npy(tmp_path):
+    return write_members(tmp_path / "mixed", {"a.png": SQUARE, "b.npy": b""})
+
+
+def unlabeled_file(tmp_path):
     labels = json.dumps({"labels": [["a.png", 0]]}).encode()
-    make_release_dataset(tmp_path / "unlisted", {"a.png": square, "b.png": square, "dataset.json": labels})
-    cases["unlabeled file"] = (tmp_path / "unlisted", ["b.png", "dataset.json"])
-    (tmp_path / "corrupt").mkdir()
-    make_release_dataset(tmp_path / "corrupt", {"a.png": square[:30]})
-    cases["corrupt png"] = (tmp_path / "corrupt", ["a.png", "cannot read"])
-    return cases
+    return write_members(tmp_path / "unlisted", {"a.png": SQUARE, "b.png": SQUARE, "dataset.json": labels})
 
 
-def test_bad_datasets_raise_one_line_naming_the_path(tmp_path):
-    for case, (path, words) in broken_datasets(tmp_path).items():
-        with pytest.raises(DatasetError) as info:
-            ImageFolderDataset(path)
-        message = str(info.value)
-        assert isinstance(info.value, ValueError) and "\n" not in message, case
-        assert str(path) in message and all(word in message for word in words), (case, message)
+def corrupt_png(tmp_path):
+    return write_members(tmp_path / "corrupt", {"a.png": SQUARE[:30]})
+
+
+# (builder, words the one-line error must contain, whether it points to dataset_tool.py convert)
+BROKEN_DATASETS = {
+    "missing": (missing, ["no such"], False),
+    "bad zip": (bad_zip, ["not a readable ZIP"], False),
+    "no images": (no_images, ["no .png or .npy"], False),
+    "not square": (not_square, ["a.png", "square"], True),
+    "png and npy": (png_and_npy, ["mixes"], True),
+    "unlabeled file": (unlabeled_file, ["b.png", "dataset.json"], False),
+    "corrupt png": (corrupt_png, ["a.png", "cannot read"], True),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_DATASETS)
+def test_bad_datasets_raise_one_line_naming_the_path(tmp_path, case):
+    build, words, hint = BROKEN_DATASETS[case]
+    path = build(tmp_path)
+    with pytest.raises(DatasetError) as info:
+        ImageFolderDataset(path)
+    message = str(info.value)
+    assert isinstance(info.value, EDM2Error) and "\n" not in message
+    assert str(path) in message and all(word in message for word in words), message
+    assert ("dataset_tool.py convert" in message) == hint, message
+
+
+# dataset.json variants beside two release-named images; each must be refused in one line naming the file.
+BAD_LABELS = {
+    "not JSON": (b'{"labels": [', ["not in the release format", "JSONDecodeError"]),
+    "not UTF-8": (b"\xff\xfe\x00", ["not in the release format"]),
+    "no labels key": (b'{"classes": []}', ["no 'labels' key"]),
+    "a list": (b"[]", ["not in the release format"]),
+    "labels a dict": (b'{"labels": {"00000/img00000000.png": 1}}', ["[name, class] pairs"]),
+    "triples": (b'{"labels": [["00000/img00000000.png", 1, 2]]}', ["[name, class] pairs"]),
+    "float label": (b"1.5", ["non-negative integers", "1.5"]),
+    "string label": (b'"3"', ["non-negative integers", '"3"']),
+    "bool label": (b"true", ["non-negative integers", "true"]),
+    "negative label": (b"-1", ["non-negative integers", "-1"]),
+    "null label": (b"null", ["non-negative integers", "null"]),
+}
+
+
+def labels_file(text):
+    """A dataset.json text; a bare JSON value is the label of the second image (the first has class 0)."""
+    if text.startswith((b"{", b"[")) or not text.isascii():
+        return text
+    return b'{"labels": [["00000/img00000000.png", 0], ["00000/img00000001.png", ' + text + b"]]}"
+
+
+@pytest.mark.parametrize("case", BAD_LABELS)
+def test_one_dataset_json_reader_refuses_what_is_not_the_release_format(tmp_path, case):
+    text, words = BAD_LABELS[case]
+    members = {image_fname(0): SQUARE, image_fname(1): SQUARE, "dataset.json": labels_file(text)}
+    path = write_members(tmp_path, members, "data.zip")
+    with pytest.raises(DatasetError) as info:
+        ImageFolderDataset(path)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: dataset.json" in message and "dataset_tool" not in message
+    assert all(word in message for word in words), message
+    with pytest.raises(DatasetError, match="dataset.json") as again:
+        read_labels(FileTree(path), [image_fname(0), image_fname(1)])
+    assert str(again.value) == message  # one reader: the same rule and message for every caller
+
+
+def test_read_labels_gives_the_classes_in_the_order_asked(tmp_path):
+    names = [image_fname(i) for i in range(3)]
+    listed = {"labels": [[names[2], 7], [names[0], 0], [names[1], 3]]}
+    labeled = write_members(tmp_path / "labeled", {"dataset.json": json.dumps(listed).encode()})
+    assert read_labels(FileTree(labeled), names) == [0, 3, 7]
+    assert read_labels(FileTree(labeled), names[::-1]) == [7, 3, 0]
+    null = write_members(tmp_path / "null", {"dataset.json": b'{"labels": null}'})
+    assert read_labels(FileTree(null), names) is None
+    assert read_labels(FileTree(write_members(tmp_path / "none", {"x.txt": b""})), names) is None
 
 
 def test_resolution_mismatch_and_mixed_resolutions(tmp_path):
-    members = {"a.png": encode_png(np.zeros((8, 8, 3), np.uint8)), "b.png": encode_png(np.zeros((4, 4, 3), np.uint8))}
-    path = make_release_dataset(tmp_path, members)
+    # Release-named images are checked lazily, one by one as they are read.
+    members = {image_fname(0): png_file(np.zeros((8, 8, 3), np.uint8)),
+               image_fname(1): png_file(np.zeros((4, 4, 3), np.uint8))}
+    path = write_members(tmp_path, members)
     with pytest.raises(DatasetError, match="expected resolution 16"):
         ImageFolderDataset(path, resolution=16)
     ds = ImageFolderDataset(path, resolution=8)
     assert ds[0][0].shape == (3, 8, 8)
-    with pytest.raises(DatasetError, match=r"b\.png has shape 3x4x4 but the first image has 3x8x8"):
+    with pytest.raises(DatasetError, match=r"img00000001\.png has shape 3x4x4 but the first image has 3x8x8") as info:
         ds[1]
+    assert "dataset_tool" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Folders of raw images (no dataset.json, names not in the release layout) get a pointer to convert.
+
+def rgb(size, value=0):
+    height, width = (size, size) if isinstance(size, int) else size
+    return png_file(np.full((height, width, 3), value, np.uint8))
+
+
+def jpeg(size):
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(np.zeros((size, size, 3), np.uint8)).save(buffer, format="jpeg")
+    return buffer.getvalue()
+
+
+RAW_FOLDERS = {
+    "jpegs in class folders": ({"cat/a.jpg": jpeg(16), "dog/b.jpg": jpeg(20)},
+                               ["no .png or .npy images found", ".jpg"]),
+    "pngs of several sizes in class folders": ({"cat/a.png": rgb(16), "cat/b.png": rgb(16), "dog/c.png": rgb(24)},
+                                               ["dog/c.png is 24x24 but cat/a.png is 16x16"]),
+    "pngs beside jpegs": ({"cat/a.png": rgb(16), "dog/b.JPEG": jpeg(16)}, [".jpeg images beside"]),
+    "first image not square": ({"n01/x.png": rgb((16, 20))}, ["n01/x.png", "square"]),
+}
+
+
+@pytest.mark.parametrize("case", RAW_FOLDERS)
+def test_a_raw_image_folder_points_to_dataset_tool_convert(tmp_path, case):
+    members, words = RAW_FOLDERS[case]
+    path = write_members(tmp_path / "train", members)
+    with pytest.raises(DatasetError) as info:
+        ImageFolderDataset(path)
+    message = str(info.value)
+    assert "\n" not in message and all(word in message for word in words), message
+    assert f"python dataset_tool.py convert --source={path} --dest=" in message
+
+
+def test_raw_images_of_one_size_open_and_a_later_odd_one_points_to_convert(tmp_path):
+    # generate.py's outputs (flat, or in blocks of 1000 with --subdirs, and --grid's grid.png at the top)
+    # are raw-named but usable as they are (a caller leaves grid.png out).
+    flat = write_members(tmp_path / "flat", {"000000.png": rgb(8, 1), "000001.png": rgb(8, 2)})
+    blocks = write_members(tmp_path / "blocks", {"000000/000000.png": rgb(8, 1), "001000/001000.png": rgb(8, 2),
+                                                 "grid.png": rgb(16)})
+    for path in [flat, blocks]:
+        ds = ImageFolderDataset(path, use_labels=False)
+        assert ds[0][0].max() == 1 and ds[1][0].max() == 2
+    # Only the first image of each sub-folder is checked up front; a later one of another size fails when read.
+    write_members(flat, {"000002.png": rgb(4)})
+    ds = ImageFolderDataset(flat)
+    with pytest.raises(DatasetError, match="mixed resolutions") as info:
+        ds[2]
+    assert f"dataset_tool.py convert --source={flat}" in str(info.value)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", ["jpegs in class folders", "pngs of several sizes in class folders"])
+def test_train_edm2_on_a_raw_image_folder_says_to_convert_it_first(tmp_path, case):
+    path = write_members(tmp_path / "train", RAW_FOLDERS[case][0])
+    before = tree(tmp_path)
+    result = CliRunner().invoke(train_edm2.main, ["--preset", "toy-small", "--data", str(path),
+                                                  "--outdir", str(tmp_path / "run")])
+    assert_one_error_line(result, "--data", f"python dataset_tool.py convert --source={path}")
+    assert tree(tmp_path) == before and not (tmp_path / "run").exists()
 
 
 def test_pickles_and_serves_dataloader_workers(tmp_path, rgb_members):
     images, _, members = rgb_members
-    ds = ImageFolderDataset(make_release_dataset(tmp_path, members, "data.zip"))
+    ds = ImageFolderDataset(write_members(tmp_path, members, "data.zip"))
     expected = [ds[i][0] for i in range(len(ds))]  # opens the ZIP in this process
     copy = pickle.loads(pickle.dumps(ds))
     assert all(np.array_equal(copy[i][0], expected[i]) for i in range(len(ds)))
@@ -167,33 +288,3 @@ def test_release_file_names():
         assert image_fname(idx) == release_name(idx) and latent_fname(idx) == release_name(idx, latent=True)
 
 
-@pytest.mark.parametrize("dest_name", ["out.zip", "out"])
-def test_writer_output_reads_back_and_zip_is_stored(tmp_path, dest_name):
-    dest = tmp_path / dest_name
-    images = [np.full((4, 4, 3), 10 * i, np.uint8) for i in range(3)]
-    with dataset_writer(dest) as writer:
-        for i, image in enumerate(images):
-            writer.add(image_fname(i), png_bytes(image), label=i % 2)
-    ds = ImageFolderDataset(dest)
-    assert [ds[i][1].argmax() for i in range(3)] == [0, 1, 0]
-    assert all(np.array_equal(ds[i][0], images[i].transpose(2, 0, 1)) for i in range(3))
-    if dest_name.endswith(".zip"):
-        with zipfile.ZipFile(dest) as archive:
-            assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_STORED}
-    assert [p.name for p in tmp_path.iterdir()] == [dest_name]
-    umask = os.umask(0)
-    os.umask(umask)
-    assert dest.stat().st_mode & 0o777 == (0o666 if dest_name.endswith(".zip") else 0o777) & ~umask
-
-
-@pytest.mark.parametrize("dest_name", ["out.zip", "out"])
-def test_writer_leaves_nothing_on_failure_and_null_labels_unless_all(tmp_path, dest_name):
-    with pytest.raises(RuntimeError):
-        with dataset_writer(tmp_path / dest_name) as writer:
-            writer.add(image_fname(0), png_bytes(np.zeros((4, 4, 3), np.uint8)))
-            raise RuntimeError("interrupted")
-    assert list(tmp_path.iterdir()) == []
-    with dataset_writer(tmp_path / dest_name) as writer:
-        writer.add(image_fname(0), png_bytes(np.zeros((4, 4, 3), np.uint8)), label=3)
-        writer.add(image_fname(1), png_bytes(np.zeros((4, 4, 3), np.uint8)), label=None)
-    assert not ImageFolderDataset(tmp_path / dest_name).has_labels

@@ -1,12 +1,14 @@
-"""Rank helpers that need no process group."""
+"""Rank helpers: batches per rank, and rank 0 going first."""
 
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from edm2 import distributed
+from edm2.generation import SeedRanges
 from tests.helpers import REPO, free_port
 
 
@@ -18,6 +20,36 @@ def test_rank_batches_cover_every_seed_once(num_seeds, batch_size, world_size):
     flat = [s for batches in per_rank for b in batches for s in b]
     assert sorted(flat) == seeds
     assert all(len(b) <= batch_size for batches in per_rank for b in batches)
+
+
+def array_split_batches(items, batch_size, rank, world_size):
+    """Today's assignment, written with NumPy: num_batches near-equal parts, every world_size-th to a rank."""
+    num_batches = max(int(np.ceil(len(items) / (batch_size * world_size))), 1) * world_size
+    return [[int(i) for i in part] for part in np.array_split(np.asarray(items, dtype=np.int64), num_batches)[rank::world_size]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 32])
+def test_rank_batches_are_numpys_array_split(batch_size, world_size):
+    # The same assignment as before rank_batches became lazy, so every image lands where it did.
+    for num_items in [0, 1, 2, 7, 31, 64, 100, 257]:
+        items = list(range(1000, 1000 + 3 * num_items, 3))
+        for rank in range(world_size):
+            expected = array_split_batches(items, batch_size, rank, world_size)
+            for same_items in (items, np.asarray(items), range(1000, 1000 + 3 * num_items, 3)):
+                batches = distributed.rank_batches(same_items, batch_size, rank, world_size)
+                assert list(batches) == expected and len(batches) == len(expected)
+                assert batches[-1] == expected[-1] and batches[1:3] == expected[1:3]
+            kept = distributed.rank_batches(items, batch_size, rank, world_size, skip_empty=True)
+            assert list(kept) == [b for b in expected if b]
+
+
+def test_rank_batches_of_all_32_bit_seeds_are_computed_one_at_a_time():
+    seeds = SeedRanges([range(0, 1 << 32)])
+    batches = distributed.rank_batches(seeds, 32, 5, 8)
+    assert len(batches) == (1 << 32) // (32 * 8)
+    assert batches[0] == list(range(5 * 32, 6 * 32))
+    assert batches[-1] == list(range((1 << 32) - 3 * 32, (1 << 32) - 2 * 32))
 
 
 def test_main_rank_first_single_process():

@@ -1,8 +1,12 @@
-"""generate.py and generate_images: per-seed reproducibility across batch sizes and processes, presets, bad input."""
+"""generate.py and generate_images: per-seed reproducibility across batch sizes and processes, the default
+preset, bad input, full and read-only disks, and what killed runs left behind."""
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +16,12 @@ import torch
 from click.testing import CliRunner
 
 import generate
+from cli.types import SeedList
 from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
-from edm2.sampler import generate_images
-from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond
+from edm2.files import TMP_SUFFIX
+from edm2.generation import MAX_SEED, generate_images
+from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
 
@@ -27,14 +33,17 @@ def tiny_net(label_dim, resolution=8, channels=3, seed=0):
 
 @pytest.fixture(scope="module")
 def nets(tmp_path_factory):
-    """Snapshots of a conditional net, an unconditional guiding net and two ill-fitting guiding nets."""
+    """Snapshots of a conditional net, an unconditional guiding net, three ill-fitting guiding nets and a
+    file that is no snapshot."""
     root = tmp_path_factory.mktemp("nets")
-    paths = {}
+    paths = {"garbage": root / "garbage.safetensors"}
+    paths["garbage"].write_bytes(b"not a snapshot at all")
     for name, net in (
         ("net", tiny_net(5)),
         ("gnet", tiny_net(0, seed=1)),
         ("gnet_res16", tiny_net(0, resolution=16)),
         ("gnet_ch4", tiny_net(0, channels=4)),
+        ("gnet_cls3", tiny_net(3)),
     ):
         paths[name] = root / f"{name}.safetensors"
         snapshot.save_network(paths[name], net, {"encoder": StandardRGBEncoder().config()})
@@ -102,33 +111,157 @@ def test_default_command_uses_the_s_guid_fid_preset(nets, tmp_path, monkeypatch)
     assert sorted(read_pngs(tmp_path / "out")) == ["000000.png", "000001.png"]
 
 
-def test_every_release_preset_is_there():
-    presets = presets_generate.PRESETS
-    sizes = ["xs", "s", "m", "l", "xl", "xxl"]
-    expected = {f"edm2-img512-{s}-{k}" for s in sizes for k in ("fid", "dino", "guid-fid", "guid-dino")}
-    expected |= {f"edm2-img64-{s}-fid" for s in ["s", "m", "l", "xl"]}
-    expected |= {f"edm2-img{r}-{s}-autog-{m}" for r, s in [(512, "s"), (512, "xxl"), (64, "s")] for m in ("fid", "dino")}
-    assert set(presets) == expected
-    for name, p in presets.items():
-        assert p.net.startswith(presets_generate.BASE_URL) and p.net.endswith(".pkl")
-        assert (p.gnet is None) == (p.guidance == 1.0) == ("guid" not in name and "autog" not in name)
-        if "guid-" in name:  # guided by the unconditional XS model with the same EMA std
-            assert p.gnet == f"{presets_generate.BASE_URL}edm2-img512-xs-uncond-2147483-{p.net.rsplit('-', 1)[1]}"
-    assert presets["edm2-img512-xxl-autog-dino"].gnet.endswith("edm2-img512-m-0268435-0.205.pkl")
-    assert presets["edm2-img64-xl-fid"].net.endswith("edm2-img64-xl-0671088-0.040.pkl")
+@pytest.mark.parametrize("text, expected", [
+    ("0-63", list(range(64))),
+    ("5", [5]),
+    ("0-3, 10,2-5, 007", [0, 1, 2, 3, 10, 4, 5, 7]),  # as before: distinct, in the order first given
+    (" 9 - 11 ,9", [9, 10, 11]),
+    ("4294967295", [MAX_SEED - 1]),
+])
+def test_seeds_option_parses_lists_and_ranges(text, expected):
+    assert list(SeedList().convert(text, None, None)) == expected
 
 
-def test_bad_input_gets_one_clear_line(nets, tmp_path, monkeypatch):
+URL = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
+# One malformed input per case: the arguments and the fragments its one error line must contain. {tmp} is
+# the test's folder (holding a plain file named `file`), {net} etc. the snapshots of the nets fixture.
+BAD_INPUT = {
+    "guidance without gnet": (["--net", "{net}", "--guidance=1.4"], ["--guidance", "--gnet"]),
+    "unknown preset": (["--preset=edm2-img512-huge-fid"], ["--preset", "edm2-img512-huge-fid"]),
+    "gnet resolution": (["--net", "{net}", "--gnet", "{gnet_res16}", "--guidance=2"], ["--gnet", "resolution 16"]),
+    "gnet channels": (["--net", "{net}", "--gnet", "{gnet_ch4}", "--guidance=2"], ["--gnet", "4 channels"]),
+    "gnet classes": (["--net", "{net}", "--gnet", "{gnet_cls3}", "--guidance=2"], ["--gnet", "3 classes"]),
+    "unreachable url": (["--net", URL], ["--net", URL, "{tmp}/cache"]),
+    "missing net": (["--net", "{tmp}/missing.safetensors"], ["--net", "missing.safetensors"]),
+    "missing gnet": (["--net", "{net}", "--gnet", "{tmp}/missing.safetensors", "--guidance=2"], ["--gnet", "missing"]),
+    "net not a snapshot": (["--net", "{garbage}"], ["--net", "garbage.safetensors"]),
+    "class of no net": (["--net", "{net}", "--class=5"], ["--class", "5 classes"]),
+    "negative class": (["--net", "{net}", "--class=-1"], ["--class"]),
+    "reversed seeds": (["--net", "{net}", "--seeds=3-1"], ["--seeds", "'3-1'"]),
+    "seeds past 32 bits": (["--net", "{net}", "--seeds=0-99999999999"], ["--seeds", "99999999999", "4294967296"]),
+    "seed 2**32": (["--net", "{net}", "--seeds=5,4294967296"], ["--seeds", "4294967296 is not below"]),
+    "thousand-digit seed": (["--net", "{net}", "--seeds=" + "9" * 5000], ["--seeds", "is not below"]),
+    "thousand zeros, then 2**32": (["--net", "{net}", "--seeds=" + "0" * 5000 + "4294967296"], ["--seeds", "4294967296"]),
+    "empty seed": (["--net", "{net}", "--seeds=1,,2"], ["--seeds", "0-63,100"]),
+    "no seeds": (["--net", "{net}", "--seeds="], ["--seeds"]),
+    "negative seed": (["--net", "{net}", "--seeds=-5"], ["--seeds"]),
+    "seed words": (["--net", "{net}", "--seeds=all"], ["--seeds", "'all'"]),
+    "zero batch": (["--net", "{net}", "--batch=0"], ["--batch"]),
+    "zero steps": (["--net", "{net}", "--steps=0"], ["--steps"]),
+    "sigma_max inf": (["--net", "{net}", "--sigma_max=inf"], ["--sigma_max", "not a finite number"]),
+    "sigma_max nan": (["--net", "{net}", "--sigma_max=nan"], ["--sigma_max", "not a finite number"]),
+    "sigma_max overflows": (["--net", "{net}", "--sigma_max=1e30"], ["sigma_max=1e+30", "float32"]),
+    "sigma_min nan": (["--net", "{net}", "--sigma_min=nan"], ["--sigma_min", "not a finite number"]),
+    "sigma_min zero": (["--net", "{net}", "--sigma_min=0"], ["--sigma_min"]),
+    "sigma_min above max": (["--net", "{net}", "--sigma_min=100"], ["--sigma_min", "below --sigma_max"]),
+    "rho inf": (["--net", "{net}", "--rho=inf"], ["--rho", "not a finite number"]),
+    "rho tiny": (["--net", "{net}", "--rho=0.001"], ["rho=0.001", "not decreasing levels"]),
+    "S_churn nan": (["--net", "{net}", "--S_churn=nan"], ["--S_churn", "not a finite number"]),
+    "S_churn negative": (["--net", "{net}", "--S_churn=-1"], ["--S_churn"]),
+    "S_min nan": (["--net", "{net}", "--S_min=nan"], ["--S_min", "not a finite number"]),
+    "S_max nan": (["--net", "{net}", "--S_max=nan"], ["--S_max", "not a finite number"]),
+    "S_noise nan": (["--net", "{net}", "--S_noise=nan"], ["--S_noise", "not a finite number"]),
+    "S_noise inf": (["--net", "{net}", "--S_noise=inf"], ["--S_noise", "not a finite number"]),
+    "guidance nan": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=nan"], ["--guidance", "not a finite number"]),
+    "guidance inf": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=inf"], ["--guidance", "not a finite number"]),
+    "outdir is a file": (["--net", "{net}", "--outdir", "{tmp}/file"], ["--outdir", "is a file"]),
+    # Refused before the network loads: the missing network would give another error.
+    "outdir under a file": (["--net", "{tmp}/missing.safetensors", "--outdir", "{tmp}/file/out"], ["{tmp}/file", "is a file"]),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_gets_one_clear_line(case, nets, tmp_path, monkeypatch):
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "file").write_text("a file, not a folder")
+    before = tree(tmp_path)
+    args, fragments = BAD_INPUT[case]
+    names = {name: str(path) for name, path in nets.items()}
+    fill = [text.format(tmp=tmp_path, **names) for text in args]
+    result = run_cli([*FAST, "--outdir", tmp_path / "out", *fill])
+    assert_one_error_line(result, *(text.format(tmp=tmp_path, **names) for text in fragments))
+    assert tree(tmp_path) == before
+
+
+def test_all_32_bit_seeds_start_at_once_without_listing_them(nets, tmp_path, monkeypatch):
+    saved = []
+
+    class Enough(Exception):
+        pass
+
+    def save_png(path, image):
+        saved.append(path.name)
+        if len(saved) == 3:
+            raise Enough
+
+    monkeypatch.setattr(generate, "save_png", save_png)
+    tracemalloc.start()
+    try:
+        with pytest.raises(Enough):
+            run_cli(["--net", nets["net"], "--seeds=0-4294967295", "--batch=2", *FAST, "--outdir", tmp_path / "out"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert saved == ["000000.png", "000001.png", "000002.png"]
+    assert peak < 50_000_000  # 2**32 seeds as one list would take over 100 GB
+
+
+def dead_pid():
+    """The id of a process that has exited."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_rerun_removes_what_killed_runs_left_but_not_a_live_writer(nets, tmp_path):
     out = tmp_path / "out"
-    net = ["--net", nets["net"], "--outdir", out, *FAST]
-    assert_one_error_line(run_cli([*net, "--guidance=1.4"]), "--guidance", "--gnet")
-    assert_one_error_line(run_cli(["--preset=edm2-img512-huge-fid", "--outdir", out]), "--preset", "edm2-img512-huge-fid")
-    assert_one_error_line(run_cli([*net, "--gnet", nets["gnet_res16"], "--guidance=2"]), "--gnet", "resolution 16")
-    assert_one_error_line(run_cli([*net, "--gnet", nets["gnet_ch4"], "--guidance=2"]), "--gnet", "4 channels")
-    url = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
-    assert_one_error_line(run_cli(["--net", url, "--outdir", out]), url, str(tmp_path / "cache"))
-    assert_one_error_line(run_cli([*net, "--class=5"]), "--class", "5 classes")
-    assert_one_error_line(run_cli([*net, "--seeds=3-1"]), "--seeds")
-    assert_one_error_line(run_cli(["--net", tmp_path / "missing.safetensors", "--outdir", out]), "missing.safetensors")
-    assert not out.exists()
+    (out / "000000").mkdir(parents=True)
+    host = socket.gethostname()
+    stale = [out / f".grid.png.{dead_pid()}@{host}.a1{TMP_SUFFIX}", out / "000000" / f".000007.png.{dead_pid()}@{host}.b2{TMP_SUFFIX}"]
+    with subprocess.Popen(["sleep", "60"]) as writer:
+        live = out / "000000" / f".000008.png.{writer.pid}@{host}.c3{TMP_SUFFIX}"
+        for path in [*stale, live]:
+            path.write_bytes(b"half an image")
+        # Without --subdirs only the output folder itself is cleaned.
+        assert run_cli(["--net", nets["net"], "--seeds=0-1", *FAST, "--outdir", out]).exit_code == 0
+        assert not stale[0].exists() and stale[1].exists()
+        result = run_cli(["--net", nets["net"], "--seeds=0-1", "--subdirs", *FAST, "--outdir", out])
+        assert result.exit_code == 0, result.output
+        assert not stale[1].exists() and live.exists()
+        writer.kill()
+    assert sorted(read_pngs(out)) == ["000000.png", "000000/000000.png", "000000/000001.png", "000001.png"]
+
+
+def run_in_namespace(mount: str, script: str, folder):
+    """Run a shell script in a private mount namespace with `folder` mounted as tmpfs (mount options)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare to mount a small or read-only folder")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {mount} tmpfs {folder} && {script}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    if "mount:" in result.stderr or "unshare:" in result.stderr:
+        pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+    return result
+
+
+@pytest.mark.bad_input
+def test_read_only_outdir_is_refused_before_loading(tmp_path):
+    (tmp_path / "ro").mkdir()
+    missing = tmp_path / "missing.safetensors"  # loading first would report this instead
+    command = f"{sys.executable} generate.py --net {missing} --outdir {tmp_path}/ro/out --seeds=0-1"
+    result = run_in_namespace("ro", command, tmp_path / "ro")
+    assert_one_error_line(result, f"{tmp_path}/ro/out", "Read-only file system")
+    assert tree(tmp_path) == ["ro"]
+
+
+@pytest.mark.bad_input
+def test_full_disk_is_one_line_and_leaves_nothing_half_written(nets, tmp_path):
+    (tmp_path / "small").mkdir()
+    command = (f"dd if=/dev/zero of={tmp_path}/small/fill bs=4k 2>/dev/null; "
+               f"{sys.executable} generate.py --net {nets['net']} --outdir {tmp_path}/small/out --seeds=0-3 {' '.join(FAST)}; "
+               f"status=$?; ls -A {tmp_path}/small/out; exit $status")
+    result = run_in_namespace("size=64k", command, tmp_path / "small")
+    assert_one_error_line(result, f"{tmp_path}/small/out/000000.png: No space left on device")
+    # The listing of out/ (the last lines of stdout) holds neither an image nor a temporary.
+    assert "Generating 4 images" in result.stdout
+    assert not [name for name in result.stdout.split() if name.endswith((".png", TMP_SUFFIX))], result.stdout

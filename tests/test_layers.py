@@ -7,7 +7,7 @@ import pytest
 import scipy.integrate
 import torch
 
-from edm2.layers import MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
+from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
 
 N = 1 << 20  # samples; the RMS of N unit normals has standard error sqrt(1/(2N)) ~ 7e-4
 
@@ -90,5 +90,5 @@ def test_resample_box_filter():
     up = resample(down, "up")
     assert up.shape == (1, 1, 4, 4) and torch.equal(up[0, 0, :2, :2], torch.full((2, 2), 2.5))
     assert resample(x, "keep") is x
-    with pytest.raises(ValueError):
+    with pytest.raises(ArchitectureError, match="sideways"):
         resample(x, "sideways")

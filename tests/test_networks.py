@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from edm2.layers import normalize
+from edm2.layers import ArchitectureError, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
 from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
 
@@ -165,3 +165,8 @@ def test_compute_dtype_per_device():
     assert net.compute_dtype(torch.device("cuda"), force_fp32=True) == torch.float32
     assert tiny_net(use_bf16=True).compute_dtype(torch.device("cuda")) == torch.bfloat16
     assert tiny_net(use_fp16=False).compute_dtype(torch.device("cuda")) == torch.float32
+
+
+def test_unknown_block_flavor_is_an_architecture_error():
+    with pytest.raises(ArchitectureError, match="sideways"):
+        Block(16, 16, 16, "sideways")

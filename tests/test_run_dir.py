@@ -15,6 +15,7 @@ import pytest
 from training import checkpoint, run_dir
 from training.run_dir import RunDirectory
 from training.run_lock import LOCK_FILE, Holder, RunLock, RunLocked
+from tests.helpers import dead_pid
 
 
 def test_names_keep_the_release_look_and_never_collide():
@@ -48,12 +49,6 @@ def write_lock(folder, **fields) -> None:
     (folder / LOCK_FILE).write_text(json.dumps(fields))
 
 
-def finished_pid() -> int:
-    """The id of a process that has ended (and was reaped)."""
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(proc.stdout)
-
-
 def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path):
     first = RunLock(tmp_path)
     first.acquire()
@@ -80,7 +75,7 @@ def test_release_leaves_a_lock_that_is_no_longer_ours(tmp_path):
 def test_stale_lock_is_removed(case, tmp_path):
     me = Holder.this_process()
     if case == "process ended":
-        write_lock(tmp_path, host=me.host, pid=finished_pid(), started="then")
+        write_lock(tmp_path, host=me.host, pid=dead_pid(), started="then")
     elif case == "process id reused":  # our id, but the lock's process started at another time
         if me.start_ticks is None:
             pytest.skip("no process start times on this system")
@@ -101,7 +96,7 @@ def test_stale_lock_is_removed(case, tmp_path):
 
 
 def test_live_and_foreign_locks_are_honoured(tmp_path):
-    write_lock(tmp_path, host="node-elsewhere", pid=finished_pid(), started="2024-05-01 12:00:00")
+    write_lock(tmp_path, host="node-elsewhere", pid=dead_pid(), started="2024-05-01 12:00:00")
     pid = json.loads((tmp_path / LOCK_FILE).read_text())["pid"]
     with pytest.raises(RunLocked) as info:  # another host's process cannot be checked from here
         RunLock(tmp_path).acquire()
@@ -121,7 +116,7 @@ def test_live_and_foreign_locks_are_honoured(tmp_path):
 
 def test_a_stale_breaker_guard_is_cleared(tmp_path):
     # A process killed while removing a stale lock leaves training.lock.break; after a minute it is cleared.
-    write_lock(tmp_path, host=socket.gethostname(), pid=finished_pid())
+    write_lock(tmp_path, host=socket.gethostname(), pid=dead_pid())
     guard = tmp_path / (LOCK_FILE + ".break")
     guard.write_bytes(b"")
     os.utime(guard, (time.time() - 120,) * 2)

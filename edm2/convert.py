@@ -1,0 +1,118 @@
+"""Converting a folder or ZIP of images (any size, any format PIL reads) into a release-format dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import PIL.Image
+import torch
+from tqdm import tqdm
+
+from edm2.dataset import (IMAGE_ERRORS, LABELS_FILE, DatasetError, FileTree, image_fname, read_labels,
+                          source_image_names)
+from edm2.dataset_writer import DatasetWriter, png_bytes
+from edm2.errors import one_line
+
+
+class UnreadableImageError(DatasetError):
+    """A source image that PIL cannot read; the message names it."""
+
+
+class ImageSizeError(DatasetError):
+    """Source images that are not square, or not all of one size, after the transform."""
+
+
+@dataclasses.dataclass
+class ImageSource:
+    """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any."""
+
+    files: FileTree
+    names: list[str]
+    labels: dict[str, int] | None
+
+    @property
+    def path(self) -> Path:
+        """The folder or ZIP."""
+        return self.files.path
+
+
+def open_image_source(path: str | os.PathLike) -> ImageSource:
+    """The images of path; classes from its dataset.json if present, else from top-level folder names."""
+    files = FileTree(path)
+    names = source_image_names(files.names)
+    if not names:
+        raise DatasetError(f"{path} holds no images")
+    return ImageSource(files, names, _source_labels(files, names))
+
+
+def _source_labels(files: FileTree, names: list[str]) -> dict[str, int] | None:
+    """dataset.json's classes (read as every dataset's are), or one class per top-level folder (ImageNet's layout)."""
+    if LABELS_FILE in files.names:
+        labels = read_labels(files, names)
+        return None if labels is None else dict(zip(names, labels))
+    folders = {name: name.split("/")[0] if "/" in name else "" for name in names}
+    classes = {folder: index for index, folder in enumerate(sorted(set(folders.values())))}
+    return {name: classes[folder] for name, folder in folders.items()} if len(classes) > 1 else None
+
+
+def read_rgb(data: bytes) -> np.ndarray:
+    """Decode an image file to uint8 HWC RGB (grayscale, palette and alpha images are converted)."""
+    with PIL.Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+class ConvertedImages(torch.utils.data.Dataset):
+    """Source images read, transformed and PNG-encoded (in DataLoader workers).
+
+    Items are (png bytes, (height, width)), or (None, reason) for a file that cannot be read.
+    """
+
+    def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray]):
+        self.files, self.names, self.transform = files, names, transform
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
+        try:
+            image = self.transform(read_rgb(self.files.read(self.names[idx])))
+        except IMAGE_ERRORS as e:
+            return None, f"{type(e).__name__}: {one_line(e)}"
+        return png_bytes(image), image.shape[:2]
+
+
+def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callable[[np.ndarray], np.ndarray],
+                   max_images: int | None = None, workers: int = 0,
+                   on_skip: Callable[[str, str], None] | None = None) -> int:
+    """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count.
+
+    An unreadable image raises UnreadableImageError, or with on_skip is reported to on_skip(name, reason)
+    and leaves its index unused. The written images must be square and of one size (ImageSizeError).
+    """
+    names = source.names[:max_images]
+    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform), batch_size=None,
+                                         num_workers=workers)
+    size, written = None, 0
+    for idx, (png, shape) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):
+        name = names[idx]
+        if png is None:
+            if on_skip is None:
+                raise UnreadableImageError(f"cannot read image {name} in {source.path} ({shape})")
+            on_skip(name, shape)
+            continue
+        if size is None:
+            size = shape
+            if size[0] != size[1]:
+                raise ImageSizeError(f"{name} is {size[1]}x{size[0]}, not square; datasets hold square images")
+        elif shape != size:
+            raise ImageSizeError(f"{name} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
+        writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name])
+        written += 1
+    if size is None:
+        raise DatasetError(f"no image of {source.path} could be read")
+    return written

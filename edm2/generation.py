@@ -1,0 +1,192 @@
+"""Generating images for a set of seeds across processes: each image depends on its seed alone.
+
+The seeds are held as ranges (SeedRanges), each process takes its share of them batch by batch
+(distributed.rank_batches), and every image gets its own random generator (SeededRandom).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import tqdm
+
+from edm2 import distributed
+from edm2.errors import EDM2Error
+from edm2.sampler import edm_sampler
+
+# Seeds lie in [0, 2**32): the release seeds each image's generator with seed % 2**32
+# (StackedRandomGenerator in its generate_images.py), so only these seeds give the release's images.
+MAX_SEED = 2**32
+
+
+class GenerationError(EDM2Error):
+    """Seeds, a class or a guiding network that cannot be used to generate images."""
+
+
+class SeedRanges(Sequence[int]):
+    """Distinct seeds in the order first given, held as ranges, so a billion seeds cost a few integers.
+
+    Built from ranges that may overlap; a seed that appears again later is left out, as from a list
+    with its duplicates removed.
+    """
+
+    def __init__(self, ranges: Iterable[range]):
+        self.ranges: list[range] = []
+        taken_starts: list[int] = []  # seeds already present, as sorted disjoint [start, stop) intervals
+        taken_stops: list[int] = []
+        for r in ranges:
+            if r.step != 1 or (len(r) and not 0 <= r.start < r.stop <= MAX_SEED):
+                raise GenerationError(f"seeds must be consecutive integers in [0, {MAX_SEED}); got {r}")
+            if not r:
+                continue
+            first = bisect.bisect_right(taken_stops, r.start)  # first interval that ends after r starts
+            last = bisect.bisect_left(taken_starts, r.stop)  # intervals from here on start after r ends
+            cursor = r.start
+            for start, stop in zip(taken_starts[first:last], taken_stops[first:last]):
+                self._append(range(cursor, start))
+                cursor = max(cursor, stop)
+            self._append(range(cursor, r.stop))
+            merged_start = min([r.start, *taken_starts[first:last]])
+            merged_stop = max([r.stop, *taken_stops[first:last]])
+            taken_starts[first:last], taken_stops[first:last] = [merged_start], [merged_stop]
+        self._offsets = [0, *itertools.accumulate(len(r) for r in self.ranges)]
+
+    def _append(self, r: range) -> None:
+        """Add the new seeds r, joining them to the previous range when they continue it."""
+        if not r:
+            return
+        if self.ranges and self.ranges[-1].stop == r.start:
+            self.ranges[-1] = range(self.ranges[-1].start, r.stop)
+        else:
+            self.ranges.append(r)
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def __getitem__(self, index):
+        """The seed at an index; a slice with step 1 is again a SeedRanges, other slices are lists."""
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            if start >= stop:
+                return SeedRanges([])
+            first, last = self._locate(start), self._locate(stop - 1)
+            pieces = [self.ranges[k] for k in range(first, last + 1)]
+            pieces[-1] = pieces[-1][: stop - self._offsets[last]]
+            pieces[0] = pieces[0][start - self._offsets[first] :]
+            return SeedRanges(pieces)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("seed index out of range")
+        k = self._locate(index)
+        return self.ranges[k][index - self._offsets[k]]
+
+    def _locate(self, index: int) -> int:
+        """Which range holds position `index`."""
+        return bisect.bisect_right(self._offsets, index) - 1
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(self.ranges)
+
+    def __contains__(self, seed: object) -> bool:
+        return any(seed in r for r in self.ranges)
+
+    def __repr__(self) -> str:
+        parts = (f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in self.ranges)
+        return f"SeedRanges('{','.join(parts)}')"
+
+
+class SeededRandom:
+    """One torch.Generator per image, seeded by that image's seed; draws stack along the batch axis."""
+
+    def __init__(self, seeds: Sequence[int], device: torch.device | str = "cpu"):
+        bad = [seed for seed in seeds if not 0 <= int(seed) < MAX_SEED]
+        if bad:
+            raise GenerationError(f"seed {bad[0]} is outside [0, {MAX_SEED})")
+        self.generators = [torch.Generator(device).manual_seed(int(seed)) for seed in seeds]
+        self.device = torch.device(device)
+
+    def randn(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Normal noise of shape [len(seeds), *shape]; row i comes from seed i's generator."""
+        return torch.stack([torch.randn(tuple(shape), generator=g, device=self.device, dtype=dtype) for g in self.generators])
+
+    def randint(self, high: int) -> torch.Tensor:
+        """One integer in [0, high) per image, from that image's generator."""
+        return torch.cat([torch.randint(high, (1,), generator=g, device=self.device) for g in self.generators])
+
+    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
+        """Drop-in for torch.randn_like that keeps each image on its own generator."""
+        return self.randn(x.shape[1:], dtype=x.dtype)
+
+
+def seeded_inputs(
+    seeds: Sequence[int],
+    img_channels: int,
+    img_resolution: int,
+    label_dim: int,
+    class_idx: int | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor]]:
+    """Initial unit noise, one-hot class labels (random per seed unless class_idx) and a per-seed randn_like."""
+    rnd = SeededRandom(seeds, device)
+    noise = rnd.randn([img_channels, img_resolution, img_resolution])
+    labels = None
+    if label_dim > 0:
+        # Draw the random class even when class_idx overrides it, so churn noise does not depend on class_idx.
+        classes = rnd.randint(label_dim)
+        if class_idx is not None:
+            classes = torch.full_like(classes, class_idx)
+        labels = torch.nn.functional.one_hot(classes, label_dim).to(torch.float32)
+    return noise, labels, rnd.randn_like
+
+
+def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
+    """Raise GenerationError unless gnet can guide net: Eq. 152 blends their outputs pixel by pixel."""
+    shape, gshape = (net.img_resolution, net.img_channels), (gnet.img_resolution, gnet.img_channels)
+    if shape != gshape:
+        raise GenerationError(
+            f"the guiding network has resolution {gshape[0]} with {gshape[1]} channels "
+            f"but the main network has resolution {shape[0]} with {shape[1]}"
+        )
+    if gnet.label_dim not in (0, net.label_dim):
+        raise GenerationError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
+
+
+def generate_images(
+    net: torch.nn.Module,
+    encoder,
+    seeds: Sequence[int],
+    class_idx: int | None = None,
+    gnet: torch.nn.Module | None = None,
+    guidance: float = 1.0,
+    batch_size: int = 32,
+    device: torch.device | str | None = None,
+    **sampler_kwargs,
+) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
+
+    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list.
+    """
+    device = torch.device(device) if device is not None else distributed.device()
+    if class_idx is not None and not 0 <= class_idx < net.label_dim:
+        raise GenerationError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
+    if gnet is not None and guidance != 1:
+        check_guidance_pair(net, gnet)
+    batches = distributed.rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size(),
+                                       skip_empty=True)
+    # A context, so that closing this generator (the caller failed) ends the progress bar's line at once.
+    with tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()) as progress:
+        for batch_seeds in progress:
+            noise, labels, randn_like = seeded_inputs(
+                batch_seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx, device
+            )
+            with torch.no_grad():
+                latents = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, randn_like=randn_like,
+                                      **sampler_kwargs)
+                images = encoder.decode(latents)
+            yield batch_seeds, images
