@@ -20,6 +20,7 @@ from training.lr_schedule import learning_rate_schedule
 )
 def test_learning_rate_is_eq67_with_rampup(cur_nimg, want):
     got = learning_rate_schedule(cur_nimg, batch=2048, lr=0.0100, decay=70_000, rampup_Mimg=10)
+    # Python floats (IEEE float64, the same on every machine): three or four operations, each within half an ulp.
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import torch
 
@@ -44,57 +44,14 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
             stack.enter_context(tee_output(run.path / LOG_FILE))
         for note in notes:
             print(note, flush=True)
-        _train(opts, dataset, encoder, run, stop)
+        step = _resume(opts, dataset, encoder, run)
+        if step.state.cur_nimg >= opts.duration:
+            distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
+        elif _loop(step, Outputs(opts, run, step.state, step.device), stop):
+            distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
+        else:
+            distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
     return stop.signal
-
-
-def _train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, run: RunDirectory | None,
-           stop: StopFlag) -> None:
-    rank, world_size, device = distributed.get_rank(), distributed.get_world_size(), distributed.device()
-    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        # FP32 parts stay true FP32, as in the release.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-    # Rank 0 decides whether and where to resume; the others load the same file.
-    path, saved = _on_main_rank(lambda: run.resume_point(opts)) or (None, None)
-    path = distributed.broadcast_object(path)
-    if path and saved is None:
-        saved = checkpoint.load_state(path)
-    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
-    if saved is not None:
-        state.load(saved)
-        del saved
-    model = state.net
-    if world_size > 1:
-        model = torch.nn.parallel.DistributedDataParallel(state.net, device_ids=[device.index] if device.type == "cuda" else None)
-    if run:
-        checkpoint.save_options(run.path, opts.to_json())
-        run.trim_stats(state.cur_nimg)
-    distributed.print0(
-        f"{'Resuming from ' + Path(path).name if path else 'Starting'} at {state.cur_nimg} images; "
-        f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
-        f"images; precision {opts.precision}, computing in {str(state.net.compute_dtype(device)).removeprefix('torch.')} "
-        f"on {device.type}"
-    )
-    if state.cur_nimg >= opts.duration:
-        distributed.print0(f"Training already complete ({state.cur_nimg} >= {opts.duration} images).")
-        return
-
-    order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
-    step = TrainingStep(
-        state=state, loss_fn=EDM2Loss(opts.P_mean, opts.P_std, state.net.sigma_data), encoder=encoder,
-        batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds, model=model,
-        rank=rank, device=device,
-    )
-    stopped = _loop(step, Outputs(opts, run, state, device), stop)
-    distributed.barrier()
-    if stopped:
-        distributed.print0(f"Stopped at {state.cur_nimg} images; rerun the same command to resume.")
-    else:
-        distributed.print0(f"Training complete: {state.cur_nimg} images.")
 
 
 def _loop(step: TrainingStep, outputs: Outputs, stop: StopFlag) -> bool:
@@ -106,10 +63,55 @@ def _loop(step: TrainingStep, outputs: Outputs, stop: StopFlag) -> bool:
         if step.state.cur_nimg != start_nimg:
             outputs.write_due(done=done, stopping=stopping)  # status line, snapshots, training state
         if done or stopping:
+            distributed.barrier()
             return not done
         # Eq. 67's learning rate, Eq. 21's gradients over `rounds` batches, Adam, the EMA update (Eq. 119/127).
         loss_sum = training_step(step)
         outputs.add_loss(loss_sum, step.rounds)
+
+
+def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
+            run: RunDirectory | None) -> TrainingStep:
+    """The run's step parts, its state new or loaded from the newest valid training state (rank 0 decides which)."""
+    rank, world_size, device = distributed.get_rank(), distributed.get_world_size(), distributed.device()
+    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        # FP32 parts stay true FP32, as in the release.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    path, saved = _on_main_rank(lambda: run.resume_point(opts)) or (None, None)
+    path = distributed.broadcast_object(path)
+    if path and saved is None:
+        saved = checkpoint.load_state(path)
+    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
+    if saved is not None:
+        state.load(saved)
+        del saved
+    if run:
+        checkpoint.save_options(run.path, opts.to_json())
+        run.trim_stats(state.cur_nimg)
+    dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
+    distributed.print0(
+        f"{'Resuming from ' + Path(path).name if path else 'Starting'} at {state.cur_nimg} images; "
+        f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
+        f"images; precision {opts.precision}, computing in {dtype} on {device.type}"
+    )
+    model = None  # DistributedDataParallel averages the gradients over ranks
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            state.net, device_ids=[device.index] if device.type == "cuda" else None)
+    order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
+    return TrainingStep(
+        state=state, loss_fn=EDM2Loss(opts.P_mean, opts.P_std, state.net.sigma_data), encoder=encoder,
+        batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
+        device=device,
+    )
+
+
+def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
+    """The data loader's batches, its worker processes started only when the first batch is asked for."""
+    yield from data_loader(dataset, order, workers, device)
 
 
 def _on_main_rank(fn: Callable[[], T]) -> T | None:
