@@ -1,7 +1,7 @@
 """A run directory, owned by one training at a time: its lock, options, log, stats.jsonl, EMA snapshots and
 training states, and the decision where a rerun resumes.
 
-A run directory holds only these files (RUN_FILES): training_options.json, log.txt, stats.jsonl,
+A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt, and while a training
 runs, training.lock (plus training.lock.break for a moment while a stale lock is removed). Files being
 written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,15 +21,10 @@ from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network
 from training import checkpoint
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
-from training.run_lock import BREAK_SUFFIX, LOCK_FILE, RunLock
+from training.run_lock import RunLock
 
 LOG_FILE, STATS_FILE = "log.txt", "stats.jsonl"
 SNAPSHOT_PREFIX = "network-snapshot"
-_TAG = r"\d{7,}(?:-\d+)?"
-RUN_FILES = re.compile(
-    rf"{re.escape(checkpoint.OPTIONS_FILE)}|{LOG_FILE}|{re.escape(STATS_FILE)}|{SNAPSHOT_PREFIX}-{_TAG}-\d+\.\d{{3}}"
-    rf"\.safetensors|training-state-{_TAG}\.pt|{re.escape(LOCK_FILE)}(?:{BREAK_SUFFIX})?"
-)
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:

@@ -136,8 +136,9 @@ class RunLock:
         try:
             guard_fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            if time.time() - guard.stat().st_mtime > 60:  # its remover was killed in the act
-                guard.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - guard.stat().st_mtime > 60:  # its remover was killed in the act
+                    guard.unlink()
             time.sleep(0.1)
             return
         try:
