@@ -7,6 +7,7 @@ import re
 
 import click
 
+from edm2 import phema
 from edm2.generation import MAX_SEED, SeedRanges
 
 
@@ -62,6 +63,67 @@ class SeedList(click.ParamType):
             self.fail(f"seed {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} (2**32)",
                       param, ctx)
         return int(digits)
+
+
+# Distinct {std:.3f} file name suffixes in (0, 12^-0.5): 0.001 ... 0.288.
+MAX_STD_COUNT = 288
+
+
+class StdList(click.ParamType):
+    """Comma-separated sigma_rel values; 'a,b,...,c' expands to the evenly spaced range a, b, ..., c.
+
+    Values are sorted and made distinct; each must lie in (0, 12^-0.5) (edm2.phema.MAX_STD), and no two may
+    share the {std:.3f} suffix of a snapshot file name.
+    """
+
+    name = "LIST"
+
+    def convert(self, value, param, ctx) -> list[float]:
+        """Parse value into sorted, distinct sigma_rel values, expanding '...' ranges."""
+        if isinstance(value, list):
+            return value
+        stds = self._expand(value, self._numbers(value, param, ctx), param, ctx)
+        bad = [s for s in stds if not 0 < s < phema.MAX_STD]
+        if bad:
+            self.fail(f"{bad[0]} is outside (0, {phema.MAX_STD:.4f}), the range of sigma_rel", param, ctx)
+        stds = sorted(set(stds))
+        names = [f"{s:.3f}" for s in stds]
+        for s, t, name, next_name in zip(stds, stds[1:], names, names[1:]):
+            if name == next_name:
+                self.fail(f"{s} and {t} would share the file name suffix {name}", param, ctx)
+        return stds
+
+    def _numbers(self, value, param, ctx) -> list[float | None]:
+        """The list's numbers, None for '...'; 'nan' and 'inf' are no sigma_rel (and no range end)."""
+        tokens = [t.strip() for t in str(value).split(",")]
+        try:
+            numbers = [None if t == "..." else float(t) for t in tokens]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+        infinite = [t for t, n in zip(tokens, numbers) if n is not None and not math.isfinite(n)]
+        if infinite:
+            self.fail(f"{infinite[0]!r} is not a finite number", param, ctx)
+        return numbers
+
+    def _expand(self, value, numbers: list[float | None], param, ctx) -> list[float]:
+        """The numbers with each 'a, b, ..., c' replaced by a, b, b + (b - a), ..., c."""
+        stds = []
+        for i, v in enumerate(numbers):
+            if v is not None:
+                stds.append(v)
+                continue
+            around = numbers[i - 2:i] + numbers[i + 1:i + 2] if i >= 2 else []
+            if len(around) < 3 or None in around:
+                self.fail(f"{value!r}: '...' needs two numbers before it and one after", param, ctx)
+            a, b, c = numbers[i - 2], numbers[i - 1], numbers[i + 1]
+            count = (c - b) / (b - a) if b != a else -1.0
+            if count < 1 - 1e-6 or abs(count - round(count)) > 1e-6:
+                self.fail(f"{value!r}: {a}, {b}, ..., {c} is not an evenly spaced range", param, ctx)
+            if count > MAX_STD_COUNT:  # refused before materializing a range of millions of values
+                self.fail(f"{value!r}: {a}, {b}, ..., {c} has {round(count) + 2} values, more than the "
+                          f"{MAX_STD_COUNT} distinct sigma_rel file names", param, ctx)
+            stds += [round(b + (b - a) * k, 12) for k in range(1, round(count))]
+        return stds
 
 
 class ImageCount(click.ParamType):

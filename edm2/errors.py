@@ -23,3 +23,11 @@ def one_line(error: BaseException) -> str:
     for prefix in (qualified, f"{type(error).__name__}: "):
         line = line.removeprefix(prefix)
     return line
+
+
+class SnapshotError(EDM2Error):
+    """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle.
+
+    It lives here, not in edm2.snapshot, so that edm2.release_pickle can derive its error from it while
+    edm2.snapshot imports edm2.release_pickle to load the release's files: no import cycle.
+    """

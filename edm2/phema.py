@@ -12,8 +12,14 @@ import functools
 import numpy as np
 import torch
 
+from edm2.errors import EDM2Error
+
 # gamma > 0 requires sigma_rel < 12^-0.5 (Appendix C.4, below Eq. 126).
 MAX_STD = 12.0**-0.5
+
+
+class EMAError(EDM2Error):
+    """A sigma_rel outside (0, 12^-0.5), or a saved EMA state whose sigma_rel values differ from the tracker's."""
 
 
 def exp_to_std(exp: float | np.ndarray) -> float | np.ndarray:
@@ -25,8 +31,9 @@ def exp_to_std(exp: float | np.ndarray) -> float | np.ndarray:
 def std_to_exp(std: float | np.ndarray) -> float | np.ndarray:
     """Exponent gamma of the power-function profile with relative standard deviation sigma_rel."""
     std = np.float64(std)
-    if not np.all((std > 0) & (std < MAX_STD)):
-        raise ValueError(f"sigma_rel must lie in (0, {MAX_STD:.4f}), got {std}")
+    inside = (std > 0) & (std < MAX_STD)
+    if not np.all(inside):
+        raise EMAError(f"sigma_rel must lie in (0, {MAX_STD:.4f}), got {np.ravel(std)[~np.ravel(inside)][0]}")
     uniq, index = np.unique(std, return_inverse=True)
     roots = np.float64([_positive_root(float(s)) for s in uniq])
     return roots[index].reshape(std.shape)[()]
@@ -89,7 +96,7 @@ class PowerFunctionEMA:
     def load_state_dict(self, state: dict) -> None:
         """Restore the tracks saved by state_dict(); the sigma_rel values must match."""
         if tuple(float(std) for std in state["stds"]) != self.stds:
-            raise ValueError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
+            raise EMAError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
         for ema, ema_state in zip(self.emas, state["emas"]):
             ema.load_state_dict(ema_state)
 

@@ -20,8 +20,8 @@ import torch
 
 from edm2 import safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
+from edm2.errors import SnapshotError
 from edm2.networks import Precond
-from edm2.snapshot import SnapshotError
 
 
 class ReleasePickleError(SnapshotError):

@@ -7,9 +7,14 @@ from typing import IO, Mapping
 
 import numpy as np
 
+from edm2.errors import EDM2Error
 
-class RefusedGlobal(pickle.UnpicklingError):
-    """The pickle names a global (or persistent id) outside the allowlist."""
+
+class RefusedGlobal(EDM2Error, pickle.UnpicklingError):
+    """The pickle names a global (or persistent id) outside the allowlist.
+
+    Also an UnpicklingError, so that code catching the unpickler's own errors catches it too.
+    """
 
 
 def numpy_globals() -> dict[tuple[str, str], object]:

@@ -1,9 +1,10 @@
-"""Network snapshot files: safetensors weights plus JSON metadata; release pickles via a safe importer."""
+"""Network snapshot files: safetensors weights plus JSON metadata; the release's .pkl files via a safe importer."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import safetensors
@@ -12,14 +13,12 @@ import torch
 
 from edm2 import files
 from edm2.encoders import Encoder, encoder_from_config
+from edm2.errors import SnapshotError, one_line
 from edm2.networks import Precond
+from edm2.release_pickle import load_release_pickle
 
 FORMAT_VERSION = 1
 METADATA_KEY = "edm2"
-
-
-class SnapshotError(ValueError):
-    """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle."""
 
 
 def snapshot_name(prefix: str, nimg: int, std: float) -> str:
@@ -37,11 +36,32 @@ def save_network(path: str | os.PathLike, net: Precond, metadata: dict) -> None:
             tensor = tensor.to(torch.float16)
         tensors[name] = tensor.to("cpu").contiguous()
     with files.atomic_path(path) as tmp:
-        safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+        try:
+            safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+        except safetensors.SafetensorError as e:  # a full disk reads 'I/O error: No space left on device'
+            raise SnapshotError(f"{path}: cannot write: {e}") from None
+
+
+def check_readable(path: str | os.PathLike) -> None:
+    """Raise SnapshotError with the real reason (no such file, a folder, no permission) unless path can be read."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            # Opening a FIFO would wait for a writer; a folder or device is no snapshot either.
+            raise SnapshotError(f"{path}: is {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'}, not a file")
+        # Opening is the only true test (permissions, ACLs, root's powers); safetensors reports a refusal as
+        # 'No such file or directory'.
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """The JSON metadata of one of our snapshot files, without reading its weights."""
+    check_readable(path)
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(METADATA_KEY)
@@ -49,37 +69,64 @@ def read_metadata(path: str | os.PathLike) -> dict:
         raise SnapshotError(f"{path}: cannot read snapshot: {e}") from None
     if raw is None:
         raise SnapshotError(f"{path}: not an EDM2 snapshot (no '{METADATA_KEY}' metadata)")
-    return json.loads(raw)
-
-
-def build_network(network_kwargs: dict, device: str | torch.device = "cpu") -> Precond:
-    """Construct a Precond from stored constructor arguments; on 'meta' it costs no memory or time."""
     try:
-        with torch.device(device):
+        metadata = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; absurd nesting recurses
+        raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is not valid JSON ({e})") from None
+    if not isinstance(metadata, dict):
+        raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is a JSON {type(metadata).__name__}, not an object")
+    version = metadata.get("format_version")
+    if type(version) is not int or version < 1:
+        raise SnapshotError(f"{path}: metadata has no valid format_version (found {version!r})")
+    if version > FORMAT_VERSION:
+        raise SnapshotError(f"{path}: format_version {version}, but this edm2 reads up to {FORMAT_VERSION}: "
+                            "made by a newer edm2; upgrade")
+    return metadata
+
+
+def architecture(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes: what must agree for weights to fit a network, or for networks to be averaged."""
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def architecture_difference(a: dict[str, tuple[int, ...]], b: dict[str, tuple[int, ...]]) -> str | None:
+    """The first tensor name (in sorted order) that only one architecture has, or has with another shape."""
+    differing = sorted(set(a.items()) ^ set(b.items()))
+    return differing[0][0] if differing else None
+
+
+def _build_network(path: Path, network_kwargs: object) -> Precond:
+    """A Precond from stored constructor arguments, on the 'meta' device: no memory or time spent on weights."""
+    if not isinstance(network_kwargs, dict):
+        raise SnapshotError(f"{path}: metadata lacks the network's constructor arguments ('network_kwargs')")
+    try:
+        with torch.device("meta"):
             return Precond(**network_kwargs)
-    except TypeError as e:
-        raise SnapshotError(f"unsupported network arguments {network_kwargs}: {e}") from None
+    except Exception as e:  # arguments from a file can fail in any way (TypeError, IndexError, ZeroDivisionError...)
+        raise SnapshotError(f"{path}: unsupported network arguments {network_kwargs}: {one_line(e)}") from None
+
+
+def _load_safetensors(path: Path) -> tuple[Precond, dict]:
+    """(net, metadata) from one of our snapshot files; the weights are assigned to a network built on 'meta'."""
+    metadata = read_metadata(path)
+    net = _build_network(path, metadata.get("network_kwargs"))
+    try:
+        state = safetensors.torch.load_file(str(path))
+    except (OSError, safetensors.SafetensorError) as e:
+        raise SnapshotError(f"{path}: cannot read weights: {e}") from None
+    difference = architecture_difference(architecture(state), architecture(net.state_dict()))
+    if difference is not None:
+        raise SnapshotError(f"{path}: weights do not match the stored architecture (tensor {difference!r})")
+    state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
+    net.load_state_dict(state, strict=True, assign=True)
+    return net, metadata
 
 
 def load_network(path_or_url: str | os.PathLike) -> tuple[Precond, dict]:
     """Load (net, metadata) from our .safetensors snapshot or the release's .pkl; net is float32, eval."""
     path = files.cached_path(path_or_url)
-    if not Path(path).is_file():
-        raise SnapshotError(f"{path_or_url}: no such file")
-    if str(path).endswith(".pkl"):
-        from edm2.release_pickle import load_release_pickle
-
-        net, metadata = load_release_pickle(path)
-    else:
-        metadata = read_metadata(path)
-        # Built on the meta device, so random initialization is skipped; the weights are assigned.
-        net = build_network(metadata["network_kwargs"], device="meta")
-        state = safetensors.torch.load_file(str(path))
-        state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
-        try:
-            net.load_state_dict(state, strict=True, assign=True)
-        except RuntimeError as e:
-            raise SnapshotError(f"{path_or_url}: weights do not match the stored architecture: {e}") from None
+    check_readable(path)
+    net, metadata = load_release_pickle(path) if str(path).endswith(".pkl") else _load_safetensors(path)
     net.eval().requires_grad_(False)
     return net, metadata
 

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import PIL.Image
+import safetensors.torch
 import torch
 
 from edm2.networks import Precond
+from edm2.phema import PowerFunctionEMA
+from edm2.snapshot import save_network, snapshot_name
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -67,6 +70,41 @@ def randomized(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for t in [*net.parameters(), *net.buffers()]:
             t.copy_(torch.randn(t.shape, generator=generator))
     return net
+
+
+# ---------------------------------------------------------------------------------------------------
+# EMA snapshot files.
+
+def fake_training_run(run_dir: Path, num_snapshots: int = 6, steps_per_snapshot: int = 4, batch_size: int = 256,
+                      **overrides) -> Path:
+    """Random-walk 'training' of a tiny net (tiny_precond(**overrides)) whose two EMA tracks (0.05, 0.10)
+    are saved as our snapshot files, network-snapshot-KIMG-STD.safetensors, after every steps_per_snapshot steps.
+    Returns run_dir, created if needed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    net = tiny_precond(**overrides)
+    ema = PowerFunctionEMA(net)
+    nimg = 0
+    for _ in range(num_snapshots):
+        for _ in range(steps_per_snapshot):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.05)
+            nimg += batch_size
+            ema.update(cur_nimg=nimg, batch_size=batch_size)
+        for track, std in ema.get():
+            save_network(run_dir / snapshot_name("network-snapshot", nimg, std), track,
+                         {"nimg": nimg, "ema_std": std, "preset": "tiny"})
+    return run_dir
+
+
+def write_raw_snapshot(path: Path, metadata: str | None, net: torch.nn.Module | None = None) -> Path:
+    """A safetensors file with net's float16 weights (default: a tiny net) and `metadata` as the raw text of
+    its 'edm2' metadata entry (None: no entry): to build snapshot files that our writer never would."""
+    state = (net or tiny_precond()).state_dict()
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in state.items()}
+    safetensors.torch.save_file(tensors, str(path), metadata=None if metadata is None else {"edm2": metadata})
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from edm2 import encoders, release_pickle, snapshot
+from edm2.errors import EDM2Error
 from edm2.networks import Precond
 from tests.helpers import (
     RELEASE_TINY,
@@ -53,6 +54,8 @@ def test_release_pickle_loads_into_precond_with_identical_outputs(tmp_path, rele
     encoder = metadata["encoder"]
     assert encoder["class"] == "StabilityVAEEncoder" and encoder["vae_name"] == "stabilityai/sd-vae-ft-mse"
     assert encoder["batch_size"] == 8 and encoders.encoder_from_config(encoder).config() == encoder
+    # The release stores float32: rounding 4.17 and the quotient errs by <= 2 * 2^-24 ~ 1.2e-7 relative,
+    # the bias adds two more roundings; float64 references, rtol 1e-6.
     np.testing.assert_allclose(encoder["scale"], 0.5 / np.array([4.17, 4.62, 3.71, 3.28]), rtol=1e-6)
     np.testing.assert_allclose(encoder["bias"], -np.array([5.81, 3.25, 0.12, -2.15]) * 0.5 / np.array([4.17, 4.62, 3.71, 3.28]), rtol=1e-6)
     assert metadata["loss"] == dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
@@ -100,7 +103,7 @@ def test_pickles_that_run_code_are_refused(tmp_path, attack):
         pickle.loads(path.read_bytes())
     assert marker.exists()
     marker.unlink()
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(release_pickle.ReleasePickleError) as info:
         snapshot.load_network(path)
     message = str(info.value)
     assert named in message and str(path) in message and "\n" not in message
@@ -115,3 +118,9 @@ def test_unknown_persistent_class_is_refused_without_running_its_source(tmp_path
     with pytest.raises(release_pickle.ReleasePickleError, match="expected Precond, found Evil"):
         release_pickle.load_release_pickle(path)
     assert not (tmp_path / "ran").exists()
+
+
+def test_errors_share_the_library_root():
+    # A caller of load_network catches SnapshotError for either format, and EDM2Error for everything.
+    assert issubclass(release_pickle.ReleasePickleError, snapshot.SnapshotError)
+    assert issubclass(snapshot.SnapshotError, EDM2Error)

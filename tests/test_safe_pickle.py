@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from edm2 import safe_pickle
+from edm2.errors import EDM2Error
 
 
 class RunsCode:
@@ -34,6 +35,9 @@ def test_numpy_arrays_and_allowed_containers_load(protocol):
 
 
 def test_other_globals_and_persistent_ids_are_refused():
+    # A library error, and still an UnpicklingError for code that catches the unpickler's errors.
+    assert issubclass(safe_pickle.RefusedGlobal, EDM2Error)
+    assert issubclass(safe_pickle.RefusedGlobal, pickle.UnpicklingError)
     with pytest.raises(safe_pickle.RefusedGlobal, match=r"refusing to load '(posix|os)\.system': only arrays"):
         safe_pickle.restricted_load(io.BytesIO(pickle.dumps([RunsCode()])), {}, "only arrays")
     buffer = io.BytesIO()

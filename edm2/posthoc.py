@@ -1,0 +1,245 @@
+"""Post-hoc EMA reconstruction (paper Section 3.2, Appendix C.5): EMA profiles of any length after training.
+
+Finds the EMA snapshot files of a run (ours and the release's raw .pkl snapshots), checks that they can
+be combined, and streams over them to synthesize each requested profile as the weighted sum of stored
+tracks of Eq. 129, with the least-squares weights of edm2.phema (Algorithm 3):
+
+    for std, net, metadata in posthoc.reconstruct("training-runs/run", stds=[0.05, 0.10]):
+        save_network(f"ema-{std:.3f}.safetensors", net, metadata)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import safetensors
+import torch
+import tqdm
+
+from edm2 import phema
+from edm2.errors import EDM2Error, SnapshotError
+from edm2.snapshot import architecture, architecture_difference, check_readable, load_network, read_metadata
+
+# {prefix}-{kimg}-{std}: our snapshots (edm2.snapshot.snapshot_name) and the release's raw snapshot pickles.
+SNAPSHOT_NAME = re.compile(r"(.+)-(\d+)-(\d+\.\d+)\.(safetensors|pkl)")
+# A requested input sigma_rel selects the tracks within half a unit of the file names' third decimal.
+STD_TOLERANCE = 5e-4
+
+
+class PosthocError(EDM2Error):
+    """Snapshots that cannot be combined: not EMA tracks, the same track twice, or different networks."""
+
+
+class NoSnapshotsError(PosthocError):
+    """The folder to search is none, or no snapshot file in it matches."""
+
+
+class NoSuchTimeError(PosthocError):
+    """No snapshot was taken at the requested training time."""
+
+
+@dataclass(frozen=True)
+class Track:
+    """An EMA track to combine: its name in the outputs' records, when it was taken (images), its sigma_rel,
+    and a function that returns it as (net, metadata), a net the reconstruction may overwrite."""
+
+    name: str
+    nimg: int
+    std: float
+    load: Callable[[], tuple[torch.nn.Module, dict]]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One stored EMA track: where it is, its file name prefix, when it was taken (images) and its sigma_rel."""
+
+    path: Path
+    prefix: str
+    nimg: int
+    std: float
+
+    def track(self) -> Track:
+        """This file as a Track named by its file name, loaded by edm2.snapshot.load_network."""
+        return Track(self.path.name, self.nimg, self.std, functools.partial(load_network, self.path))
+
+
+def kimg_to_nimg(kimg: int) -> int | None:
+    """Images seen for a release file name's kimg: the multiple of 1024 whose //1000 is kimg, if any."""
+    nimg = -(-kimg * 1000 // 1024) * 1024
+    return nimg if nimg // 1000 == kimg else None
+
+
+def describe_snapshot(path: Path) -> Snapshot | None:
+    """The Snapshot a PREFIX-KIMG-STD file holds; None for our post-hoc reconstructions, which are not tracks.
+
+    Ours carry images and sigma_rel in their metadata; the release's .pkl names give kimg of 1024-image
+    batches and sigma_rel.
+    """
+    match = SNAPSHOT_NAME.fullmatch(path.name)
+    if match is None:
+        raise PosthocError(f"{path}: not named PREFIX-KIMG-STD.safetensors or .pkl")
+    if match.group(4) == "pkl":
+        check_readable(path)
+        kimg, std = int(match.group(2)), float(match.group(3))
+        nimg = kimg_to_nimg(kimg)
+        if nimg is None:
+            raise PosthocError(f"{path}: kimg {kimg} is not a whole number of 1024-image batches")
+    else:
+        meta = read_metadata(path)
+        if "phema" in meta:
+            return None
+        nimg, std = meta.get("nimg"), meta.get("ema_std")
+        if not all(isinstance(v, t) and not isinstance(v, bool) for v, t in ((nimg, int), (std, (int, float)))):
+            raise PosthocError(f"{path}: metadata lacks 'nimg' and 'ema_std'; not a training snapshot")
+    if not 0 < std < phema.MAX_STD:  # also NaN, which JSON metadata may hold
+        raise PosthocError(f"{path}: sigma_rel {std} is outside (0, {phema.MAX_STD:.4f})")
+    return Snapshot(path, match.group(1), nimg, float(std))
+
+
+def is_reconstruction(path: str | os.PathLike) -> bool:
+    """True for one of our post-hoc outputs (which a rerun may replace); False for anything else."""
+    try:
+        return "phema" in read_metadata(path)
+    except SnapshotError:
+        return False
+
+
+def _candidate_files(source: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
+    """The files of a folder named like snapshots, or the given files."""
+    if not isinstance(source, (str, os.PathLike)):
+        return [Path(p) for p in source]
+    folder = Path(source)
+    if not folder.is_dir():
+        raise NoSnapshotsError(f"{folder} is not a directory")
+    return [p for p in sorted(folder.iterdir()) if SNAPSHOT_NAME.fullmatch(p.name) and p.is_file()]
+
+
+def list_snapshots(source: str | os.PathLike | Iterable[str | os.PathLike], inprefix: str | None = None,
+                   instds: Sequence[float] | None = None) -> list[Snapshot]:
+    """The EMA snapshots in a folder (or among the given files), sorted by time, then sigma_rel.
+
+    Only files with name prefix `inprefix` and sigma_rel in `instds` when given; post-hoc outputs are skipped.
+    Refuses two files holding the same track, and our snapshots of different networks (read from headers).
+    """
+    snapshots = []
+    for path in _candidate_files(source):
+        if inprefix is not None and (match := SNAPSHOT_NAME.fullmatch(path.name)) and match.group(1) != inprefix:
+            continue
+        snap = describe_snapshot(path)
+        if snap is not None and (instds is None or any(abs(snap.std - s) < STD_TOLERANCE for s in instds)):
+            snapshots.append(snap)
+    if not snapshots:
+        where = f"{source} holds" if isinstance(source, (str, os.PathLike)) else "none of the given files is"
+        raise NoSnapshotsError(f"{where} no matching snapshot files (PREFIX-KIMG-STD.safetensors or .pkl)")
+    snapshots.sort(key=lambda s: (s.nimg, s.std))
+    for a, b in zip(snapshots, snapshots[1:]):
+        if (a.nimg, a.std) == (b.nimg, b.std):
+            raise PosthocError(f"{a.path} and {b.path} hold the same track; keep one or select a prefix (--inprefix)")
+    ours = [s.path for s in snapshots if s.path.suffix == ".safetensors"]
+    ref_arch = header_architecture(ours[0]) if ours else None
+    for path in ours[1:]:
+        check_architecture(path, header_architecture(path), ours[0], ref_arch)
+    return snapshots
+
+
+def select_inputs(snapshots: Sequence[Snapshot], kimg: int | None = None) -> tuple[list[Snapshot], int]:
+    """The snapshots taken up to the reconstruction time (kimg, default the newest), and that time in images."""
+    if kimg is None:
+        out_nimg = snapshots[-1].nimg
+    else:
+        matches = [s.nimg for s in snapshots if s.nimg // 1000 == kimg]
+        if not matches:
+            times = sorted({s.nimg // 1000 for s in snapshots})
+            raise NoSuchTimeError(f"no snapshot at kimg {kimg}; snapshots exist at kimg {times[0]}..{times[-1]}")
+        out_nimg = matches[0]
+    inputs = [s for s in snapshots if 0 < s.nimg <= out_nimg]
+    if not inputs:
+        raise NoSuchTimeError("no snapshot with a positive image count at or before that time")
+    return inputs, out_nimg
+
+
+def header_architecture(path: Path) -> dict[str, tuple[int, ...]]:
+    """architecture() of one of our snapshot files, read from its header without loading weights."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def check_architecture(name: str | Path, arch: dict, ref_name: str | Path, ref_arch: dict) -> None:
+    """Refuse to average snapshots of different networks, naming the first differing tensor."""
+    difference = architecture_difference(arch, ref_arch)
+    if difference is not None:
+        raise PosthocError(f"{name}: network architecture differs from {ref_name} (tensor {difference!r})")
+
+
+def _accumulate(tracks: Sequence[Track], coefs: np.ndarray, bar: tqdm.tqdm) -> tuple:
+    """Load each track once and add coefs[i, j] times its parameters to sum j (Eq. 129), in float32.
+
+    Returns the newest track's (net, metadata), its parameters and the sums.
+    """
+    sums = ref_arch = None
+    for i, track in enumerate(tracks):
+        net = meta = params = None  # release the previous input before loading the next
+        net, meta = track.load()
+        arch = architecture(net.state_dict())
+        ref_arch = arch if ref_arch is None else ref_arch
+        check_architecture(track.name, arch, tracks[0].name, ref_arch)
+        params = [p.detach() for p in net.parameters()]
+        if sums is None:
+            sums = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(coefs.shape[1])]
+        for j, acc in enumerate(sums):
+            torch._foreach_add_(acc, params, alpha=float(coefs[i, j]))
+        bar.update()
+    return net, meta, params, sums
+
+
+def combine(tracks: Sequence[Track], out_nimg: int, stds: Sequence[float], batch: int = 8,
+            progress: bool = False) -> Iterator[tuple[float, torch.nn.Module, dict]]:
+    """Yield (std, net, metadata) for each sigma_rel in stds at time out_nimg, built from the tracks.
+
+    Streams over the tracks once per `batch` outputs: memory is one input network plus `batch` float32
+    sums. The net is the last track's network (buffers included) holding the reconstructed parameters,
+    and it is reused for the next output: save or copy it before advancing. metadata is the last track's,
+    with nimg, ema_std and a 'phema' record: the inputs with their coefficients and the profile error (Eq. 134).
+    """
+    stds = [float(s) for s in stds]
+    phema.std_to_exp(np.array(stds))  # refuse an impossible sigma_rel before loading anything
+    if not tracks or any(not 0 < t.nimg <= out_nimg for t in tracks):
+        times = [t.nimg for t in tracks]
+        raise PosthocError(f"need tracks taken after 0 and up to {out_nimg} images, got times {times}")
+    in_nimg, in_std = [t.nimg for t in tracks], [t.std for t in tracks]
+    num_passes = math.ceil(len(stds) / batch)
+    with tqdm.tqdm(total=num_passes * len(tracks), unit="snapshot", desc="Reconstructing", disable=not progress) as bar:
+        for first in range(0, len(stds), batch):
+            group = stds[first:first + batch]
+            coefs = phema.solve_posthoc_coefficients(in_nimg, in_std, out_nimg, group)
+            net = meta = params = sums = None  # the previous pass's memory goes before this one loads
+            net, meta, params, sums = _accumulate(tracks, coefs, bar)
+            errors = phema.reconstruction_error(in_nimg, in_std, out_nimg, group, coefs)
+            for j, (std, error) in enumerate(zip(group, errors.tolist())):
+                for p, total in zip(params, sums[j]):
+                    p.copy_(total)
+                record = {
+                    "inputs": [{"file": t.name, "nimg": t.nimg, "ema_std": t.std, "coef": float(c)}
+                               for t, c in zip(tracks, coefs[:, j])],
+                    "profile_error": error,
+                }
+                yield std, net, dict(meta, nimg=out_nimg, ema_std=std, phema=record)
+
+
+def reconstruct(source: str | os.PathLike | Iterable[str | os.PathLike], stds: Sequence[float],
+                kimg: int | None = None, inprefix: str | None = None, instds: Sequence[float] | None = None,
+                batch: int = 8, progress: bool = False) -> Iterator[tuple[float, torch.nn.Module, dict]]:
+    """Yield (std, net, metadata) per sigma_rel in stds from the snapshots in a run folder or a list of files.
+
+    At the time of the snapshot at kimg (default the newest), from every track up to then; see list_snapshots
+    for inprefix and instds, and combine for batch and what is yielded.
+    """
+    inputs, out_nimg = select_inputs(list_snapshots(source, inprefix, instds), kimg)
+    yield from combine([s.track() for s in inputs], out_nimg, stds, batch, progress)
