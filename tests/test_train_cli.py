@@ -98,6 +98,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(train_data, referenc
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "Received SIGTERM" in output and "rerun the same command to resume" in output
+    assert not (outdir / LOCK_FILE).exists()  # released on the way out
     states = list(outdir.glob("training-state-*.pt"))
     assert len(states) == 1
     stopped_at = checkpoint.load_state(states[0])["cur_nimg"]
