@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import re
+import signal
 
 import click
 import numpy as np
 
-from edm2 import distributed as dist
+from cli.command import Command
+from cli.types import ImageCount, Number
+from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
-from training import checkpoint
-from training.loop import PRECISIONS, TrainingOptions, rounds_per_step, train
+from edm2.errors import one_line
+from training.loop import train
+from training.options import PRECISIONS, OptionsError, TrainingOptions, rounds_per_step
 from training.presets import PRESETS, get_preset
+from training.signals import die_by
 
 EXAMPLES = """
 \b
@@ -29,21 +32,16 @@ Examples:
   python train_edm2.py --preset=edm2-img64-s --data=datasets/img64.zip --dry-run
 """
 
-_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
 
-
-class ImageCount(click.ParamType):
-    """An image count such as 2048, 128Ki, 8Mi or 10M."""
-
-    name = "NIMG"
-
-    def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*(\d+)\s*(|K|M|G|Ki|Mi|Gi)\s*", str(value))
-        if match is None:
-            self.fail(f"{value!r} is not an image count like 2048, 128Ki, 8Mi or 10M", param, ctx)
-        return int(match.group(1)) * _SUFFIXES[match.group(2)]
+def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
+    """The training data, checked for labels when training a class-conditional model."""
+    try:
+        dataset = ImageFolderDataset(data, use_labels=cond)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="--data") from None
+    if cond and not dataset.has_labels:
+        raise click.UsageError(f"--cond=True but {data} has no labels (dataset.json); pass --cond=False")
+    return dataset
 
 
 def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
@@ -65,31 +63,24 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
     return encoder
 
 
-def _one_line(error: Exception) -> str:
-    # A DataLoader worker re-raises the original error with its traceback; its last line is the message.
-    line = str(error).strip().splitlines()[-1]
-    prefix = f"{type(error).__module__}.{type(error).__name__}: "
-    return line.removeprefix(prefix)
-
-
-@click.command(epilog=EXAMPLES)
+@click.command(cls=Command, epilog=EXAMPLES)
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
 @click.option("--outdir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
 @click.option("--data", metavar="ZIP|DIR", help="Dataset  [default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
-@click.option("--duration", type=ImageCount(), help="Training duration in images  [default: preset]")
+@click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
 @click.option("--batch", type=click.IntRange(min=1), help="Total batch size  [default: preset]")
 @click.option("--channels", type=click.IntRange(min=1), help="Channel multiplier  [default: preset]")
-@click.option("--dropout", type=click.FloatRange(0, 1, max_open=True), help="Dropout probability  [default: preset]")
-@click.option("--P_mean", "P_mean", type=float, help="Noise level mean  [default: preset]")
-@click.option("--P_std", "P_std", type=click.FloatRange(min=0, min_open=True), help="Noise level std  [default: preset]")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
-@click.option("--decay", type=click.FloatRange(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
+@click.option("--dropout", type=Number(0, 1, max_open=True), help="Dropout probability  [default: preset]")
+@click.option("--P_mean", "P_mean", type=Number(), help="Noise level mean  [default: preset]")
+@click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
+@click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
+@click.option("--decay", type=Number(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
 @click.option("--batch-gpu", type=click.IntRange(min=0), default=0, show_default=True,
               help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
               help="U-Net activations on CUDA (float32 on the CPU whatever is chosen)")
-@click.option("--ls", type=click.FloatRange(min=0, min_open=True), default=1, show_default=True, help="Loss scaling")
+@click.option("--ls", type=Number(min=0, min_open=True), default=1, show_default=True, help="Loss scaling")
 @click.option("--status", type=ImageCount(), help="Status line interval, 0 = none  [default: preset]")
 @click.option("--snapshot", type=ImageCount(), help="Snapshot interval, 0 = only at the end  [default: preset]")
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
@@ -98,14 +89,13 @@ def _one_line(error: Exception) -> str:
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options and exit")
 def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
          seed: int, workers: int, dry_run: bool, **overrides) -> None:
-    """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory."""
+    """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
+
+    SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
+    process then ends by SIGINT, so scripts stop too. A run directory is used by one training at a time.
+    """
     data = data or get_preset(preset).data
-    try:
-        dataset = ImageFolderDataset(data, use_labels=cond)
-    except DatasetError as e:
-        raise click.BadParameter(str(e), param_hint="--data") from None
-    if cond and not dataset.has_labels:
-        raise click.UsageError(f"--cond=True but {data} has no labels (dataset.json); pass --cond=False")
+    dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
     opts = TrainingOptions.from_preset(
         preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
@@ -114,23 +104,21 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
         precision=precision, ls=ls, seed=seed, workers=workers, **overrides,
     )
     try:
-        rounds_per_step(opts.batch, opts.batch_gpu, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:
+        rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
+    except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     if dry_run:
         click.echo(json.dumps(opts.to_json(), indent=2))
         click.echo(f"Dataset: {len(dataset)} images. Dry run: nothing written.")
         return
-
-    dist.init()
+    files.check_writable_dir(opts.run_dir)
     try:
-        train(opts, dataset, encoder)
-    except checkpoint.OptionsMismatch as e:
-        raise click.ClickException(f"{opts.run_dir}: {e}") from None
-    except (DatasetError, checkpoint.CheckpointError) as e:
-        raise click.ClickException(_one_line(e)) from None
-    finally:
-        dist.shutdown()
+        with distributed.session():
+            stopped_by = train(opts, dataset, encoder)
+    except DatasetError as e:  # an image the data loader could not use
+        raise click.BadParameter(one_line(e), param_hint="--data") from None
+    if stopped_by == signal.SIGINT:
+        die_by(signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,27 @@ class StdList(click.ParamType):
                           f"{MAX_STD_COUNT} distinct sigma_rel file names", param, ctx)
             stds += [round(b + (b - a) * k, 12) for k in range(1, round(count))]
         return stds
+
+
+class ImageCount(click.ParamType):
+    """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min`."""
+
+    name = "NIMG"
+    _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    _PATTERN = re.compile(r"\s*(\d+)\s*(|K|M|G|Ki|Mi|Gi)\s*")
+
+    def __init__(self, min: int = 0):
+        self.min = min
+
+    def convert(self, value, param, ctx) -> int:
+        """Parse value into a number of images; refuse other text and counts below min."""
+        if isinstance(value, int):
+            count = value
+        else:
+            match = self._PATTERN.fullmatch(str(value))
+            if match is None:
+                self.fail(f"{value!r} is not an image count like 2048, 128Ki, 8Mi or 10M", param, ctx)
+            count = int(match.group(1)) * self._SUFFIXES[match.group(2)]
+        if count < self.min:
+            self.fail(f"{value!r} is fewer than {self.min} image(s)", param, ctx)
+        return count

@@ -97,6 +97,30 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather_object(obj: object) -> list:
+    """The picklable objects of all ranks, in rank order ([obj] for one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def cpu_group() -> object | None:
+    """A Gloo group of all ranks for small CPU collectives beside NCCL (None for one process)."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+def any_rank(flag: bool, group: object | None = None) -> bool:
+    """True on every rank when flag is true on any (a collective call: every rank must make it); group, e.g.
+    cpu_group(), must accept CPU tensors."""
+    if not dist.is_initialized():
+        return flag
+    total = torch.tensor([float(flag)])
+    dist.all_reduce(total, group=group)
+    return bool(total.item() > 0)
+
+
 def broadcast_object(obj: object, src: int = 0) -> object:
     """Send a picklable object from rank src to every rank."""
     if not dist.is_initialized():

@@ -1,8 +1,7 @@
-"""The EDM2 training loss (uncertainty-weighted, paper Eq. 21) and learning-rate schedule (Eq. 67)."""
+"""The EDM2 training loss: uncertainty-weighted denoising error (paper Eq. 21)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -40,14 +39,3 @@ class EDM2Loss:
         # Eq. 21: the single-sample estimate of Eq. 13 weighted by lambda(sigma) / e^u, plus u.
         return self.weight(sigma) / logvar.exp() * (denoised - images).square() + logvar
 
-
-def learning_rate_schedule(
-    cur_nimg: int, batch_size: int, ref_lr: float = 100e-4, ref_batches: float = 70e3, rampup_Mimg: float = 10
-) -> float:
-    """alpha_ref / sqrt(max(t / t_ref, 1)) with t in iterations (Eq. 67), ramped up linearly from 0."""
-    lr = ref_lr
-    if ref_batches > 0:
-        lr /= np.sqrt(max(cur_nimg / (ref_batches * batch_size), 1))
-    if rampup_Mimg > 0:
-        lr *= min(cur_nimg / (rampup_Mimg * 1e6), 1)
-    return float(lr)

@@ -8,15 +8,14 @@ import click
 import numpy as np
 import torch
 
-from edm2 import distributed as dist
+from edm2 import distributed
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.loss import EDM2Loss, learning_rate_schedule
-from edm2.phema import PowerFunctionEMA
-from training.loop import (
-    ADAM_BETAS, ADAM_EPS, PRECISIONS, TrainingOptions, accumulate_gradients, build_network, max_memory_gb,
-    optimizer_step,
-)
+from edm2.loss import EDM2Loss
+from training.options import PRECISIONS, TrainingOptions
+from training.outputs import max_memory_gb
 from training.presets import PRESETS
+from training.state import TrainingState
+from training.step import TrainingStep, training_step
 
 
 def synthetic_batches(batch: int, channels: int, resolution: int, label_dim: int, latents: bool):
@@ -49,47 +48,43 @@ def main(preset: str, precision: str, batch_gpu: int | None, rounds: int, resolu
       python scripts/bench_train.py --preset=toy-small --precision=fp32
       python scripts/bench_train.py --preset=edm2-img512-s --precision=bf16 --batch-gpu=64
     """
-    device = dist.device()
+    device = distributed.device()
     release = preset.startswith("edm2-")
     latents = preset.startswith("edm2-img512")
     data_channels = 8 if latents else 3
     resolution = resolution or (64 if release else 16)
     label_dim = 1000 if release else 6
     encoder = StabilityVAEEncoder() if latents else StandardRGBEncoder()
+    batch_gpu = batch_gpu or min(PRESETS[preset].batch, 64)
+    # One process: a step of batch_gpu x rounds images, with the preset's learning-rate schedule for that batch.
     opts = TrainingOptions.from_preset(
         preset, dataset=dict(resolution=resolution, num_channels=data_channels, label_dim=label_dim),
-        encoder=encoder.config(), precision=precision,
+        encoder=encoder.config(), precision=precision, batch=batch_gpu * rounds,
     )
-    batch_gpu = batch_gpu or min(opts.batch, 64)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
 
-    torch.manual_seed(0)
-    net = build_network(opts, encoder.out_channels(data_channels)).to(device).train()
-    optimizer = torch.optim.Adam(net.parameters(), lr=0, betas=ADAM_BETAS, eps=ADAM_EPS)
-    ema = PowerFunctionEMA(net, opts.ema_stds)
-    loss_fn = EDM2Loss(opts.P_mean, opts.P_std, net.sigma_data)
-    batches = synthetic_batches(batch_gpu, data_channels, resolution, label_dim, latents)
-    step_images = batch_gpu * rounds
-    click.echo(f"{preset}: {resolution}x{resolution}x{data_channels} data, {step_images} images per step, "
-               f"precision {precision} (computing in {net.compute_dtype(device)}) on {device}, "
+    state = TrainingState.create(opts, encoder.out_channels(data_channels), device)
+    state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
+    step = TrainingStep(
+        state=state, loss_fn=EDM2Loss(opts.P_mean, opts.P_std, state.net.sigma_data), encoder=encoder,
+        batches=synthetic_batches(batch_gpu, data_channels, resolution, label_dim, latents), opts=opts,
+        rounds=rounds, device=device,
+    )
+    click.echo(f"{preset}: {resolution}x{resolution}x{data_channels} data, {opts.batch} images per step, "
+               f"precision {precision} (computing in {state.net.compute_dtype(device)}) on {device}, "
                f"{torch.get_num_threads()} CPU thread(s)")
 
-    cur_nimg = 10 * step_images  # past the start, where the learning rate is 0
-    for step in range(warmup + steps):
-        if step == warmup:
+    for i in range(warmup + steps):
+        if i == warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-        lr = learning_rate_schedule(cur_nimg, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg)
-        accumulate_gradients(net, loss_fn, encoder, batches, rounds, 0, 0, cur_nimg, opts.ls, device)
-        optimizer_step(net, optimizer, lr)
-        cur_nimg += step_images
-        ema.update(cur_nimg, step_images)
+        training_step(step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    images_per_s = steps * step_images / seconds
+    images_per_s = steps * opts.batch / seconds
     click.echo(f"{images_per_s:.1f} images/s  ({1000 / images_per_s:.2f} sec/kimg, "
                f"{seconds / steps * 1000:.1f} ms/step, max memory {max_memory_gb(device):.2f} GB)")
 

@@ -25,7 +25,7 @@ else
     "$PY" dataset_tool.py toy --dest="$OUT/toy.zip" --resolution="$RES" --num="$NUM" --classes="$CLASSES"
 fi
 
-step "2/4 training preset $PRESET (rerun resumes; Ctrl-C writes a checkpoint)"
+step "2/4 training preset $PRESET (Ctrl-C writes a checkpoint and stops the demo; rerun to resume)"
 "$PY" train_edm2.py --preset="$PRESET" --data="$OUT/toy.zip" --outdir="$OUT/run" ${DURATION:+--duration="$DURATION"}
 
 step "3/4 post-hoc EMA: sigma_rel ${STDS[*]} from the tracked 0.050 and 0.100 snapshots"

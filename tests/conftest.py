@@ -5,7 +5,9 @@ import os
 import pytest
 import torch
 
-from tests.helpers import forget_release_standins, install_release_standins, save_tiny_vae
+from tests.helpers import (
+    forget_release_standins, install_release_standins, run_training, save_tiny_vae, write_image_dataset,
+)
 
 # EDM2_TEST_THREADS=2 runs the suite with two threads per process, to show that no tolerance depends
 # on how a reduction is split across threads.
@@ -35,3 +37,18 @@ def release_standins(tmp_path):
 def tiny_vae_dir(tmp_path_factory):
     """A saved tiny random AutoencoderKL (see helpers.save_tiny_vae)."""
     return save_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory):
+    """The training tests' dataset: 48 labeled 8x8 RGB images in 4 classes (helpers.write_image_dataset)."""
+    return write_image_dataset(tmp_path_factory.mktemp("data") / "toy")
+
+
+@pytest.fixture(scope="session")
+def reference_run(train_data, tmp_path_factory):
+    """An uninterrupted 2048-image toy-tiny run (helpers.TRAIN_ARGS) that interrupted runs must match bit for bit."""
+    outdir = tmp_path_factory.mktemp("runs") / "reference"
+    result = run_training(train_data, outdir, "--workers=0")
+    assert result.returncode == 0, result.stderr
+    return outdir

@@ -6,11 +6,14 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 import collections
 import importlib
 import io
+import json
+import os
 import pickle
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 from pathlib import Path
 
@@ -315,6 +318,77 @@ def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: s
     )
     with open(path, "wb") as f:
         pickle.dump(data, f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training runs: train_edm2.py with the toy-tiny preset on 8x8 images, seconds on a CPU.
+
+# 64 steps of 32 images over a 48-image dataset: checkpoints and snapshots fall mid-epoch.
+TRAIN_ARGS = ["--preset=toy-tiny", "--duration=2Ki", "--snapshot=1Ki", "--checkpoint=1Ki", "--status=512"]
+TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
+
+
+def write_image_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB", labels=True, sizes=None) -> Path:
+    """A release-format dataset written with PIL: PNG files plus dataset.json."""
+    rng = np.random.default_rng(0)
+    path.mkdir(parents=True)
+    names = []
+    for i in range(num):
+        res = sizes[i % len(sizes)] if sizes else resolution
+        channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+        pixels = rng.integers(0, 256, size=(res, res, channels), dtype=np.uint8)
+        pixels[: res // 2, :, 0] = 40 * (i % classes)  # class-dependent content
+        name = f"{i // 100:05d}/img{i:08d}.png"
+        (path / name).parent.mkdir(exist_ok=True)
+        PIL.Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode).save(path / name)
+        names.append([name, i % classes])
+    (path / "dataset.json").write_text(json.dumps({"labels": names if labels else None}))
+    return path
+
+
+def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
+    """python train_edm2.py with TRAIN_ARGS, then extra (later options win)."""
+    return [sys.executable, "train_edm2.py", *TRAIN_ARGS, f"--data={data}", f"--outdir={outdir}", *extra]
+
+
+def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run a training to its end in a subprocess; it must not print a traceback."""
+    result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=TRAIN_ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    return result
+
+
+def start_training(data: Path, outdir: Path, *extra: str, **popen) -> subprocess.Popen:
+    """Start a training in a subprocess, its stdout and stderr merged into one text pipe."""
+    return subprocess.Popen(train_command(data, outdir, *extra), cwd=REPO, env=TRAIN_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout=120.0, poll_s=0.02) -> None:
+    """Poll predicate() until true; fail if proc ends first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"process ended early:\n{proc.stdout.read() if proc.stdout else ''}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(poll_s)
+
+
+def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers")) -> dict[str, tuple]:
+    """The EMA snapshots matching pattern: tensors as raw bytes, and metadata less the training options in
+    ignore (those that may differ between invocations of one run)."""
+    import safetensors.torch
+
+    from edm2.snapshot import read_metadata
+
+    contents = {}
+    for path in sorted(outdir.glob(pattern)):
+        tensors = safetensors.torch.load_file(str(path))
+        meta = read_metadata(path)
+        for key in ignore:
+            meta["training_options"].pop(key)
+        contents[path.name] = ({k: v.view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}, meta)
+    return contents
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,12 +1,10 @@
-"""EDM2Loss against paper Eq. 15/16/21 and the learning-rate schedule against Eq. 67 with the ramp-up."""
-
-import math
+"""EDM2Loss against paper Eq. 15/16/21."""
 
 import numpy as np
 import pytest
 import torch
 
-from edm2.loss import EDM2Loss, learning_rate_schedule
+from edm2.loss import EDM2Loss
 from tests.helpers import tiny_precond
 
 
@@ -32,6 +30,8 @@ def test_loss_equals_eq21_for_given_sigma_and_noise():
     denoised, u = x / (1 + s_), 0.3 * np.log(s_)
     lam = (s_**2 + 0.25) / (s_ * 0.5) ** 2
     want = lam / np.exp(u) * (denoised - y_) ** 2 + u
+    # float64 throughout: a few operations per element, each within an ulp or two (exp and log may come from
+    # different libraries), and no cancellation at these sigmas; 1e-12 is thousands of ulps.
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
     assert got.shape == y.shape
 
@@ -47,6 +47,8 @@ def test_random_draws_follow_eq16_in_a_fixed_order():
     noise = torch.randn_like(y)
     torch.testing.assert_close(got, loss_fn(AffineDenoiser(), y, sigma=sigma, noise=noise), rtol=0, atol=0)
 
+    # 200,000 seeded draws: standard errors 1.6 / sqrt(2e5) = 0.0036 (mean) and 1.6 / sqrt(4e5) = 0.0025 (std),
+    # so the bounds are about 3 and 4 of them; another CPU's kernels move the draws by ulps, not the statistics.
     torch.manual_seed(1)
     log_sigma = loss_fn.sample_sigma(200_000).log().flatten().double()
     assert abs(log_sigma.mean().item() + 0.8) < 0.01 and abs(log_sigma.std().item() - 1.6) < 0.01
@@ -63,6 +65,7 @@ def test_weighted_error_is_one_at_initialization():
         loss = EDM2Loss()(net, y, None, sigma=sigma)
         _, u = net(y, sigma, return_logvar=True)
     weighted_mse = (loss - u) * u.exp()
+    # A seeded sample of 512 images x 192 elements: the statistical error of the mean is a few thousandths.
     assert abs(weighted_mse.mean().item() - 1) < 0.02
 
 
@@ -73,24 +76,3 @@ def test_gradient_reaches_the_logvar_head():
     loss.sum().backward()
     assert net.logvar_linear.weight.grad.abs().sum() > 0
     assert net.unet.out_gain.grad.abs() > 0
-
-
-@pytest.mark.parametrize(
-    "cur_nimg, want",
-    [
-        (0, 0.0),  # the ramp-up starts from zero
-        (2_500_000, 0.0100 * 0.25),  # t = 1220.7 < t_ref: alpha_ref, ramp-up 1/4
-        (10_000_000, 0.0100),  # ramp-up complete, t = 4882.8 < t_ref
-        (70_000 * 2048, 0.0100),  # t = t_ref exactly
-        (280_000 * 2048, 0.0100 / 2),  # t = 4 t_ref
-        (1_000_000 * 2048, 0.0100 / math.sqrt(1_000_000 / 70_000)),
-    ],
-)
-def test_learning_rate_is_eq67_with_rampup(cur_nimg, want):
-    got = learning_rate_schedule(cur_nimg, batch_size=2048, ref_lr=0.0100, ref_batches=70_000, rampup_Mimg=10)
-    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
-
-
-def test_learning_rate_without_decay_or_rampup():
-    assert learning_rate_schedule(10**9, 2048, ref_lr=0.01, ref_batches=0, rampup_Mimg=0) == 0.01
-    assert learning_rate_schedule(64 * 35_000 * 9, 64, ref_lr=0.009, ref_batches=35_000, rampup_Mimg=0) == pytest.approx(0.003)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from edm2.networks import count_parameters
-from training.loop import TrainingOptions, build_network
-from training.presets import PRESETS, get_preset
+from training.options import TrainingOptions
+from training.presets import PRESETS, PresetError, get_preset
+from training.state import init_network
 from tests.helpers import IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES
 
 Mi = 2**20
@@ -14,6 +15,11 @@ Mi = 2**20
 DURATIONS = {
     "img512": {"xs": 2048 * Mi, "s": 2048 * Mi, "m": 2048 * Mi, "l": 1792 * Mi, "xl": 1280 * Mi, "xxl": 896 * Mi},
     "img64": {"xs": 1024 * Mi, "s": 1024 * Mi, "m": 2048 * Mi, "l": 1024 * Mi, "xl": 640 * Mi},
+}
+# Paper Table 6, "Duration (Mimg)" (millions of images, rounded to 0.1); Table 6 has no img64-xs.
+TABLE6_MIMG = {
+    "img512": {"xs": 2147.5, "s": 2147.5, "m": 2147.5, "l": 1879.0, "xl": 1342.2, "xxl": 939.5},
+    "img64": {"s": 1073.7, "m": 2147.5, "l": 1073.7, "xl": 671.1},
 }
 NOISE_AND_DECAY = {"img512": (-0.4, 1.0, 70000), "img64": (-0.8, 1.6, 35000)}
 RELEASE = [(res, size) for res, sizes in DURATIONS.items() for size in sizes]
@@ -32,10 +38,30 @@ def test_release_preset_values(res, size):
     assert (p.channels, p.dropout, p.lr) == (channels, dropout, lr)
     assert (p.P_mean, p.P_std, p.decay) == (P_mean, P_std, decay)
     assert p.duration == DURATIONS[res][size]
+    if size in TABLE6_MIMG[res]:
+        assert round(p.duration / 1e6, 1) == TABLE6_MIMG[res][size]
     assert p.batch == 2048 and p.rampup_Mimg == 10 and p.ema_stds == (0.050, 0.100)
     assert (p.status, p.snapshot, p.checkpoint) == (128 * 2**10, 8 * Mi, 128 * Mi)
-    assert p.network == ()  # the release's architecture defaults
+    assert p.network == {}  # the release's architecture defaults
     assert p.data == ("datasets/img512-sd.zip" if res == "img512" else "datasets/img64.zip")
+
+
+def test_xxs_is_the_release_training_preset():
+    # Not in Table 6: the release's train_edm2.py adds edm2-img512-xxs, half of XS's width with a higher
+    # alpha_ref, trained like the other img512 presets.
+    p = get_preset("edm2-img512-xxs")
+    assert (p.channels, p.dropout, p.lr, p.duration) == (64, 0.00, 0.0170, 2048 * Mi)
+    assert (p.P_mean, p.P_std, p.decay) == NOISE_AND_DECAY["img512"] and p.data == get_preset("edm2-img512-xs").data
+    assert p.batch == 2048 and p.rampup_Mimg == 10 and p.ema_stds == (0.050, 0.100) and p.network == {}
+    assert (p.status, p.snapshot, p.checkpoint) == (128 * 2**10, 8 * Mi, 128 * Mi)
+    opts = TrainingOptions.from_preset("edm2-img512-xxs", dataset=dict(resolution=64, num_channels=8, label_dim=1000),
+                                       encoder={})
+    with torch.device("meta"):
+        net = init_network(opts, img_channels=4)
+    # Convolutions and attention grow with the square of the width, the class embedding linearly: a bit
+    # over a quarter of XS's parameters.
+    assert net.init_kwargs["model_channels"] == 64
+    assert 0.25 < count_parameters(net) / IMG512_PARAMS["xs"] < 0.26
 
 
 # The img64 counts gain the 128 weights of the log-variance head.
@@ -50,7 +76,7 @@ def test_preset_builds_the_release_network(res, size):
         f"edm2-{res}-{size}", dataset=dict(resolution=64, num_channels=num_channels, label_dim=1000), encoder={}
     )
     with torch.device("meta"):
-        net = build_network(opts, img_channels=4 if res == "img512" else 3)
+        net = init_network(opts, img_channels=4 if res == "img512" else 3)
     assert count_parameters(net) == PARAMS[(res, size)]
     assert net.init_kwargs["dropout"] == SIZES[size][1] and net.init_kwargs["use_fp16"]
 
@@ -68,7 +94,7 @@ def test_overrides_and_unknown_preset():
     )
     assert opts.lr == 0.5 and opts.batch == get_preset("toy-tiny").batch and opts.seed == 7
     assert opts.run_dir == "training-runs/toy-tiny"
-    with pytest.raises(KeyError, match="unknown preset 'nope'"):
+    with pytest.raises(PresetError, match="unknown preset 'nope'"):
         get_preset("nope")
 
 
@@ -76,7 +102,7 @@ def test_overrides_and_unknown_preset():
 def test_precision_selects_the_unet_dtype(precision, fp16, bf16):
     opts = TrainingOptions.from_preset("toy-tiny", dataset=dict(resolution=8, num_channels=3, label_dim=4),
                                        encoder={}, precision=precision)
-    net = build_network(opts, img_channels=3)
+    net = init_network(opts, img_channels=3)
     assert (net.use_fp16, net.use_bf16) == (fp16, bf16)
     # FP32 master weights; 16-bit activations only on CUDA (the CPU computes in float32 whatever is chosen).
     assert all(p.dtype == torch.float32 for p in net.parameters())

@@ -1,106 +1,41 @@
 """train_edm2.py end to end on a CPU: exact resume after SIGKILL/SIGTERM, damaged checkpoints, changed
-hyperparameters, torchrun with two Gloo processes, and bad input."""
+hyperparameters, torchrun with two Gloo processes (also under SIGTERM), and bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-import PIL.Image
 import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.snapshot import load_network, read_metadata
+from edm2.snapshot import load_network
 from training import checkpoint
-from tests.helpers import REPO, free_port
-
-ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
-
-
-def write_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB", labels=True, sizes=None) -> Path:
-    """A release-format dataset written with PIL: PNG files plus dataset.json."""
-    rng = np.random.default_rng(0)
-    path.mkdir(parents=True)
-    names = []
-    for i in range(num):
-        res = sizes[i % len(sizes)] if sizes else resolution
-        channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
-        pixels = rng.integers(0, 256, size=(res, res, channels), dtype=np.uint8)
-        pixels[: res // 2, :, 0] = 40 * (i % classes)  # class-dependent content
-        name = f"{i // 100:05d}/img{i:08d}.png"
-        (path / name).parent.mkdir(exist_ok=True)
-        PIL.Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode).save(path / name)
-        names.append([name, i % classes])
-    (path / "dataset.json").write_text(json.dumps({"labels": names if labels else None}))
-    return path
-
-
-TRAIN = ["--preset=toy-tiny", "--duration=2Ki", "--snapshot=1Ki", "--checkpoint=1Ki", "--status=512"]
-
-
-def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "train_edm2.py", *TRAIN, f"--data={data}", f"--outdir={outdir}", *extra]
-
-
-def run(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=ENV, capture_output=True,
-                            text=True, timeout=300)
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
-
-
-def start(data: Path, outdir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command(data, outdir, *extra), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout=120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"training ended early:\n{proc.stdout.read()}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from training.run_lock import LOCK_FILE, Holder
+from tests.helpers import (
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, free_port, run_training, snapshot_contents,
+    start_training, tree, wait_for, write_image_dataset,
+)
 
 
 def final_snapshots(outdir: Path) -> dict[str, tuple]:
-    """The final EMA snapshots' tensors as raw bytes, and their metadata less the per-invocation options."""
-    contents = {}
-    for path in sorted(outdir.glob("network-snapshot-0000002-*.safetensors")):
-        tensors = safetensors.torch.load_file(str(path))
-        meta = read_metadata(path)
-        for key in ("run_dir", "workers"):
-            meta["training_options"].pop(key)
-        contents[path.name] = ({k: v.view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}, meta)
+    """The two final (2048-image) EMA snapshots, less the options that may change between invocations."""
+    contents = snapshot_contents(outdir, "network-snapshot-0000002-*.safetensors")
     assert len(contents) == 2
     return contents
 
 
 def cli(args: list[str], outdir: Path):
-    """Run train_edm2.py in-process; return (exit code, output)."""
-    result = CliRunner().invoke(train_edm2.main, [*TRAIN, "--workers=0", f"--outdir={outdir}", *args])
-    return result.exit_code, result.output
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return write_dataset(tmp_path_factory.mktemp("data") / "toy")
-
-
-@pytest.fixture(scope="module")
-def reference_run(dataset, tmp_path_factory) -> Path:
-    """An uninterrupted 2048-image run (64 steps of 32 over 48 images: checkpoints fall mid-epoch)."""
-    outdir = tmp_path_factory.mktemp("runs") / "reference"
-    result = run(dataset, outdir, "--workers=0")
-    assert result.returncode == 0, result.stderr
-    return outdir
+    """Run train_edm2.py in-process; return click's result."""
+    return CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, "--workers=0", f"--outdir={outdir}", *args])
 
 
 def test_run_directory_contents(reference_run):
@@ -138,16 +73,16 @@ def test_run_directory_contents(reference_run):
     assert state["options_hash"] == checkpoint.options_hash(json.loads(state["options"]))
 
 
-def test_sigkill_after_first_checkpoint_then_rerun_is_bit_identical(dataset, reference_run, tmp_path):
+def test_sigkill_after_first_checkpoint_then_rerun_is_bit_identical(train_data, reference_run, tmp_path):
     outdir = tmp_path / "killed"
-    proc = start(dataset, outdir, "--workers=1")
+    proc = start_training(train_data, outdir, "--workers=1")
     wait_for(lambda: (outdir / "training-state-0000001.pt").exists(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
     assert not (outdir / "training-state-0000002.pt").exists()
 
-    result = run(dataset, outdir, "--workers=1")
+    result = run_training(train_data, outdir, "--workers=1")
     assert result.returncode == 0, result.stderr
     assert "Resuming from training-state-0000001.pt at 1024 images" in result.stdout
     assert final_snapshots(outdir) == final_snapshots(reference_run)
@@ -155,26 +90,27 @@ def test_sigkill_after_first_checkpoint_then_rerun_is_bit_identical(dataset, ref
     assert rows == [512, 1024, 1536, 2048]  # rows the killed run wrote after its checkpoint are dropped
 
 
-def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(dataset, reference_run, tmp_path):
+def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(train_data, reference_run, tmp_path):
     outdir = tmp_path / "preempted"
-    proc = start(dataset, outdir, "--workers=1")
+    proc = start_training(train_data, outdir, "--workers=1")
     wait_for(lambda: (outdir / "stats.jsonl").exists(), proc)  # the first status line (512 images)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "Received SIGTERM" in output and "rerun the same command to resume" in output
+    assert not (outdir / LOCK_FILE).exists()  # released on the way out
     states = list(outdir.glob("training-state-*.pt"))
     assert len(states) == 1
     stopped_at = checkpoint.load_state(states[0])["cur_nimg"]
     assert 512 <= stopped_at < 2048 and stopped_at % 32 == 0
 
-    result = run(dataset, outdir, "--workers=0")
+    result = run_training(train_data, outdir, "--workers=0")
     assert result.returncode == 0, result.stderr
     assert f"at {stopped_at} images" in result.stdout
     assert final_snapshots(outdir) == final_snapshots(reference_run)
 
 
-def test_damaged_newest_checkpoint_falls_back_and_changed_options_are_refused(dataset, reference_run, tmp_path):
+def test_damaged_newest_checkpoint_falls_back_and_changed_options_are_refused(train_data, reference_run, tmp_path):
     outdir = tmp_path / "damaged"
     shutil.copytree(reference_run, outdir)
     newest = outdir / "training-state-0000002.pt"
@@ -182,31 +118,41 @@ def test_damaged_newest_checkpoint_falls_back_and_changed_options_are_refused(da
     for snapshot in outdir.glob("network-snapshot-0000002-*"):
         snapshot.unlink()
 
-    result = run(dataset, outdir, "--workers=0")
+    result = run_training(train_data, outdir, "--workers=0")
     assert result.returncode == 0, result.stderr
     assert "Skipping damaged checkpoint" in result.stdout and "training-state-0000002.pt: unreadable" in result.stdout
     assert "Resuming from training-state-0000001.pt at 1024 images" in result.stdout
     assert final_snapshots(outdir) == final_snapshots(reference_run)
 
-    code, output = cli([f"--data={dataset}", "--lr=0.02", "--P_mean=-1.0", "--status=256"], outdir)
-    assert code != 0
-    assert [line for line in output.splitlines() if line.startswith("Error:")] == [
+    result = cli([f"--data={train_data}", "--lr=0.02", "--P_mean=-1.0", "--status=256"], outdir)
+    assert assert_one_error_line(result) == (
         f"Error: {outdir}: cannot resume with different hyperparameters "
         "(P_mean: run has -0.8, now -1.0, lr: run has 0.01, now 0.02)"
-    ]
-    code, output = cli([f"--data={dataset}", "--status=256"], outdir)  # intervals may change
-    assert code == 0 and "Training already complete" in output
+    )
+    result = cli([f"--data={train_data}", "--status=256"], outdir)  # intervals may change
+    assert result.exit_code == 0 and "Training already complete" in result.output
 
 
-def test_torchrun_two_gloo_processes(dataset, tmp_path):
-    outdir = tmp_path / "ddp"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "train_edm2.py", *TRAIN, "--duration=1Ki", "--batch-gpu=8", f"--data={dataset}", f"--outdir={outdir}",
-        "--workers=0",
-    ]
-    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+def torchrun_command(data: Path, outdir: Path, *extra: str) -> list[str]:
+    """torchrun with two Gloo processes of 2 rounds x 8 images: a 1024-image run."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            "train_edm2.py", *TRAIN_ARGS, "--duration=1Ki", "--batch-gpu=8", f"--data={data}", f"--outdir={outdir}",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(train_data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """An uninterrupted 1024-image run of two Gloo processes."""
+    outdir = tmp_path_factory.mktemp("runs") / "ddp"
+    result = subprocess.run(torchrun_command(train_data, outdir, "--workers=0"), cwd=REPO, env=TRAIN_ENV,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    return outdir, result
+
+
+def test_torchrun_two_gloo_processes(ddp_run):
+    outdir, result = ddp_run
     assert "2 process(es) x 2 round(s) x 8 images" in result.stdout
     assert sorted(p.name for p in outdir.glob("network-snapshot-*")) == [
         "network-snapshot-0000001-0.050.safetensors", "network-snapshot-0000001-0.100.safetensors"
@@ -221,6 +167,57 @@ def test_torchrun_two_gloo_processes(dataset, tmp_path):
     assert all(torch.isfinite(t.float()).all() for t in ema.values())
 
 
+def process_tree(root: int) -> list[int]:
+    """root and every process below it, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" ", 1)
+            parents[int(pid)] = int(rest.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+    tree_ = [root]
+    for pid in tree_:
+        tree_ += [child for child, parent in parents.items() if parent == pid]
+    return tree_
+
+
+@pytest.mark.parametrize("target", ["torchrun", "every process"])
+def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, ddp_run, tmp_path):
+    # "torchrun": a user or a scheduler signals the launcher, which forwards SIGTERM to each worker's process
+    # group. "every process": SLURM-style preemption signals the launcher, the workers and their data loader
+    # processes alike, so each worker gets SIGTERM twice (directly and forwarded); the second is ignored.
+    outdir = tmp_path / "preempted"
+    proc = subprocess.Popen(torchrun_command(train_data, outdir, "--workers=1", "--status=256"), cwd=REPO,
+                            env=TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (outdir / "stats.jsonl").exists(), proc)  # the first status line (256 of 1024 images)
+    for pid in process_tree(proc.pid) if target == "every process" else [proc.pid]:
+        os.kill(pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    # torchrun (torch.distributed.elastic) forwards the signal, waits for the workers, then raises its own
+    # SignalException: exit status 1 and that one traceback. Our workers checkpoint, print no traceback and
+    # exit 0 on their own (torchrun had no need to SIGKILL them after its shutdown timeout).
+    assert proc.returncode == 1, output
+    assert output.count("Traceback") == 1 and "SignalException: Process" in output.split("Traceback")[1], output
+    assert "forcefully exiting via SIGKILL" not in output
+    assert output.count("Received SIGTERM") == 2 and "rerun the same command to resume" in output
+    states = list(outdir.glob("training-state-*.pt"))
+    assert len(states) == 1
+    stopped = checkpoint.load_state(states[0])
+    assert 256 <= stopped["cur_nimg"] < 1024 and len(set(stopped["rank_digests"])) == 1
+    if target == "every process":
+        return  # the resume below is the same for both
+
+    result = subprocess.run(torchrun_command(train_data, outdir, "--workers=0"), cwd=REPO, env=TRAIN_ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert f"Resuming from {states[0].name} at {stopped['cur_nimg']} images" in result.stdout
+    pattern = "network-snapshot-0000001-*.safetensors"
+    ignore = ("run_dir", "workers", "status")
+    assert snapshot_contents(outdir, pattern, ignore) == snapshot_contents(ddp_run[0], pattern, ignore)
+
+
+@pytest.mark.bad_input
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -229,28 +226,141 @@ def test_torchrun_two_gloo_processes(dataset, tmp_path):
         ("mixed", "mixed resolutions"),
         ("gray", "PNG images have 1 channel(s); training needs RGB (3)"),
         ("rgba", "PNG images have 4 channel(s)"),
-        ("batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 5"),
-        ("preset", "'toy-nope' is not one of"),
     ],
 )
-def test_bad_input_gives_one_error_line_and_no_run_directory(case, message, tmp_path):
+def test_bad_data(case, message, tmp_path):
     data = tmp_path / "data"
-    args = {"missing": [], "batch": ["--batch-gpu=5"], "preset": ["--preset=toy-nope"]}.get(case, [])
     if case != "missing":
-        write_dataset(data, num=16, labels=case != "unlabeled", sizes=[8, 16] if case == "mixed" else None,
-                      mode={"gray": "L", "rgba": "RGBA"}.get(case, "RGB"))
-    code, output = cli([f"--data={data}", *args], tmp_path / "run")
-    assert code != 0
-    errors = [line for line in output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and message in errors[0], output
-    assert "Traceback" not in output
-    assert not (tmp_path / "run").exists()
+        write_image_dataset(data, num=16, labels=case != "unlabeled", sizes=[8, 16] if case == "mixed" else None,
+                            mode={"gray": "L", "rgba": "RGBA"}.get(case, "RGB"))
+    before = tree(tmp_path)
+    assert_one_error_line(cli([f"--data={data}"], tmp_path / "run"), message)
+    assert tree(tmp_path) == before
 
 
-def test_dry_run_prints_options_and_writes_nothing(dataset, tmp_path):
-    code, output = cli([f"--data={dataset}", "--dry-run", "--lr=0.003"], tmp_path / "run")
-    assert code == 0, output
-    options = json.loads(output[: output.rindex("}") + 1])
+# Every option is refused by its type or a check before any work; each message names the option.
+BAD_OPTIONS = [
+    (["--P_mean=nan"], "--P_mean", "'nan' is not a finite number"),
+    (["--P_mean=inf"], "--P_mean", "'inf' is not a finite number"),
+    (["--P_mean=-1e999"], "--P_mean", "not a finite number"),
+    (["--P_std=inf"], "--P_std", "not a finite number"),
+    (["--P_std=nan"], "--P_std", "not a finite number"),
+    (["--P_std=0"], "--P_std", "0.0 is not in the range x>0"),
+    (["--lr=nan"], "--lr", "not a finite number"),
+    (["--lr=inf"], "--lr", "not a finite number"),
+    (["--lr=0"], "--lr", "0.0 is not in the range x>0"),
+    (["--dropout=nan"], "--dropout", "not a finite number"),
+    (["--dropout=1"], "--dropout", "1.0 is not in the range 0<=x<1"),
+    (["--decay=nan"], "--decay", "not a finite number"),
+    (["--decay=inf"], "--decay", "not a finite number"),
+    (["--decay=-1"], "--decay", "-1.0 is not in the range x>=0"),
+    (["--ls=inf"], "--ls", "not a finite number"),
+    (["--ls=nan"], "--ls", "not a finite number"),
+    (["--duration=0"], "--duration", "fewer than 1 image"),
+    (["--duration=2Kx"], "--duration", "is not an image count"),
+    (["--duration=-5"], "--duration", "is not an image count"),
+    (["--status=1.5Ki"], "--status", "is not an image count"),
+    (["--batch=0"], "--batch", "0 is not in the range x>=1"),
+    (["--channels=0"], "--channels", "0 is not in the range x>=1"),
+    (["--seed=-1"], "--seed", "-1 is not in the range x>=0"),
+    (["--workers=-1"], "--workers", "-1 is not in the range x>=0"),
+    (["--cond=maybe"], "--cond", "'maybe' is not a valid boolean"),
+    (["--precision=fp8"], "--precision", "'fp8' is not one of 'fp32', 'fp16', 'bf16'"),
+    (["--preset=toy-nope"], "--preset", "'toy-nope' is not one of"),
+    (["--batch-gpu=5"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 5"),
+    (["--batch-gpu=64"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 64"),
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("args, option, message", BAD_OPTIONS, ids=[" ".join(a) for a, _, _ in BAD_OPTIONS])
+def test_bad_option(args, option, message, train_data, tmp_path):
+    assert_one_error_line(cli([f"--data={train_data}", *args], tmp_path / "run"), f"Invalid value for '{option}", message)
+    assert tree(tmp_path) == []
+
+
+def lock_held_by(run_dir: Path, holder: Holder) -> None:
+    """A run directory whose lock names holder."""
+    run_dir.mkdir(parents=True)
+    (run_dir / LOCK_FILE).write_text(json.dumps(dataclasses.asdict(holder)))
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", ["outdir is a file", "outdir under a file", "locked here", "locked elsewhere"])
+def test_bad_outdir(case, train_data, tmp_path):
+    outdir = tmp_path / "run"
+    if case == "outdir is a file":
+        outdir.write_text("")
+        fragments = (f"{outdir} is a file, not a folder",)
+    elif case == "outdir under a file":
+        (tmp_path / "file").write_text("")
+        outdir = tmp_path / "file" / "run"
+        fragments = (f"lies under {tmp_path / 'file'}, which is a file",)
+    elif case == "locked here":  # a live process on this host: this one
+        lock_held_by(outdir, Holder.this_process())
+        fragments = (f"{outdir} is in use by the training process {os.getpid()} on host", "wait for it to end")
+    else:
+        lock_held_by(outdir, Holder(host="node-elsewhere", pid=1234, started="2024-05-01 12:00:00"))
+        fragments = ("process 1234 on host node-elsewhere (since 2024-05-01 12:00:00)",
+                     f"if that training is no longer running (its host went down), delete {outdir / LOCK_FILE}")
+    before = tree(tmp_path)
+    assert_one_error_line(cli([f"--data={train_data}"], outdir), *fragments)
+    assert tree(tmp_path) == before
+
+
+def in_namespace(mount: str, *command: str, then: str = "") -> subprocess.CompletedProcess:
+    """Run command in a private mount namespace (unshare -rm) after `mount`, then the shell code `then`, which
+    sees the command's exit status as $STATUS; skip where mounting is not allowed."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare to mount a filesystem")
+    script = f'{mount} || exit 99; "$@"; STATUS=$?; {then or "exit $STATUS"}'
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *command], cwd=REPO, env=TRAIN_ENV,
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode == 99:
+        pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+    return result
+
+
+@pytest.mark.bad_input
+def test_read_only_outdir(train_data, tmp_path):
+    (tmp_path / "ro").mkdir()
+    before = tree(tmp_path)
+    result = in_namespace(f"mount -t tmpfs -o ro tmpfs {tmp_path / 'ro'}", sys.executable, "train_edm2.py",
+                          *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'ro' / 'run'}")
+    assert_one_error_line(result, f"{tmp_path / 'ro' / 'run'}: cannot write in {tmp_path / 'ro'}",
+                          "Read-only file system")
+    assert tree(tmp_path) == before
+
+
+# Run inside the namespace after a training on the tiny disk: what the run directory holds, and that
+# every snapshot in it loads.
+LIST_RUN = ("import json, pathlib, sys; from edm2.snapshot import load_network; run = pathlib.Path(sys.argv[1]); "
+            "print('FILES', json.dumps(sorted(p.name for p in run.iterdir()))); "
+            "[load_network(p) for p in run.glob('*.safetensors')]; print('LOADED')")
+
+
+@pytest.mark.bad_input
+def test_full_disk_during_training(train_data, tmp_path):
+    # 1 MiB holds the options, log, stats and the first two snapshots (about 360 KiB each), not the first
+    # training state (about 3.6 MiB): the run fails at 1024 images, with one line and no partial file.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    result = in_namespace(
+        f"mount -t tmpfs -o size=1m tmpfs {disk}",
+        sys.executable, "train_edm2.py", *TRAIN_ARGS, "--workers=0", f"--data={train_data}", f"--outdir={disk / 'run'}",
+        then=f'{sys.executable} -c "{LIST_RUN}" {disk / "run"} >&2; exit $STATUS',
+    )
+    assert_one_error_line(result, f"{disk / 'run' / 'training-state-0000001.pt'}: No space left on device")
+    assert "LOADED" in result.stderr, result.stderr
+    files = json.loads(result.stderr.split("FILES ", 1)[1].splitlines()[0])
+    assert files == ["log.txt", "network-snapshot-0000001-0.050.safetensors",
+                     "network-snapshot-0000001-0.100.safetensors", "stats.jsonl", "training_options.json"]
+
+
+def test_dry_run_prints_options_and_writes_nothing(train_data, tmp_path):
+    result = cli([f"--data={train_data}", "--dry-run", "--lr=0.003"], tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    options = json.loads(result.output[: result.output.rindex("}") + 1])
     assert options["lr"] == 0.003 and options["preset"] == "toy-tiny" and options["batch"] == 32
     assert not (tmp_path / "run").exists()
 

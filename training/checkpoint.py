@@ -1,8 +1,10 @@
-"""Training-state checkpoints and the run's options: atomic saves, newest-valid lookup, resume checks."""
+"""Training-state files and the run's options file: names that never collide, durable saves, newest-valid
+lookup, and a bitwise digest of the weights."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -12,30 +14,76 @@ from typing import Callable
 import torch
 
 from edm2 import files
+from edm2.errors import EDM2Error
 
 FORMAT_VERSION = 1
-STATE_PATTERN = re.compile(r"^training-state-(\d{7,})\.pt$")
+STATE_PATTERN = re.compile(r"^training-state-(\d{7,})(?:-(\d+))?\.pt$")
 OPTIONS_FILE = "training_options.json"
 REQUIRED_KEYS = ("format_version", "net", "optimizer", "ema", "cur_nimg", "elapsed_s", "options_hash")
 
 
-class CheckpointError(RuntimeError):
-    """A training-state file is unreadable or incomplete."""
+class CheckpointError(EDM2Error):
+    """A training-state or options file is unreadable or incomplete, or the ranks disagree on the weights."""
 
 
-class OptionsMismatch(ValueError):
-    """Resuming with hyperparameters that differ from the run's training_options.json."""
+def images_tag(nimg: int) -> str:
+    """The image count as file names carry it: kimg = nimg // 1000 as 7 digits, plus '-{nimg}' unless nimg is a
+    multiple of 1024.
+
+    The release names files by kimg and reads a kimg back as the multiple of 1024 with that kimg; multiples
+    of 1024 lie more than 1000 apart, so their names never collide and mean what the release's do. Any other
+    count (a stop by SIGTERM, a duration off the intervals, batches that are not powers of two) could share
+    its kimg with another count, so its name says the exact count: no file replaces one of another count.
+    """
+    kimg = f"{nimg // 1000:07d}"
+    return kimg if nimg % 1024 == 0 else f"{kimg}-{nimg}"
+
+
+def tagged_images(kimg: str, nimg: str | None) -> int:
+    """The image count of a name's tag; a bare kimg means the multiple of 1024 with that kimg (or kimg * 1000)."""
+    if nimg is not None:
+        return int(nimg)
+    multiple = -(-int(kimg) * 1000 // 1024) * 1024
+    return multiple if multiple // 1000 == int(kimg) else int(kimg) * 1000
 
 
 def state_path(run_dir: str | os.PathLike, cur_nimg: int) -> Path:
-    """training-state-{kimg:07d}.pt inside run_dir."""
-    return Path(run_dir) / f"training-state-{cur_nimg // 1000:07d}.pt"
+    """training-state-{images_tag}.pt inside run_dir."""
+    return Path(run_dir) / f"training-state-{images_tag(cur_nimg)}.pt"
+
+
+class _WriteErrors(io.RawIOBase):
+    """A binary file that keeps the OSError behind torch.save's generic RuntimeError (a full disk, say)."""
+
+    def __init__(self, f: io.BufferedWriter):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
 
 def save_state(path: str | os.PathLike, state: dict) -> None:
-    """Write a training state (plain containers of tensors and numbers) under a temporary name, then rename."""
-    with files.atomic_path(path) as tmp:
-        torch.save(dict(state, format_version=FORMAT_VERSION), tmp)
+    """Write a training state (plain containers of tensors and numbers) durably under a temporary name, then
+    rename it; a failed write raises OSError naming path and leaves nothing behind."""
+    try:
+        with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
+            writer = _WriteErrors(f)
+            try:
+                torch.save(dict(state, format_version=FORMAT_VERSION), writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def load_state(path: str | os.PathLike) -> dict:
@@ -53,11 +101,11 @@ def load_state(path: str | os.PathLike) -> dict:
 
 
 def list_states(run_dir: str | os.PathLike) -> list[Path]:
-    """Training-state files of a run, newest (highest kimg) first."""
+    """Training-state files of a run, newest (most images) first."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := STATE_PATTERN.match(p.name))]
+    found = [(tagged_images(*m.groups()), p) for p in run_dir.iterdir() if (m := STATE_PATTERN.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -83,7 +131,7 @@ def load_options(run_dir: str | os.PathLike) -> dict | None:
         return None
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
@@ -91,14 +139,6 @@ def save_options(run_dir: str | os.PathLike, options: dict) -> None:
     """Write training_options.json atomically."""
     with files.atomic_path(Path(run_dir) / OPTIONS_FILE) as tmp:
         tmp.write_text(json.dumps(options, indent=2, sort_keys=True) + "\n")
-
-
-def check_same_hyperparameters(stored: dict, current: dict, keys: tuple[str, ...]) -> None:
-    """Raise OptionsMismatch naming every key in `keys` whose value differs between the two runs."""
-    differing = [k for k in keys if stored.get(k) != current.get(k)]
-    if differing:
-        details = ", ".join(f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in differing)
-        raise OptionsMismatch(f"cannot resume with different hyperparameters ({details})")
 
 
 def weights_digest(net: torch.nn.Module) -> str:

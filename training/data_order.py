@@ -1,0 +1,64 @@
+"""The order in which a run reads its data and draws its randomness: a function of the images seen only,
+so a run resumed at any step reads and draws what the uninterrupted run would have."""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from edm2.dataset import ImageFolderDataset
+
+
+def round_seed(seed: int, rank: int, cur_nimg: int, round_idx: int) -> int:
+    """Seed of the random draws (sigma, noise, latent sample, dropout) of one accumulation round."""
+    return int(np.random.SeedSequence([seed, rank, cur_nimg, round_idx]).generate_state(1, np.uint64)[0])
+
+
+class DataOrder(torch.utils.data.Sampler):
+    """Endless dataset indices for one rank.
+
+    Global position p (counted in images) reads item permutation(seed, epoch)[p mod N], epoch = p // N.
+    Each optimizer step covers positions [cur_nimg, cur_nimg + batch), split into chunks of batch_gpu
+    handed to the ranks in turn.
+    """
+
+    def __init__(self, size: int, seed: int, rank: int, world_size: int, batch_gpu: int, start_nimg: int):
+        super().__init__()
+        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
+        self.batch_gpu, self.start_nimg = batch_gpu, start_nimg
+        self._epoch, self._perm = -1, None
+
+    def index(self, position: int) -> int:
+        """Dataset index read at a global image position."""
+        epoch = position // self.size
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        return int(self._perm[position % self.size])
+
+    def __iter__(self) -> Iterator[int]:
+        chunk = self.start_nimg // self.batch_gpu + self.rank
+        while True:
+            for position in range(chunk * self.batch_gpu, (chunk + 1) * self.batch_gpu):
+                yield self.index(position)
+            chunk += self.world_size
+
+
+def _ignore_signals(_worker_id: int) -> None:
+    # Interruption is the main process's business: it finishes the step with data already queued. A
+    # SIGTERM sent to every process of a job (SLURM) or a process group (torchrun) reaches workers too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def data_loader(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device):
+    """Batches of batch_gpu (images, labels) in the given order."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=order.batch_gpu, sampler=order, num_workers=workers,
+        pin_memory=device.type == "cuda", worker_init_fn=_ignore_signals if workers else None,
+        prefetch_factor=2 if workers else None,
+    )

@@ -1,0 +1,98 @@
+"""The options of a training run, and the hyperparameters among them that a resumed run must keep."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from edm2.errors import EDM2Error
+from training.presets import get_preset
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+# Options that define the trained model; a resumed run must keep them. The others (data path,
+# duration, intervals, batch_gpu, workers, run_dir) may change between invocations: they affect
+# where and for how long training runs and how much memory it uses, not what it computes.
+HYPERPARAMETERS = (
+    "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
+    "ema_stds", "network", "precision", "ls", "seed", "dataset",
+)
+
+
+class OptionsError(EDM2Error):
+    """Options that cannot work together, e.g. a batch that does not split evenly over the processes."""
+
+
+class OptionsMismatch(OptionsError):
+    """Resuming with hyperparameters that differ from the run's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """Everything a run needs; image counts are in images, decay (t_ref of Eq. 67) in iterations."""
+
+    preset: str
+    dataset: dict  # resolution, num_channels, label_dim of the training data
+    encoder: dict  # encoder.config()
+    duration: int
+    batch: int
+    channels: int
+    dropout: float
+    P_mean: float
+    P_std: float
+    lr: float  # alpha_ref of Eq. 67
+    decay: float
+    rampup_Mimg: float
+    ema_stds: tuple[float, ...]
+    network: dict  # further Precond arguments of the preset
+    status: int
+    snapshot: int
+    checkpoint: int
+    run_dir: str
+    data: str
+    cond: bool = True
+    batch_gpu: int = 0  # per rank and round; 0 = batch // world_size
+    precision: str = "fp16"
+    ls: float = 1.0
+    seed: int = 0
+    workers: int = 2
+
+    @classmethod
+    def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:
+        """The preset's recipe for a dataset, with the overrides that are not None."""
+        recipe = get_preset(preset)
+        values = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe) if f.name in _FIELDS}
+        values.update(run_dir=os.path.join("training-runs", preset), network=dict(recipe.network))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(preset=preset, dataset=dataset, encoder=encoder, **values)
+
+    def to_json(self) -> dict:
+        """The options as plain JSON values (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def hyperparameters(self) -> dict:
+        """The options a resumed run must share with the original."""
+        values = self.to_json()
+        return {k: values[k] for k in HYPERPARAMETERS}
+
+
+_FIELDS = {f.name for f in dataclasses.fields(TrainingOptions)}
+
+
+def rounds_per_step(batch: int, batch_gpu: int, world_size: int) -> tuple[int, int]:
+    """(batch_gpu, rounds) for gradient accumulation; OptionsError unless batch = world * batch_gpu * rounds."""
+    batch_gpu = batch_gpu or batch // world_size
+    if batch_gpu < 1 or batch % (world_size * batch_gpu):
+        raise OptionsError(
+            f"batch {batch} is not divisible by {world_size} process(es) x batch-gpu {batch_gpu}"
+        )
+    return batch_gpu, batch // (world_size * batch_gpu)
+
+
+def check_same_hyperparameters(stored: dict, current: dict) -> None:
+    """Raise OptionsMismatch naming every hyperparameter whose value differs between the two runs' options."""
+    differing = [k for k in HYPERPARAMETERS if stored.get(k) != current.get(k)]
+    if differing:
+        details = ", ".join(f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in differing)
+        raise OptionsMismatch(f"cannot resume with different hyperparameters ({details})")

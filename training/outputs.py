@@ -1,0 +1,99 @@
+"""What a run writes as it goes, each at its interval and at the end: status lines with stats.jsonl rows,
+EMA snapshots, and training states."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+from edm2 import distributed
+from training import checkpoint
+from training.lr_schedule import learning_rate_schedule
+from training.options import TrainingOptions
+from training.run_dir import RunDirectory
+from training.state import TrainingState
+
+
+def crossed(prev_nimg: int, cur_nimg: int, interval: int) -> bool:
+    """True when a multiple of interval lies in (prev_nimg, cur_nimg]."""
+    return interval > 0 and cur_nimg // interval > prev_nimg // interval
+
+
+def max_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last call: CUDA allocations, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def hms(seconds: float) -> str:
+    """Seconds as '1h02m03s'."""
+    s = int(seconds)
+    return f"{s // 3600}h{s // 60 % 60:02d}m{s % 60:02d}s"
+
+
+class Outputs:
+    """The writers of one run. Every rank makes the same calls (they hold collectives); rank 0 writes."""
+
+    def __init__(self, opts: TrainingOptions, run: RunDirectory | None, state: TrainingState, device: torch.device):
+        self.opts, self.run, self.state, self.device = opts, run, state, device
+        self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
+        self._clock = self._tick_time = time.monotonic()
+        self._tick_nimg = state.cur_nimg
+
+    def add_loss(self, loss_sum: torch.Tensor, rounds: int) -> None:
+        """Count one step's summed per-round mean losses toward the next status line."""
+        self.loss_stats[0] += loss_sum
+        self.loss_stats[1] += rounds
+
+    def write_due(self, done: bool, stopping: bool) -> None:
+        """After a step: the status line, snapshots and training state whose interval was crossed; at the end
+        (done) all three, and on a stop (stopping) the status line and a training state."""
+        now = time.monotonic()
+        self.state.elapsed_s += now - self._clock
+        self._clock = now
+        cur, opts = self.state.cur_nimg, self.opts
+        prev = cur - opts.batch
+        if done or stopping or crossed(prev, cur, opts.status):
+            self.status()
+        if done or crossed(prev, cur, opts.snapshot):
+            if self.run:
+                self.run.save_snapshots(self.state.ema, cur, opts)
+        if done or stopping or crossed(prev, cur, opts.checkpoint):
+            self.training_state()
+
+    def status(self) -> None:
+        """Print a status line and append its stats.jsonl row (loss averaged over ranks since the last one)."""
+        stats = distributed.all_reduce_sum(self.loss_stats.clone()).tolist()
+        self.loss_stats.zero_()
+        cur, opts, now = self.state.cur_nimg, self.opts, time.monotonic()
+        images_per_s = (cur - self._tick_nimg) / max(now - self._tick_time, 1e-9)
+        self._tick_nimg, self._tick_time = cur, now
+        row = dict(
+            kimg=cur / 1000, nimg=cur, loss=stats[0] / max(stats[1], 1),
+            lr=learning_rate_schedule(cur - opts.batch, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg),
+            images_per_s=images_per_s, sec_per_kimg=1000 / max(images_per_s, 1e-9),
+            max_memory_gb=max_memory_gb(self.device), elapsed_s=self.state.elapsed_s, timestamp=time.time(),
+        )
+        if self.run is None:
+            return
+        print(
+            f"kimg {row['kimg']:<10.1f} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} img/s {images_per_s:<9.1f} "
+            f"sec/kimg {row['sec_per_kimg']:<8.3f} maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])}",
+            flush=True,
+        )
+        self.run.append_stats(row)
+
+    def training_state(self) -> None:
+        """Write a training state; every rank first hashes its weights so the file records that they agree."""
+        digests = distributed.all_gather_object(checkpoint.weights_digest(self.state.net))
+        if len(set(digests)) != 1:
+            raise checkpoint.CheckpointError(f"ranks hold different weights at {self.state.cur_nimg} images: {digests}")
+        if self.run is None:
+            return
+        path = self.run.save_state(self.state.to_dict(self.opts, digests))
+        print(f"Saved {path.name}", flush=True)

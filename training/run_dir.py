@@ -1,0 +1,159 @@
+"""A run directory, owned by one training at a time: its lock, options, log, stats.jsonl, EMA snapshots and
+training states, and the decision where a rerun resumes.
+
+A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
+network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt, and while a training
+runs, training.lock (plus training.lock.break for a moment while a stale lock is removed). Files being
+written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in
+the folder removes those a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+from edm2 import files
+from edm2.phema import PowerFunctionEMA
+from edm2.snapshot import save_network
+from training import checkpoint
+from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
+from training.run_lock import RunLock
+
+LOG_FILE, STATS_FILE = "log.txt", "stats.jsonl"
+SNAPSHOT_PREFIX = "network-snapshot"
+
+
+def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
+    """network-snapshot-{images_tag}-{std:.3f}.safetensors inside run_dir."""
+    return Path(run_dir) / f"{SNAPSHOT_PREFIX}-{checkpoint.images_tag(nimg)}-{std:.3f}.safetensors"
+
+
+class RunDirectory:
+    """Rank 0's hold on a run directory, from taking its lock to giving it back.
+
+    A directory this invocation created is removed again if training fails before its first snapshot or
+    training state, so a bad start leaves nothing behind.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.created: list[Path] = []
+        self.has_results = False
+        self.lock = RunLock(self.path)
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, path: str | os.PathLike, report: Callable[[str], None] = print) -> Iterator[RunDirectory]:
+        """Create the folder if needed, lock it (RunLocked if another training holds it) and remove the
+        temporaries of earlier, killed runs; on leaving, release the lock and undo a fruitless start."""
+        run = cls(path)
+        run._make_folders()
+        try:
+            run.lock.acquire(report)
+            for stale in files.remove_stale_temporaries(run.path, owned=True):
+                report(f"Removed {stale.name}, left by an interrupted write.")
+            yield run
+        except BaseException:
+            run.lock.release()
+            run._remove_if_fruitless()
+            raise
+        finally:
+            run.lock.release()
+
+    def _make_folders(self) -> None:
+        """Create the run directory and its missing parents, remembering which ones this process made."""
+        for folder in reversed([self.path, *self.path.parents]):
+            try:
+                folder.mkdir()
+                self.created.append(folder)
+            except FileExistsError:
+                pass
+
+    def _remove_if_fruitless(self) -> None:
+        """Delete the folders this invocation created, and its files in them, when it produced no snapshot
+        or training state; the lock must be released first."""
+        if not self.created or self.has_results:
+            return
+        for name in (checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE):
+            (self.path / name).unlink(missing_ok=True)
+        for folder in reversed(self.created):
+            with contextlib.suppress(OSError):  # not empty: someone else's files; keep them
+                folder.rmdir()
+
+    def resume_point(self, opts: TrainingOptions) -> tuple[str | None, dict | None]:
+        """The training state to resume from (path, state), after checking that the hyperparameters match."""
+        try:
+            found = checkpoint.load_newest_state(self.path, report=print)
+            if found is not None:
+                check_same_hyperparameters(json.loads(found[1]["options"]), opts.hyperparameters())
+                self.has_results = True
+                return str(found[0]), found[1]
+            stored_options = checkpoint.load_options(self.path)
+            if stored_options is not None and any(self.path.glob(f"{SNAPSHOT_PREFIX}-*.safetensors")):
+                check_same_hyperparameters(stored_options, opts.to_json())
+                self.has_results = True
+        except OptionsMismatch as e:
+            raise OptionsMismatch(f"{self.path}: {e}") from None
+        return None, None
+
+    def trim_stats(self, cur_nimg: int) -> None:
+        """Keep the stats rows up to cur_nimg: drop rows a killed run wrote after its last training state, and
+        a line torn by a kill in mid-append. A log file never stops a resume."""
+        path = self.path / STATS_FILE
+        try:
+            data = path.read_bytes() if path.is_file() else b""
+        except OSError as e:
+            print(f"Cannot read {path} ({e.strerror}); leaving it as it is.")
+            return
+        rows = [line for line in data.split(b"\n") if line.strip()]
+        kept = [line for line in rows if (nimg := _row_images(line)) is not None and nimg <= cur_nimg]
+        if kept != rows or not data.endswith(b"\n") and data:
+            if len(kept) < len(rows) and _row_images(rows[-1]) is None:
+                print(f"Dropped a torn last line of {path}.")
+            with files.atomic_path(path) as tmp:
+                tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+
+    def append_stats(self, row: dict) -> None:
+        """Add one JSON row to stats.jsonl; a failed write (a full disk) leaves no partial row."""
+        path, data = self.path / STATS_FILE, memoryview((json.dumps(row) + "\n").encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            os.ftruncate(fd, size)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        finally:
+            os.close(fd)
+
+    def save_snapshots(self, ema: PowerFunctionEMA, cur_nimg: int, opts: TrainingOptions) -> None:
+        """One snapshot file per EMA track, with the metadata generate.py and reconstruct_phema.py read."""
+        for ema_net, std in ema.get():
+            metadata = dict(
+                nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
+                loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(),
+            )
+            save_network(snapshot_path(self.path, cur_nimg, std), ema_net, metadata)
+        self.has_results = True
+
+    def save_state(self, state: dict) -> Path:
+        """Write a training state named by its image count; returns its path."""
+        path = checkpoint.state_path(self.path, state["cur_nimg"])
+        checkpoint.save_state(path, state)
+        self.has_results = True
+        return path
+
+
+def _row_images(line: bytes) -> int | None:
+    """The image count of one stats.jsonl line; None for an empty, torn or foreign line."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    nimg = row.get("nimg") if isinstance(row, dict) else None
+    return nimg if isinstance(nimg, int) else None

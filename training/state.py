@@ -1,0 +1,65 @@
+"""What a training state holds: the network, Adam, the power-function EMA tracks and the images seen."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from edm2.networks import Precond
+from edm2.phema import PowerFunctionEMA
+from training import checkpoint
+from training.options import TrainingOptions
+
+ADAM_BETAS = (0.9, 0.99)
+ADAM_EPS = 1e-8
+
+
+def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
+    """A freshly initialized Precond as the options describe it, for img_channels network input channels."""
+    return Precond(
+        img_resolution=opts.dataset["resolution"],
+        img_channels=img_channels,
+        label_dim=opts.dataset["label_dim"] if opts.cond else 0,
+        model_channels=opts.channels,
+        dropout=opts.dropout,
+        use_fp16=opts.precision == "fp16",
+        use_bf16=opts.precision == "bf16",
+        **opts.network,
+    )
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """The network being trained, its Adam optimizer and EMA tracks, images seen and training time so far."""
+
+    net: Precond
+    optimizer: torch.optim.Optimizer
+    ema: PowerFunctionEMA
+    cur_nimg: int = 0
+    elapsed_s: float = 0.0
+
+    @classmethod
+    def create(cls, opts: TrainingOptions, img_channels: int, device: torch.device) -> TrainingState:
+        """A new state: weights from opts.seed (identical on every rank), Adam at learning rate 0, fresh EMAs."""
+        torch.manual_seed(opts.seed)
+        net = init_network(opts, img_channels).to(device).train()
+        optimizer = torch.optim.Adam(net.parameters(), lr=0, betas=ADAM_BETAS, eps=ADAM_EPS)
+        return cls(net, optimizer, PowerFunctionEMA(net, opts.ema_stds))
+
+    def load(self, saved: dict) -> None:
+        """Continue from a training state read by checkpoint.load_state."""
+        self.net.load_state_dict(saved["net"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.ema.load_state_dict(saved["ema"])
+        self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
+
+    def to_dict(self, opts: TrainingOptions, rank_digests: list[str]) -> dict:
+        """The contents of a training-state file; rank_digests records that every rank held these weights."""
+        hyperparameters = opts.hyperparameters()
+        return dict(
+            net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
+            cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s, options=json.dumps(hyperparameters, sort_keys=True),
+            options_hash=checkpoint.options_hash(hyperparameters), rank_digests=rank_digests,
+        )

@@ -1,0 +1,79 @@
+"""One optimizer step of the paper's recipe: Eq. 67's learning rate, Eq. 21's gradients accumulated over
+rounds, Adam, and the power-function EMA update (Eq. 119/127)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from edm2.loss import EDM2Loss
+from training.data_order import round_seed
+from training.lr_schedule import learning_rate_schedule
+from training.options import TrainingOptions
+from training.state import TrainingState
+
+if TYPE_CHECKING:
+    from edm2.encoders import Encoder
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStep:
+    """The parts every step of a run shares; the state changes in place."""
+
+    state: TrainingState
+    loss_fn: EDM2Loss
+    encoder: Encoder
+    batches: Iterator  # (images, labels) of batch_gpu images each, `rounds` per step
+    opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed
+    rounds: int = 1
+    model: torch.nn.Module | None = None  # state.net wrapped in DistributedDataParallel; None: state.net
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+
+def training_step(step: TrainingStep) -> torch.Tensor:
+    """Advance step.state by one batch of opts.batch images; returns the sum of the rounds' mean losses."""
+    state, opts = step.state, step.opts
+    lr = learning_rate_schedule(state.cur_nimg, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg)  # Eq. 67
+    loss = accumulate_gradients(                                                                    # Eq. 21
+        step.model or state.net, step.loss_fn, step.encoder, step.batches, scale=opts.ls, device=step.device,
+        seeds=[round_seed(opts.seed, step.rank, state.cur_nimg, r) for r in range(step.rounds)],
+    )
+    optimizer_step(state.net, state.optimizer, lr)                                                  # Adam
+    state.cur_nimg += opts.batch
+    state.ema.update(state.cur_nimg, opts.batch)                                                    # Eq. 119/127
+    return loss
+
+
+def accumulate_gradients(model: torch.nn.Module, loss_fn: EDM2Loss, encoder: Encoder, batches: Iterator, *,
+                         seeds: list[int], scale: float, device: torch.device) -> torch.Tensor:
+    """Backpropagate one batch per seed (the round's random draws), all-reducing gradients after the last
+    under DistributedDataParallel; returns the sum of the rounds' mean losses."""
+    rounds = len(seeds)
+    loss_sum = torch.zeros([], device=device)
+    for round_idx, seed in enumerate(seeds):
+        sync = round_idx == rounds - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            images, labels = next(batches)
+            torch.manual_seed(seed)
+            images = encoder.encode_latents(images.to(device, non_blocking=True))
+            labels = labels.to(device, non_blocking=True) if labels.shape[1] else None
+            loss = loss_fn(model, images, labels)
+            # Sum over elements, mean over the rank's share of the batch; DDP averages over ranks.
+            loss.sum().mul(scale / (rounds * images.shape[0])).backward()
+            loss_sum += loss.detach().mean()
+    return loss_sum
+
+
+def optimizer_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Zero non-finite gradients, step Adam at learning rate lr, clear the gradients."""
+    for param in net.parameters():
+        if param.grad is not None:
+            torch.nan_to_num(param.grad, nan=0, posinf=0, neginf=0, out=param.grad)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
