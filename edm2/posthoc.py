@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -25,10 +24,9 @@ import tqdm
 
 from edm2 import phema
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import architecture, architecture_difference, check_readable, load_network, read_metadata
+from edm2.snapshot import (SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
+                           load_network, read_metadata)
 
-# {prefix}-{kimg}-{std}: our snapshots (edm2.snapshot.snapshot_name) and the release's raw snapshot pickles.
-SNAPSHOT_NAME = re.compile(r"(.+)-(\d+)-(\d+\.\d+)\.(safetensors|pkl)")
 # A requested input sigma_rel selects the tracks within half a unit of the file names' third decimal.
 STD_TOLERANCE = 5e-4
 
@@ -70,12 +68,6 @@ class Snapshot:
         return Track(self.path.name, self.nimg, self.std, functools.partial(load_network, self.path))
 
 
-def kimg_to_nimg(kimg: int) -> int | None:
-    """Images seen for a release file name's kimg: the multiple of 1024 whose //1000 is kimg, if any."""
-    nimg = -(-kimg * 1000 // 1024) * 1024
-    return nimg if nimg // 1000 == kimg else None
-
-
 def describe_snapshot(path: Path) -> Snapshot | None:
     """The Snapshot a PREFIX-KIMG-STD file holds; None for our post-hoc reconstructions, which are not tracks.
 
@@ -85,9 +77,9 @@ def describe_snapshot(path: Path) -> Snapshot | None:
     match = SNAPSHOT_NAME.fullmatch(path.name)
     if match is None:
         raise PosthocError(f"{path}: not named PREFIX-KIMG-STD.safetensors or .pkl")
-    if match.group(4) == "pkl":
+    if match["ext"] == "pkl":
         check_readable(path)
-        kimg, std = int(match.group(2)), float(match.group(3))
+        kimg, std = int(match["kimg"]), float(match["std"])
         nimg = kimg_to_nimg(kimg)
         if nimg is None:
             raise PosthocError(f"{path}: kimg {kimg} is not a whole number of 1024-image batches")
@@ -100,7 +92,7 @@ def describe_snapshot(path: Path) -> Snapshot | None:
             raise PosthocError(f"{path}: metadata lacks 'nimg' and 'ema_std'; not a training snapshot")
     if not 0 < std < phema.MAX_STD:  # also NaN, which JSON metadata may hold
         raise PosthocError(f"{path}: sigma_rel {std} is outside (0, {phema.MAX_STD:.4f})")
-    return Snapshot(path, match.group(1), nimg, float(std))
+    return Snapshot(path, match["prefix"], nimg, float(std))
 
 
 def is_reconstruction(path: str | os.PathLike) -> bool:
@@ -130,7 +122,7 @@ def list_snapshots(source: str | os.PathLike | Iterable[str | os.PathLike], inpr
     """
     snapshots = []
     for path in _candidate_files(source):
-        if inprefix is not None and (match := SNAPSHOT_NAME.fullmatch(path.name)) and match.group(1) != inprefix:
+        if inprefix is not None and (match := SNAPSHOT_NAME.fullmatch(path.name)) and match["prefix"] != inprefix:
             continue
         snap = describe_snapshot(path)
         if snap is not None and (instds is None or any(abs(snap.std - s) < STD_TOLERANCE for s in instds)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -21,9 +22,32 @@ FORMAT_VERSION = 1
 METADATA_KEY = "edm2"
 
 
+# PREFIX-KIMG[-NIMG]-STD.safetensors (ours, see snapshot_name) or .pkl (the release's raw snapshots).
+SNAPSHOT_NAME = re.compile(r"(?P<prefix>.+?)-(?P<kimg>\d{7,})(?:-(?P<nimg>\d+))?-(?P<std>\d+\.\d+)\.(?P<ext>safetensors|pkl)")
+
+
+def images_tag(nimg: int) -> str:
+    """An image count as file names carry it: kimg = nimg // 1000 as 7 digits, plus '-{nimg}' unless nimg is a
+    multiple of 1024.
+
+    The release names files by kimg and reads a kimg back as the multiple of 1024 with that kimg; multiples
+    of 1024 lie more than 1000 apart, so their names never collide and mean what the release's do. Any other
+    count (a stop by SIGTERM, a duration off the intervals, batches that are not powers of two) could share
+    its kimg with another count, so its name says the exact count: no file replaces one of another count.
+    """
+    kimg = f"{nimg // 1000:07d}"
+    return kimg if nimg % 1024 == 0 else f"{kimg}-{nimg}"
+
+
+def kimg_to_nimg(kimg: int) -> int | None:
+    """Images seen for a release file name's kimg: the multiple of 1024 whose //1000 is kimg, if any."""
+    nimg = -(-kimg * 1000 // 1024) * 1024
+    return nimg if nimg // 1000 == kimg else None
+
+
 def snapshot_name(prefix: str, nimg: int, std: float) -> str:
-    """File name of an EMA snapshot: {prefix}-{kimg:07d}-{std:.3f}.safetensors, kimg = nimg // 1000."""
-    return f"{prefix}-{nimg // 1000:07d}-{std:.3f}.safetensors"
+    """File name of an EMA snapshot or a reconstruction: {prefix}-{images_tag(nimg)}-{std:.3f}.safetensors."""
+    return f"{prefix}-{images_tag(nimg)}-{std:.3f}.safetensors"
 
 
 def save_network(path: str | os.PathLike, net: Precond, metadata: dict) -> None:

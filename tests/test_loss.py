@@ -1,7 +1,6 @@
 """EDM2Loss against paper Eq. 15/16/21."""
 
 import numpy as np
-import pytest
 import torch
 
 from edm2.loss import EDM2Loss

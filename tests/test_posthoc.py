@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import reconstruct_phema
-from edm2 import phema, posthoc
+from edm2 import phema, posthoc, snapshot
 from edm2.snapshot import save_network
 from tests.helpers import fake_training_run, tiny_precond
 
@@ -90,8 +90,32 @@ def test_listing_and_times(tmp_path):
     with pytest.raises(posthoc.NoSnapshotsError, match="holds no matching snapshot files"):
         posthoc.list_snapshots(run, inprefix="phema")
     # The release's names count kimg of 1024-image batches.
-    assert posthoc.kimg_to_nimg(2147483) == 2**31
-    assert posthoc.kimg_to_nimg(1) == 1024 and posthoc.kimg_to_nimg(42) is None
+    assert snapshot.kimg_to_nimg(2147483) == 2**31
+    assert snapshot.kimg_to_nimg(1) == 1024 and snapshot.kimg_to_nimg(42) is None
+
+
+@pytest.mark.parametrize("name, prefix, nimg", [
+    ("network-snapshot-0000002-0.050.safetensors", "network-snapshot", None),
+    ("network-snapshot-0000001-1504-0.050.safetensors", "network-snapshot", "1504"),  # a count off 1024
+    ("edm2-img512-xs-0134217-0.050.pkl", "edm2-img512-xs", None),
+    ("phema-2147483-0.130.safetensors", "phema", None),
+])
+def test_snapshot_names_with_and_without_an_exact_count(name, prefix, nimg):
+    match = snapshot.SNAPSHOT_NAME.fullmatch(name)
+    assert (match["prefix"], match["nimg"], match["std"]) == (prefix, nimg, "0.050" if "0.050" in name else "0.130")
+
+
+def test_tracks_named_by_their_exact_count_are_found_by_prefix(tmp_path):
+    # A stop by SIGTERM writes counts that are not multiples of 1024; their names carry the exact count.
+    run = tmp_path / "run"
+    run.mkdir()
+    for nimg in (1024, 1504):
+        for std in (0.05, 0.10):
+            save_network(run / snapshot.snapshot_name("network-snapshot", nimg, std), tiny_precond(),
+                         {"nimg": nimg, "ema_std": std})
+    assert (run / "network-snapshot-0000001-1504-0.050.safetensors").is_file()
+    found = posthoc.list_snapshots(run, inprefix="network-snapshot")
+    assert [(s.prefix, s.nimg) for s in found] == [("network-snapshot", n) for n in (1024, 1024, 1504, 1504)]
 
 
 def test_library_errors(tmp_path):

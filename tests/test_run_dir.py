@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from edm2.snapshot import images_tag
 from training import checkpoint, run_dir
 from training.run_dir import RunDirectory
 from training.run_lock import LOCK_FILE, Holder, RunLock, RunLocked
@@ -20,16 +21,16 @@ from tests.helpers import dead_pid
 
 def test_names_keep_the_release_look_and_never_collide():
     # Multiples of 1024 (every count of the release's batch-2048 presets) keep the release's kimg names.
-    assert checkpoint.images_tag(2048) == "0000002" and checkpoint.images_tag(128 << 20) == "0134217"
+    assert images_tag(2048) == "0000002" and images_tag(128 << 20) == "0134217"
     # The case: a SIGTERM checkpoint at 2624 images and the regular one at 2048 (both kimg 2).
     assert checkpoint.state_path("run", 2624).name == "training-state-0000002-2624.pt"
     assert checkpoint.state_path("run", 2048).name == "training-state-0000002.pt"
     assert run_dir.snapshot_path("run", 1504, 0.05).name == "network-snapshot-0000001-1504-0.050.safetensors"
     counts = [*range(0, 200_000, 32), *range(0, 200_000, 1000), 2**31, 2**31 + 64]
-    tags = {checkpoint.images_tag(n) for n in counts}
+    tags = {images_tag(n) for n in counts}
     assert len(tags) == len(set(counts))
     for n in counts:  # the name tells the count back
-        kimg, _, exact = checkpoint.images_tag(n).partition("-")
+        kimg, _, exact = images_tag(n).partition("-")
         assert checkpoint.tagged_images(kimg, exact or None) == n
 
 

@@ -15,6 +15,7 @@ import torch
 
 from edm2 import files
 from edm2.errors import EDM2Error
+from edm2.snapshot import images_tag, kimg_to_nimg
 
 FORMAT_VERSION = 1
 STATE_PATTERN = re.compile(r"^training-state-(\d{7,})(?:-(\d+))?\.pt$")
@@ -26,25 +27,12 @@ class CheckpointError(EDM2Error):
     """A training-state or options file is unreadable or incomplete, or the ranks disagree on the weights."""
 
 
-def images_tag(nimg: int) -> str:
-    """The image count as file names carry it: kimg = nimg // 1000 as 7 digits, plus '-{nimg}' unless nimg is a
-    multiple of 1024.
-
-    The release names files by kimg and reads a kimg back as the multiple of 1024 with that kimg; multiples
-    of 1024 lie more than 1000 apart, so their names never collide and mean what the release's do. Any other
-    count (a stop by SIGTERM, a duration off the intervals, batches that are not powers of two) could share
-    its kimg with another count, so its name says the exact count: no file replaces one of another count.
-    """
-    kimg = f"{nimg // 1000:07d}"
-    return kimg if nimg % 1024 == 0 else f"{kimg}-{nimg}"
-
-
 def tagged_images(kimg: str, nimg: str | None) -> int:
-    """The image count of a name's tag; a bare kimg means the multiple of 1024 with that kimg (or kimg * 1000)."""
+    """The image count of a name's tag (edm2.snapshot.images_tag); a bare kimg means the multiple of 1024 with
+    that kimg, or kimg * 1000 for an older name that has none."""
     if nimg is not None:
         return int(nimg)
-    multiple = -(-int(kimg) * 1000 // 1024) * 1024
-    return multiple if multiple // 1000 == int(kimg) else int(kimg) * 1000
+    return kimg_to_nimg(int(kimg)) or int(kimg) * 1000
 
 
 def state_path(run_dir: str | os.PathLike, cur_nimg: int) -> Path:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from edm2 import files
 from edm2.phema import PowerFunctionEMA
-from edm2.snapshot import save_network
+from edm2.snapshot import save_network, snapshot_name
 from training import checkpoint
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
 from training.run_lock import RunLock
@@ -29,7 +29,7 @@ SNAPSHOT_PREFIX = "network-snapshot"
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
     """network-snapshot-{images_tag}-{std:.3f}.safetensors inside run_dir."""
-    return Path(run_dir) / f"{SNAPSHOT_PREFIX}-{checkpoint.images_tag(nimg)}-{std:.3f}.safetensors"
+    return Path(run_dir) / snapshot_name(SNAPSHOT_PREFIX, nimg, std)
 
 
 class RunDirectory:
