@@ -17,7 +17,7 @@ from edm2 import distributed, files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder
-from edm2.generation import GenerationError, check_guidance_pair, generate_images
+from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
@@ -252,6 +252,9 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     if guidance != 1 and gnet_path is None:
         raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
+    if seed + num_images > MAX_SEED:  # checked now, not at the first batch past the limit hours later
+        raise click.BadParameter(f"seeds {seed}..{seed + num_images - 1} go past {MAX_SEED - 1}; every seed must be "
+                                 "below 2**32", param_hint="--seed")
     with distributed.session():
         reference = load_reference(ref_path, metrics)
         device = distributed.device()

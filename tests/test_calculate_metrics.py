@@ -357,6 +357,8 @@ BAD_INPUT = {
     # gen
     "gen guidance nan": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
                                           "--guidance", "nan"], ["--guidance", "not a finite number"]),
+    "gen seeds past 2**32": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
+                                              "--seed", 2**32 - 10, "--num", 11], ["--seed", "below 2**32"]),
     "gen guidance inf": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
                                           "--guidance", "inf"], ["--guidance", "not a finite number"]),
     "gen guidance without gnet": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1),
