@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cli.command import Group
+from cli.speed import sampling_speed_options
 from cli.types import Number
 from edm2 import distributed, files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
@@ -22,6 +23,7 @@ from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
 from edm2.snapshot import SnapshotError
+from edm2.speed import SamplingSpeed
 from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
@@ -247,8 +249,9 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
               type=click.IntRange(min=0), default=0, show_default=True)
+@sampling_speed_options
 def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, metrics: list[str], batch_size: int,
-        inception: str | None, dinov2: str | None, num_images: int, seed: int) -> None:
+        inception: str | None, dinov2: str | None, num_images: int, seed: int, speed: SamplingSpeed) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     if guidance != 1 and gnet_path is None:
         raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
@@ -268,6 +271,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
                 raise click.BadParameter(str(e), param_hint="--gnet") from None
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
+        net, gnet = (speed.apply(n, device) if n is not None else None for n in (net, gnet))
         seeds = range(seed, seed + num_images)
         images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
                                                         batch_size=batch_size, device=device))

@@ -14,6 +14,7 @@ import PIL.Image
 import torch
 
 from cli.command import Command
+from cli.speed import sampling_speed_options
 from cli.types import Number, SeedList
 from edm2 import distributed, files
 from edm2.errors import EDM2Error, one_line
@@ -131,7 +132,8 @@ Examples:
               help="Stochasticity up to this noise level")
 @click.option("--S_noise", "S_noise", type=Number(min=0), default=1, show_default=True, help="Stochastic noise inflation")
 @click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png")
-def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, **sampler_kwargs):
+@sampling_speed_options
+def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, speed, **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG."""
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
     check_before_work(outdir, guidance, sampler_kwargs)
@@ -140,6 +142,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, class_idx)
+        net, gnet = (speed.apply(n, distributed.device()) if n is not None else None for n in (net, gnet))
         distributed.print0(f"Generating {len(seeds)} images from {net_path}"
                            + (f", guided by {gnet_path} at {guidance:g}" if gnet is not None else ""))
         batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,

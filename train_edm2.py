@@ -86,9 +86,17 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed")
 @click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True, help="Data loader processes per GPU")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="torch.compile the network and loss  [default: on CUDA only]")
+@click.option("--channels-last/--no-channels-last", default=None,
+              help="Channels-last (NHWC) convolutions  [default: on CUDA only]")
+@click.option("--checkpoint-activations", is_flag=True,
+              help="Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute")
+@click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options and exit")
 def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
-         seed: int, workers: int, dry_run: bool, **overrides) -> None:
+         seed: int, workers: int, compile_: bool | None, channels_last: bool | None, checkpoint_activations: bool,
+         cpu_16bit: bool, dry_run: bool, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -101,7 +109,8 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
         preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
                              label_dim=dataset.label_dim),
         encoder=encoder.config(), run_dir=outdir, data=data, cond=cond, batch_gpu=batch_gpu,
-        precision=precision, ls=ls, seed=seed, workers=workers, **overrides,
+        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile_, channels_last=channels_last,
+        checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit, **overrides,
     )
     try:
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -68,30 +70,97 @@ class MPFourier(torch.nn.Module):
         self.register_buffer("phases", 2 * np.pi * torch.rand(num_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Embed a 1-D tensor of scalars as [len(x), num_channels] features."""
-        y = x.to(torch.float32).outer(self.freqs.to(torch.float32)) + self.phases.to(torch.float32)
+        """Embed a 1-D tensor of scalars as [len(x), num_channels] features (float32, or float64 after .double())."""
+        base = torch.promote_types(self.freqs.dtype, torch.float32)
+        y = x.to(base).outer(self.freqs.to(base)) + self.phases.to(base)
         return (y.cos() * math.sqrt(2)).to(x.dtype)
 
 
+_recomputing = threading.local()  # set while activation checkpointing replays a forward pass
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark a replayed forward pass (torch.utils.checkpoint's recomputation): MPConv skips its forced weight
+    normalization there, so the replay computes what the first pass did and leaves the weights alone."""
+    previous = getattr(_recomputing, "active", False)
+    _recomputing.active = True
+    try:
+        yield
+    finally:
+        _recomputing.active = previous
+
+
 class MPConv(torch.nn.Module):
-    """Convolution (kernel [k,k]) or linear layer (kernel []) with forced weight normalization."""
+    """Convolution (kernel [k,k]) or linear layer (kernel []) with forced weight normalization.
+
+    In evaluation mode, when no gradient is wanted, the normalized, gain-scaled weight is a constant of the
+    weights: it is computed once and reused until the weight or gain changes in place (their version
+    counters), moves (.to, .half, ...), is loaded (load_state_dict), or the layer is set to training mode.
+    """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: Sequence[int]):
         super().__init__()
         self.out_channels = out_channels
         self.weight = torch.nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
+        self._cached: tuple[tuple, torch.Tensor] | None = None  # (key, weight) of the evaluation-mode weight
 
     def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1) -> torch.Tensor:
         """Apply the layer with unit-norm weight rows scaled by gain / sqrt(fan_in)."""
-        w = self.weight.to(torch.float32)
-        if self.training:
+        if self._cacheable(gain):
+            w = self._cached_weight(x.dtype, gain)
+        else:
+            w = self.effective_weight(x.dtype, gain)
+        if w.ndim == 2:
+            return x @ w.t()
+        return F.conv2d(x, w, padding=w.shape[-1] // 2)
+
+    def effective_weight(self, dtype: torch.dtype, gain: float | torch.Tensor = 1) -> torch.Tensor:
+        """The weight the layer applies, in dtype; in training mode first forces the stored rows to norm
+        sqrt(fan_in). Normalized in float32 (float64 for a float64 weight, a reference computation)."""
+        w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        if self.training and not getattr(_recomputing, "active", False):
             # Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in).
             with torch.no_grad():
                 self.weight.copy_(normalize(w))
         # Standard weight normalization on use (Eq. 47) makes the gradient tangent (Eq. 59).
         w = normalize(w)
         w = w * (gain / math.sqrt(w[0].numel()))
-        w = w.to(x.dtype)
-        if w.ndim == 2:
-            return x @ w.t()
-        return F.conv2d(x, w, padding=w.shape[-1] // 2)
+        return w.to(dtype)
+
+    def _cacheable(self, gain: float | torch.Tensor) -> bool:
+        """Whether the applied weight may be reused: evaluation mode, eager, with no gradient to record (a cached
+        weight cannot be part of more than one autograd graph), on tensors that count their in-place writes."""
+        tensors = [self.weight, *([gain] if isinstance(gain, torch.Tensor) else [])]
+        if self.training or torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+    def _cached_weight(self, dtype: torch.dtype, gain: float | torch.Tensor) -> torch.Tensor:
+        """effective_weight, recomputed only when its inputs changed since the last call."""
+        key = (dtype, torch.is_inference_mode_enabled(), _tensor_key(self.weight),
+               _tensor_key(gain) if isinstance(gain, torch.Tensor) else float(gain))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = None  # free the stale weight before computing the new one
+            self._cached = (key, self.effective_weight(dtype, gain))
+        return self._cached[1]
+
+    def train(self, mode: bool = True) -> MPConv:
+        """Set training mode (see torch.nn.Module.train); drops the cached evaluation-mode weight."""
+        self._cached = None
+        return super().train(mode)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .half(), .cuda(), memory formats: the cached weight would keep the old device or dtype.
+        self._cached = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._cached = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's current values: in-place writes bump its version counter; replacing its
+    storage (moving it, assigning .data) changes the data pointer, device or dtype."""
+    return id(t), t._version, t.data_ptr(), t.device, t.dtype, t.shape, t.stride()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
+from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, recomputing, resample
 
 
 class Block(torch.nn.Module):
@@ -110,6 +113,8 @@ class UNet(torch.nn.Module):
         self.label_dim = label_dim
         self.label_balance = label_balance
         self.concat_balance = concat_balance
+        # Recompute each block's activations in the backward pass instead of storing them (saves memory).
+        self.checkpoint_blocks = False
         self.out_gain = torch.nn.Parameter(torch.zeros([]))
 
         self.emb_fourier = MPFourier(cnoise)
@@ -159,13 +164,28 @@ class UNet(torch.nn.Module):
         x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         skips = []
         for name, block in self.enc.items():
-            x = block(x) if name.endswith("_conv") else block(x, emb)
+            x = block(x) if name.endswith("_conv") else self._block(block, x, emb)
             skips.append(x)
         for name, block in self.dec.items():
             if "block" in name:
                 x = mp_cat(x, skips.pop(), t=self.concat_balance)
-            x = block(x, emb)
+            x = self._block(block, x, emb)
         return self.out_conv(x, gain=self.out_gain)
+
+    def _block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded."""
+        if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()):
+            return block(x, emb)
+        # The replay restores the RNG state (dropout draws the same masks). Eager replays skip the forced weight
+        # normalization, which the first pass already applied; a compiled graph replays no side effects.
+        compiling = torch.compiler.is_compiling()
+        context_fn = torch.utils.checkpoint.noop_context_fn if compiling else _no_replay_side_effects
+        return torch.utils.checkpoint.checkpoint(block, x, emb, use_reentrant=False, context_fn=context_fn)
+
+
+def _no_replay_side_effects() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's (first pass, replay) contexts: nothing special, then edm2.layers.recomputing."""
+    return contextlib.nullcontext(), recomputing()
 
 
 class Precond(torch.nn.Module):
@@ -199,17 +219,24 @@ class Precond(torch.nn.Module):
         self.use_fp16 = use_fp16
         self.use_bf16 = use_bf16
         self.sigma_data = sigma_data
+        # Compute in the 16-bit dtype on the CPU too (bfloat16 on CPUs with bfloat16 units; tests); not saved.
+        self.cpu_16bit = False
         self.unet = UNet(img_resolution, img_channels, label_dim, **unet_kwargs)
         self.logvar_fourier = MPFourier(logvar_channels)
         self.logvar_linear = MPConv(logvar_channels, 1, [])
 
     def compute_dtype(self, device: torch.device, force_fp32: bool = False) -> torch.dtype:
-        """The U-Net's activation dtype: 16-bit on CUDA when enabled, float32 otherwise."""
-        if force_fp32 or device.type != "cuda":
-            return torch.float32
+        """The U-Net's activation dtype: 16-bit on CUDA (or with cpu_16bit) when enabled, else base_dtype()."""
+        if force_fp32 or (device.type != "cuda" and not self.cpu_16bit):
+            return self.base_dtype()
         if self.use_bf16:
             return torch.bfloat16
-        return torch.float16 if self.use_fp16 else torch.float32
+        return torch.float16 if self.use_fp16 else self.base_dtype()
+
+    def base_dtype(self) -> torch.dtype:
+        """The dtype of the inputs, outputs, embedding and log-variance head: float32, or float64 for a network
+        converted with .double() (a float64 reference of the same computation)."""
+        return torch.promote_types(self.logvar_linear.weight.dtype, torch.float32)
 
     def forward(
         self,
@@ -220,14 +247,15 @@ class Precond(torch.nn.Module):
         return_logvar: bool = False,
     ):
         """Denoise x at noise level sigma; with return_logvar also return u(sigma) [N,1,1,1]."""
-        x = x.to(torch.float32)
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1)
+        base = self.base_dtype()
+        x = x.to(base)
+        sigma = torch.as_tensor(sigma, dtype=base, device=x.device).reshape(-1, 1, 1, 1)
         if self.label_dim == 0:
             class_labels = None
         elif class_labels is None:
-            class_labels = torch.zeros([1, self.label_dim], device=x.device)
+            class_labels = torch.zeros([1, self.label_dim], dtype=base, device=x.device)
         else:
-            class_labels = class_labels.to(torch.float32).reshape(-1, self.label_dim)
+            class_labels = class_labels.to(base).reshape(-1, self.label_dim)
         dtype = self.compute_dtype(x.device, force_fp32)
 
         # Preconditioning, Eq. 4-8.
@@ -238,7 +266,7 @@ class Precond(torch.nn.Module):
         c_noise = sigma.flatten().log() / 4
 
         f_x = self.unet((c_in * x).to(dtype), c_noise, class_labels)
-        d_x = c_skip * x + c_out * f_x.to(torch.float32)
+        d_x = c_skip * x + c_out * f_x.to(base)
         if not return_logvar:
             return d_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)

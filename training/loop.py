@@ -12,7 +12,6 @@ import torch
 
 from edm2 import distributed
 from edm2.errors import EDM2Error
-from edm2.loss import EDM2Loss
 from edm2.networks import count_parameters
 from training import checkpoint
 from training.data_order import DataOrder, data_loader
@@ -22,7 +21,7 @@ from training.outputs import Outputs
 from training.run_dir import LOG_FILE, RunDirectory
 from training.signals import StopFlag
 from training.state import TrainingState
-from training.step import TrainingStep, training_step
+from training.step import TrainingStep, training_loss, training_step
 
 if TYPE_CHECKING:
     from edm2.dataset import ImageFolderDataset
@@ -103,7 +102,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
             state.net, device_ids=[device.index] if device.type == "cuda" else None)
     order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
     return TrainingStep(
-        state=state, loss_fn=EDM2Loss(opts.P_mean, opts.P_std, state.net.sigma_data), encoder=encoder,
+        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
         batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
         device=device,
     )

@@ -6,13 +6,14 @@ import dataclasses
 import json
 import os
 
+import torch
+
 from edm2.errors import EDM2Error
+from edm2.speed import PRECISIONS, channels_last_by_default, compile_by_default  # noqa: F401 (PRECISIONS: options)
 from training.presets import get_preset
 
-PRECISIONS = ("fp32", "fp16", "bf16")
-
 # Options that define the trained model; a resumed run must keep them. The others (data path,
-# duration, intervals, batch_gpu, workers, run_dir) may change between invocations: they affect
+# duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
 # where and for how long training runs and how much memory it uses, not what it computes.
 HYPERPARAMETERS = (
     "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
@@ -57,6 +58,11 @@ class TrainingOptions:
     ls: float = 1.0
     seed: int = 0
     workers: int = 2
+    # How fast, not what: a resumed run may change these (edm2/speed.py). None: the device's default.
+    compile: bool | None = None  # torch.compile of the network and the loss
+    channels_last: bool | None = None  # NHWC convolution weights and activations
+    checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
+    cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
 
     @classmethod
     def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:
@@ -70,6 +76,14 @@ class TrainingOptions:
     def to_json(self) -> dict:
         """The options as plain JSON values (tuples become lists)."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether the run compiles its network and loss on this device."""
+        return compile_by_default(device) if self.compile is None else self.compile
+
+    def uses_channels_last(self, device: torch.device) -> bool:
+        """Whether the run keeps its convolutions channels-last on this device."""
+        return channels_last_by_default(device) if self.channels_last is None else self.channels_last
 
     def hyperparameters(self) -> dict:
         """The options a resumed run must share with the original."""

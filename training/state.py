@@ -9,6 +9,7 @@ import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
+from edm2.speed import to_channels_last
 from training import checkpoint
 from training.options import TrainingOptions
 
@@ -30,6 +31,13 @@ def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
     )
 
 
+def adam(params, device: torch.device) -> torch.optim.Adam:
+    """Adam with the release's betas and eps at learning rate 0 (the loop sets it every step); one fused kernel
+    per step on CUDA, foreach (one operation per update over all tensors) elsewhere."""
+    implementation = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+    return torch.optim.Adam(params, lr=0, betas=ADAM_BETAS, eps=ADAM_EPS, **implementation)
+
+
 @dataclasses.dataclass
 class TrainingState:
     """The network being trained, its Adam optimizer and EMA tracks, images seen and training time so far."""
@@ -45,13 +53,24 @@ class TrainingState:
         """A new state: weights from opts.seed (identical on every rank), Adam at learning rate 0, fresh EMAs."""
         torch.manual_seed(opts.seed)
         net = init_network(opts, img_channels).to(device).train()
-        optimizer = torch.optim.Adam(net.parameters(), lr=0, betas=ADAM_BETAS, eps=ADAM_EPS)
-        return cls(net, optimizer, PowerFunctionEMA(net, opts.ema_stds))
+        if opts.uses_channels_last(device):
+            to_channels_last(net)
+        net.cpu_16bit = opts.cpu_16bit
+        net.unet.checkpoint_blocks = opts.checkpoint_activations
+        return cls(net, adam(net.parameters(), device), PowerFunctionEMA(net, opts.ema_stds))
 
     def load(self, saved: dict) -> None:
         """Continue from a training state read by checkpoint.load_state."""
         self.net.load_state_dict(saved["net"])
+        settings = [(group["fused"], group["foreach"]) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(saved["optimizer"])
+        # A saved optimizer brings its run's implementation (fused on CUDA, foreach elsewhere): keep this run's.
+        for group, (fused, foreach) in zip(self.optimizer.param_groups, settings):
+            group["fused"], group["foreach"] = fused, foreach
+            for param in group["params"]:
+                param_state = self.optimizer.state[param]
+                if "step" in param_state:  # fused Adam keeps its step counts on the parameters' device
+                    param_state["step"] = param_state["step"].to(torch.float32, param.device if fused else "cpu")
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
 

@@ -1,15 +1,20 @@
 """One optimizer step of the paper's recipe: Eq. 67's learning rate, Eq. 21's gradients accumulated over
-rounds, Adam, and the power-function EMA update (Eq. 119/127)."""
+rounds, Adam, and the power-function EMA update (Eq. 119/127).
+
+A step never waits for the device: the loss stays a device tensor (status lines read it), and the learning
+rate, the EMA decays and the random seeds are computed on the host from the image count alone.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from edm2.loss import EDM2Loss
+from edm2.speed import compile_loss
 from training.data_order import round_seed
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
@@ -24,7 +29,7 @@ class TrainingStep:
     """The parts every step of a run shares; the state changes in place."""
 
     state: TrainingState
-    loss_fn: EDM2Loss
+    loss_fn: EDM2Loss | Callable[..., torch.Tensor]  # EDM2Loss or edm2.speed.compile_loss(EDM2Loss)
     encoder: Encoder
     batches: Iterator  # (images, labels) of batch_gpu images each, `rounds` per step
     opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed
@@ -32,6 +37,12 @@ class TrainingStep:
     model: torch.nn.Module | None = None  # state.net wrapped in DistributedDataParallel; None: state.net
     rank: int = 0
     device: torch.device = torch.device("cpu")
+
+
+def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | Callable:
+    """Eq. 21's loss for the options' noise distribution, compiled with the network when the run compiles."""
+    loss_fn = EDM2Loss(opts.P_mean, opts.P_std, sigma_data)
+    return compile_loss(loss_fn) if opts.compiles(device) else loss_fn
 
 
 def training_step(step: TrainingStep) -> torch.Tensor:
@@ -48,7 +59,7 @@ def training_step(step: TrainingStep) -> torch.Tensor:
     return loss
 
 
-def accumulate_gradients(model: torch.nn.Module, loss_fn: EDM2Loss, encoder: Encoder, batches: Iterator, *,
+def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder, batches: Iterator, *,
                          seeds: list[int], scale: float, device: torch.device) -> torch.Tensor:
     """Backpropagate one batch per seed (the round's random draws), all-reducing gradients after the last
     under DistributedDataParallel; returns the sum of the rounds' mean losses."""
@@ -70,10 +81,31 @@ def accumulate_gradients(model: torch.nn.Module, loss_fn: EDM2Loss, encoder: Enc
 
 def optimizer_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Zero non-finite gradients, step Adam at learning rate lr, clear the gradients."""
-    for param in net.parameters():
-        if param.grad is not None:
-            torch.nan_to_num(param.grad, nan=0, posinf=0, neginf=0, out=param.grad)
+    zero_nonfinite_([param.grad for param in net.parameters() if param.grad is not None])
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def zero_nonfinite_(tensors: list[torch.Tensor], chunk_numel: int = 1 << 26) -> None:
+    """torch.nan_to_num(t, nan=0, posinf=0, neginf=0, out=t) for every tensor, as in the release, with a few
+    operations per chunk of tensors (a concatenation, one nan_to_num_, one foreach copy back) instead of one
+    per tensor; a chunk holds at most chunk_numel elements (256 MiB of float32) unless one tensor is larger."""
+    for chunk in _chunks(tensors, chunk_numel):
+        flat = torch.cat([t.reshape(-1) for t in chunk]).nan_to_num_(nan=0, posinf=0, neginf=0)
+        parts = flat.split([t.numel() for t in chunk])
+        torch._foreach_copy_(chunk, [part.view(t.shape) for part, t in zip(parts, chunk)])
+
+
+def _chunks(tensors: list[torch.Tensor], chunk_numel: int) -> Iterator[list[torch.Tensor]]:
+    """The tensors in consecutive groups of one device and dtype, each within chunk_numel elements."""
+    chunk, numel = [], 0
+    for t in tensors:
+        if chunk and (numel + t.numel() > chunk_numel or (t.device, t.dtype) != (chunk[0].device, chunk[0].dtype)):
+            yield chunk
+            chunk, numel = [], 0
+        chunk.append(t)
+        numel += t.numel()
+    if chunk:
+        yield chunk

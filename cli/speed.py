@@ -1,0 +1,35 @@
+"""The speed options shared by the sampling command lines (generate.py, calculate_metrics.py gen)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import click
+
+from edm2.speed import PRECISIONS, SamplingSpeed
+
+OPTIONS = ("compile_", "channels_last", "precision", "cpu_16bit")
+
+
+def sampling_speed_options(fn: Callable) -> Callable:
+    """Add --compile, --channels-last, --precision and --cpu-16bit; fn receives them as one `speed` argument."""
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        compile_, channels_last, precision, cpu_16bit = (kwargs.pop(name) for name in OPTIONS)
+        speed = SamplingSpeed(compile=compile_, channels_last=channels_last, precision=precision, cpu_16bit=cpu_16bit)
+        return fn(speed=speed, **kwargs)
+
+    options = [
+        click.option("--compile/--no-compile", "compile_", default=None,
+                     help="torch.compile the networks  [default: on CUDA only]"),
+        click.option("--channels-last/--no-channels-last", default=None,
+                     help="Channels-last (NHWC) convolutions  [default: on CUDA only]"),
+        click.option("--precision", type=click.Choice(PRECISIONS),
+                     help="Network activations on CUDA  [default: the snapshot's; fp16 for the release's networks]"),
+        click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32"),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
