@@ -29,22 +29,23 @@ def channels_last_by_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def compile_network(net: torch.nn.Module) -> torch.nn.Module:
+def compile_network(net: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
     """Compile net's forward in place (torch.compile, one graph per input shape); returns net.
 
     In place (nn.Module.compile), not wrapped: parameter and state-dict names stay those of the eager network.
+    The backend 'aot_eager' captures the same graphs but runs them with eager kernels (quick to compile: tests).
     """
-    net.compile(dynamic=False)
+    net.compile(dynamic=False, backend=backend)
     return net
 
 
-def compile_loss(loss_fn: EDM2Loss) -> Callable[..., torch.Tensor]:
+def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """loss_fn(net, images, labels) with the network and the loss arithmetic compiled into one graph.
 
     The noise levels and the noise are drawn outside the graph, in the order loss_fn draws them, so a compiled
     run consumes exactly the random numbers of an eager one (compiled random ops would draw other numbers).
     """
-    compiled = torch.compile(_loss_given_noise, dynamic=False)
+    compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         sigma = loss_fn.sample_sigma(images.shape[0], images.device)
@@ -88,11 +89,19 @@ class SamplingSpeed:
     precision: str | None = None
     cpu_16bit: bool = False
 
+    def compiles(self, device: torch.device) -> bool:
+        """Whether networks are compiled on this device."""
+        return compile_by_default(device) if self.compile is None else self.compile
+
+    def uses_channels_last(self, device: torch.device) -> bool:
+        """Whether networks run channels-last on this device."""
+        return channels_last_by_default(device) if self.channels_last is None else self.channels_last
+
     def apply(self, net: Precond, device: torch.device) -> Precond:
         """Set net (already on device) up to sample this way; returns net, changed in place."""
         set_precision(net, self.precision or snapshot_precision(net), self.cpu_16bit)
-        if channels_last_by_default(device) if self.channels_last is None else self.channels_last:
+        if self.uses_channels_last(device):
             to_channels_last(net)
-        if compile_by_default(device) if self.compile is None else self.compile:
+        if self.compiles(device):
             compile_network(net)
         return net

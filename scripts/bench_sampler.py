@@ -1,42 +1,44 @@
-"""Benchmark the EDM sampler: images/s of a small EDM2 network at 32 steps, with and without guidance."""
+"""Benchmark the EDM sampler: images/s at 32 steps without and with guidance and, on CUDA, achieved TFLOP/s and
+model-FLOP utilization; the last line printed is JSON."""
 
 from __future__ import annotations
 
+import json
 import sys
-import time
 from pathlib import Path
 
 import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
+from edm2 import benchmark
 from edm2.networks import Precond
-from edm2.generation import seeded_inputs
-from edm2.sampler import edm_sampler
+from edm2.speed import PRECISIONS, SamplingSpeed
+from training.presets import PRESETS
+
+SIZES = ("xs", "s", "m", "l", "xl", "xxl")
 
 
-def images_per_second(net, gnet, guidance, batch_size, num_steps, repeats, device) -> float:
-    """Best-of-`repeats` throughput of edm_sampler on one batch, including per-seed noise generation."""
-    best = float("inf")
-    for r in range(repeats + 1):  # the first round warms up kernels and caches
-        seeds = range(r * batch_size, (r + 1) * batch_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, device=device)
-        with torch.no_grad():
-            edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, num_steps=num_steps, randn_like=randn_like)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if r > 0:
-            best = min(best, time.perf_counter() - start)
-    return batch_size / best
+def networks(size: str | None, resolution: int, img_channels: int, channels: int, gnet_channels: int | None,
+             classes: int) -> tuple[Precond, Precond]:
+    """(net, unconditional gnet): EDM2 img512 of a size (guided by XS, as the release's autoguidance presets), or
+    the small custom U-Net of the other options."""
+    torch.manual_seed(0)
+    if size is not None:
+        width = lambda s: PRESETS[f"edm2-img512-{s}"].channels  # noqa: E731
+        return Precond(64, 4, 1000, model_channels=width(size)), Precond(64, 4, 0, model_channels=width("xs"))
+    arch = dict(channel_mult=[1, 2, 2], num_blocks=2, attn_resolutions=[resolution // 4], channels_per_head=16)
+    net = Precond(resolution, img_channels, classes, model_channels=channels, **arch)
+    return net, Precond(resolution, img_channels, 0, model_channels=gnet_channels or channels, **arch)
 
 
 @click.command(epilog="""\b
-Example:
+Examples:
   python scripts/bench_sampler.py --resolution=16 --channels=32 --batch=8
+  python scripts/bench_sampler.py --size=s --batch=64 --precision=bf16
 """)
+@click.option("--size", type=click.Choice(SIZES), help="EDM2 img512 network size (64x64x4, 1000 classes) instead of "
+              "the small U-Net below; guided by XS")
 @click.option("--resolution", type=click.IntRange(min=4), default=16, show_default=True, help="Image resolution")
 @click.option("--img_channels", type=click.IntRange(min=1), default=4, show_default=True, help="Image channels")
 @click.option("--channels", type=click.IntRange(min=8), default=32, show_default=True, help="model_channels of the main net")
@@ -46,18 +48,32 @@ Example:
 @click.option("--steps", "num_steps", type=click.IntRange(min=2), default=32, show_default=True, help="Sampling steps")
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True, help="Timed batches (best is reported)")
 @click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True, help="torch device")
-def main(resolution, img_channels, channels, gnet_channels, classes, batch_size, num_steps, repeats, device):
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
+              help="Network activations on CUDA (and with --cpu-16bit on the CPU)")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile  [default: on CUDA only]")
+@click.option("--channels-last/--no-channels-last", default=None, help="NHWC convolutions  [default: on CUDA only]")
+@click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too")
+def main(size, resolution, img_channels, channels, gnet_channels, classes, batch_size, num_steps, repeats, device,
+         precision, compile_, channels_last, cpu_16bit):
     """Print images/s for the sampler without and with guidance (2 x 31 + 1 = 63 evaluations per net)."""
     device = torch.device(device)
-    arch = dict(channel_mult=[1, 2, 2], num_blocks=2, attn_resolutions=[resolution // 4], channels_per_head=16)
-    torch.manual_seed(0)
-    net = Precond(resolution, img_channels, classes, model_channels=channels, **arch).eval().requires_grad_(False).to(device)
-    gnet = Precond(resolution, img_channels, 0, model_channels=gnet_channels or channels, **arch)
-    gnet = gnet.eval().requires_grad_(False).to(device)
-    print(f"device {device}, {resolution}x{resolution}x{img_channels}, model_channels {channels}, batch {batch_size}, {num_steps} steps")
-    for label, g, w in (("no guidance", None, 1.0), ("guidance 1.4", gnet, 1.4)):
-        rate = images_per_second(net, g, w, batch_size, num_steps, repeats, device)
-        print(f"{label:>13}: {rate:8.2f} images/s")
+    net, gnet = networks(size, resolution, img_channels, channels, gnet_channels, classes)
+    speed = SamplingSpeed(compile=compile_, channels_last=channels_last, precision=precision, cpu_16bit=cpu_16bit)
+    flops = {1.0: benchmark.sampling_flops_per_image(net, None, num_steps),
+             1.4: benchmark.sampling_flops_per_image(net, gnet, num_steps)}
+    net, gnet = (speed.apply(n.eval().requires_grad_(False).to(device), device) for n in (net, gnet))
+    print(f"device {device}, {net.img_resolution}x{net.img_resolution}x{net.img_channels}, batch {batch_size}, "
+          f"{num_steps} steps, computing in {net.compute_dtype(device)}, {speed}")
+    peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
+    result = dict(size=size, batch=batch_size, steps=num_steps, device=str(device), precision=precision,
+                  compile=speed.compiles(device), channels_last=speed.uses_channels_last(device), peak_tflops=peak)
+    for key, label, g, w in (("", "no guidance", None, 1.0), ("_guided", "guidance 1.4", gnet, 1.4)):
+        rate = benchmark.sampling_images_per_s(net, g, w, batch_size, num_steps, repeats, device)
+        result.update({f"images_per_s{key}": rate, f"tflops{key}": benchmark.tflops(flops[w], rate),
+                       f"mfu{key}": benchmark.mfu(flops[w], rate, peak)})
+        mfu = f", MFU {result['mfu' + key]:.1%}" if peak else ""
+        print(f"{label:>13}: {rate:8.2f} images/s, {result['tflops' + key]:.2f} TFLOP/s{mfu}")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,92 +1,74 @@
-"""Training throughput (images/s) of a preset at a precision, on synthetic data, with the loop's own step."""
+"""Training throughput of a preset on synthetic data with the loop's own step: images/s and, on CUDA, achieved
+TFLOP/s and model-FLOP utilization; the last line printed is JSON."""
 
 from __future__ import annotations
 
-import time
+import json
+import sys
+from pathlib import Path
 
 import click
-import numpy as np
 import torch
 
-from edm2 import distributed
-from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.loss import EDM2Loss
-from training.options import PRECISIONS, TrainingOptions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
+from edm2 import benchmark, distributed
+from edm2.speed import PRECISIONS
+from training.benchmark import synthetic_step, training_flops_per_image
 from training.outputs import max_memory_gb
 from training.presets import PRESETS
-from training.state import TrainingState
-from training.step import TrainingStep, training_step
+from training.step import training_step
 
 
-def synthetic_batches(batch: int, channels: int, resolution: int, label_dim: int, latents: bool):
-    """Endless (images, labels) batches shaped like the preset's dataset."""
-    rng = np.random.default_rng(0)
-    if latents:  # mean/std latents as a dataset stores them
-        images = torch.cat([torch.randn(batch, channels // 2, resolution, resolution) * 4,
-                            torch.rand(batch, channels // 2, resolution, resolution) * 0.1], dim=1)
-    else:
-        images = torch.from_numpy(rng.integers(0, 256, (batch, channels, resolution, resolution), dtype=np.uint8))
-    labels = torch.eye(label_dim)[rng.integers(0, label_dim, batch)] if label_dim else torch.zeros(batch, 0)
-    while True:
-        yield images, labels
-
-
-@click.command()
-@click.option("--preset", type=click.Choice(list(PRESETS)), default="toy-small", show_default=True)
+@click.command(epilog="""\b
+Examples:
+  python scripts/bench_train.py --preset=toy-small --precision=fp32
+  python scripts/bench_train.py --preset=edm2-img512-s --precision=fp16 --no-compile --batch-gpu=32   # release
+  python scripts/bench_train.py --preset=edm2-img512-s --precision=bf16 --batch-gpu=64
+""")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="toy-small", show_default=True,
+              help="Recipe and network size")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True)
 @click.option("--batch-gpu", type=click.IntRange(min=1), help="Images per round  [default: the preset's batch, at most 64]")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="Accumulation rounds per step")
 @click.option("--resolution", type=click.IntRange(min=8), help="Data resolution  [default: 64, toy presets 16]")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed optimizer steps")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed steps first (compiling happens in the first)")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile  [default: on CUDA only]")
+@click.option("--channels-last/--no-channels-last", default=None, help="NHWC convolutions  [default: on CUDA only]")
+@click.option("--checkpoint-activations", is_flag=True, help="Recompute block activations in the backward pass")
+@click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too")
 def main(preset: str, precision: str, batch_gpu: int | None, rounds: int, resolution: int | None, steps: int,
-         warmup: int) -> None:
-    """Time full training steps (loss, backward, Adam, EMA) on one device and print images/s.
-
-    \b
-    Examples:
-      python scripts/bench_train.py --preset=toy-small --precision=fp32
-      python scripts/bench_train.py --preset=edm2-img512-s --precision=bf16 --batch-gpu=64
-    """
+         warmup: int, compile_: bool | None, channels_last: bool | None, checkpoint_activations: bool,
+         cpu_16bit: bool) -> None:
+    """Time full training steps (loss, backward, Adam, EMA) on one device."""
     device = distributed.device()
-    release = preset.startswith("edm2-")
-    latents = preset.startswith("edm2-img512")
-    data_channels = 8 if latents else 3
-    resolution = resolution or (64 if release else 16)
-    label_dim = 1000 if release else 6
-    encoder = StabilityVAEEncoder() if latents else StandardRGBEncoder()
-    batch_gpu = batch_gpu or min(PRESETS[preset].batch, 64)
-    # One process: a step of batch_gpu x rounds images, with the preset's learning-rate schedule for that batch.
-    opts = TrainingOptions.from_preset(
-        preset, dataset=dict(resolution=resolution, num_channels=data_channels, label_dim=label_dim),
-        encoder=encoder.config(), precision=precision, batch=batch_gpu * rounds,
-    )
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-
-    state = TrainingState.create(opts, encoder.out_channels(data_channels), device)
-    state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
-    step = TrainingStep(
-        state=state, loss_fn=EDM2Loss(opts.P_mean, opts.P_std, state.net.sigma_data), encoder=encoder,
-        batches=synthetic_batches(batch_gpu, data_channels, resolution, label_dim, latents), opts=opts,
-        rounds=rounds, device=device,
-    )
-    click.echo(f"{preset}: {resolution}x{resolution}x{data_channels} data, {opts.batch} images per step, "
-               f"precision {precision} (computing in {state.net.compute_dtype(device)}) on {device}, "
+    batch_gpu = batch_gpu or min(PRESETS[preset].batch, 64)
+    step = synthetic_step(preset, batch_gpu, device, rounds=rounds, resolution=resolution, precision=precision,
+                          compile=compile_, channels_last=channels_last, checkpoint_activations=checkpoint_activations,
+                          cpu_16bit=cpu_16bit)
+    opts, net = step.opts, step.state.net
+    flops = training_flops_per_image(net)
+    click.echo(f"{preset}: {net.img_resolution}x{net.img_resolution}x{net.img_channels} network input, {opts.batch} "
+               f"images per step, precision {precision} (computing in {net.compute_dtype(device)}) on {device}, "
+               f"compile {opts.compiles(device)}, channels-last {opts.uses_channels_last(device)}, "
                f"{torch.get_num_threads()} CPU thread(s)")
-
-    for i in range(warmup + steps):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-        training_step(step)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    images_per_s = steps * opts.batch / seconds
-    click.echo(f"{images_per_s:.1f} images/s  ({1000 / images_per_s:.2f} sec/kimg, "
-               f"{seconds / steps * 1000:.1f} ms/step, max memory {max_memory_gb(device):.2f} GB)")
+    seconds = benchmark.seconds_per_call(lambda: training_step(step), steps, warmup, device)
+    images_per_s = opts.batch / seconds
+    peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
+    result = dict(
+        preset=preset, precision=precision, batch=opts.batch, compile=opts.compiles(device),
+        channels_last=opts.uses_channels_last(device), checkpoint_activations=checkpoint_activations,
+        device=str(device), images_per_s=images_per_s, ms_per_step=seconds * 1000,
+        max_memory_gb=max_memory_gb(device), tflops=benchmark.tflops(flops, images_per_s), peak_tflops=peak,
+        mfu=benchmark.mfu(flops, images_per_s, peak),
+    )
+    mfu = f", MFU {result['mfu']:.1%} of {peak:.0f} TFLOP/s" if peak else ""
+    click.echo(f"{images_per_s:.1f} images/s ({seconds * 1000:.1f} ms/step, max memory {result['max_memory_gb']:.2f} "
+               f"GB), {result['tflops']:.2f} TFLOP/s{mfu}")
+    click.echo(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""Measuring speed: device-synchronized timing, the device's measured peak matrix throughput, model-FLOP
+utilization (MFU), and the sampler's images/s with the FLOPs behind them.
+
+A FLOP count here is 2 x the multiply-accumulates of edm2.networks.count_macs (Table 6's "gigaflops" are MACs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from edm2.generation import seeded_inputs
+from edm2.networks import Precond, count_macs
+from edm2.sampler import edm_sampler
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(fn: Callable[[], object], calls: int, warmup: int, device: torch.device) -> float:
+    """Mean wall time of fn() over `calls` calls after `warmup` untimed ones, the device's queue drained
+    before the clock starts and before it stops."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, calls: int = 20) -> float:
+    """The device's achieved TFLOP/s on a large square matmul (2 size^3 FLOPs each): the MFU denominator."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = seconds_per_call(lambda: a @ b, calls, warmup=3, device=device)
+    return 2 * size**3 / seconds / 1e12
+
+
+def tflops(flops_per_image: float, images_per_s: float) -> float:
+    """Achieved TFLOP/s at a throughput."""
+    return flops_per_image * images_per_s / 1e12
+
+
+def mfu(flops_per_image: float, images_per_s: float, peak: float | None) -> float | None:
+    """Model-FLOP utilization: achieved TFLOP/s over the measured peak (None without a peak)."""
+    return tflops(flops_per_image, images_per_s) / peak if peak else None
+
+
+def network_evaluations(num_steps: int) -> int:
+    """Denoiser calls per image of edm_sampler: an Euler step and a Heun correction per step but the last."""
+    return 2 * num_steps - 1
+
+
+def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int) -> float:
+    """FLOPs to sample one image: 2 x the MACs of every evaluation of net (and of gnet when guiding)."""
+    macs = count_macs(net) + (count_macs(gnet) if gnet is not None else 0)
+    return 2.0 * macs * network_evaluations(num_steps)
+
+
+def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, batch_size: int, num_steps: int,
+                          repeats: int, device: torch.device) -> float:
+    """Best-of-`repeats` images/s of edm_sampler on one batch, including the per-seed noise; an untimed first
+    batch warms up kernels, caches and compiled graphs."""
+    best = float("inf")
+    for r in range(repeats + 1):
+        seeds = range(r * batch_size, (r + 1) * batch_size)
+        synchronize(device)
+        start = time.perf_counter()
+        noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim,
+                                                  device=device)
+        with torch.no_grad():
+            edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, num_steps=num_steps, randn_like=randn_like)
+        synchronize(device)
+        if r > 0:
+            best = min(best, time.perf_counter() - start)
+    return batch_size / best

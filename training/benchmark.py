@@ -1,0 +1,71 @@
+"""The loop's own training step on synthetic data shaped like a preset's dataset, for measuring speed and memory
+(scripts/bench_train.py, scripts/gpu_check.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
+from edm2.networks import Precond, count_macs
+from training.options import TrainingOptions
+from training.state import TrainingState
+from training.step import TrainingStep, training_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticData:
+    """The shape of a preset's dataset: the release's presets read 64x64 (img512: 8-channel mean/std VAE latents;
+    img64: RGB) with 1000 classes, the toy presets 16x16 RGB with 6."""
+
+    resolution: int
+    channels: int
+    label_dim: int
+    latents: bool
+
+    @classmethod
+    def of_preset(cls, preset: str, resolution: int | None = None) -> SyntheticData:
+        """The data a preset trains on, at `resolution` if given."""
+        release, latents = preset.startswith("edm2-"), preset.startswith("edm2-img512")
+        return cls(resolution or (64 if release else 16), 8 if latents else 3, 1000 if release else 6, latents)
+
+    def encoder(self) -> Encoder:
+        """The encoder that turns such data into network input."""
+        return StabilityVAEEncoder() if self.latents else StandardRGBEncoder()
+
+    def batches(self, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless (images, one-hot labels) batches as the data loader yields them: uint8 pixels or float latents."""
+        rng = np.random.default_rng(0)
+        shape = (batch, self.channels // 2 if self.latents else self.channels, self.resolution, self.resolution)
+        if self.latents:  # mean/std latents as a dataset stores them
+            images = torch.cat([torch.randn(shape) * 4, torch.rand(shape) * 0.1], dim=1)
+        else:
+            images = torch.from_numpy(rng.integers(0, 256, shape, dtype=np.uint8))
+        labels = torch.eye(self.label_dim)[rng.integers(0, self.label_dim, batch)]
+        while True:
+            yield images, labels
+
+
+def synthetic_step(preset: str, batch_gpu: int, device: torch.device, rounds: int = 1, resolution: int | None = None,
+                   **options) -> TrainingStep:
+    """One process's training step of `preset` at batch_gpu x rounds images on synthetic data; options are further
+    TrainingOptions (precision, compile, channels_last, checkpoint_activations, cpu_16bit, ...)."""
+    data = SyntheticData.of_preset(preset, resolution)
+    encoder = data.encoder()
+    opts = TrainingOptions.from_preset(
+        preset, dataset=dict(resolution=data.resolution, num_channels=data.channels, label_dim=data.label_dim),
+        encoder=encoder.config(), batch=batch_gpu * rounds, **options,
+    )
+    state = TrainingState.create(opts, encoder.out_channels(data.channels), device)
+    state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
+    return TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
+                        batches=data.batches(batch_gpu), opts=opts, rounds=rounds, device=device)
+
+
+def training_flops_per_image(net: Precond) -> float:
+    """FLOPs of one training image: forward plus a backward of twice its cost, 3 x 2 x count_macs (the convention
+    of MFU; activation checkpointing's recomputation is not counted as useful work)."""
+    return 6.0 * count_macs(net)
