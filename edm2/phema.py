@@ -76,7 +76,9 @@ class PowerFunctionEMA:
     @torch.no_grad()
     def update(self, cur_nimg: int, batch_size: int) -> None:
         """Fold in the network's current parameters after a step that brought the image count to cur_nimg."""
-        src = [p.detach().float() for p in self.net.parameters()]
+        # One foreach lerp per track over all parameters; float32 parameters are read as they are (no_grad: no
+        # detached copies needed), others in float32.
+        src = [p if p.dtype == torch.float32 else p.float() for p in self.net.parameters()]
         for std, ema in zip(self.stds, self.emas):
             beta = power_function_beta(std=std, t_next=cur_nimg, t_delta=batch_size)
             torch._foreach_lerp_(list(ema.parameters()), src, 1 - beta)  # Eq. 119

@@ -70,7 +70,7 @@ class TrainingState:
             for param in group["params"]:
                 param_state = self.optimizer.state[param]
                 if "step" in param_state:  # fused Adam keeps its step counts on the parameters' device
-                    param_state["step"] = param_state["step"].to(torch.float32, param.device if fused else "cpu")
+                    param_state["step"] = param_state["step"].to(param.device if fused else "cpu", torch.float32)
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
 
