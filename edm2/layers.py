@@ -146,8 +146,9 @@ class MPConv(torch.nn.Module):
         return self._cached[1]
 
     def train(self, mode: bool = True) -> MPConv:
-        """Set training mode (see torch.nn.Module.train); drops the cached evaluation-mode weight."""
-        self._cached = None
+        """Set training mode (see torch.nn.Module.train); entering it frees the cached evaluation-mode weight."""
+        if mode:
+            self._cached = None
         return super().train(mode)
 
     def _apply(self, fn, recurse: bool = True):

@@ -117,6 +117,8 @@ def test_cache_follows_the_ema_tracker_and_dtype_device_and_format_changes():
     cached(net)
     meta = copy.deepcopy(net).to("meta")  # any .to(device)
     assert all(conv._cached is None for conv in convs(meta))
+    assert any(conv._cached is not None for conv in convs(net.eval()))  # eval() keeps it; training frees it
+    assert all(conv._cached is None for conv in convs(net.train()))
 
 
 def test_no_cache_while_gradients_are_recorded_or_for_inference_tensors():
