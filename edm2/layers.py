@@ -119,14 +119,20 @@ class MPConv(torch.nn.Module):
         """The weight the layer applies, in dtype; in training mode first forces the stored rows to norm
         sqrt(fan_in). Normalized in float32 (float64 for a float64 weight, a reference computation)."""
         w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
-        if self.training and not getattr(_recomputing, "active", False):
-            # Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in).
-            with torch.no_grad():
-                self.weight.copy_(normalize(w))
+        # A replayed pass finds the weights normalized already; a compiled graph cannot write them (inductor drops
+        # the write), so compiled training applies Eq. 66 before the graph (force_weight_normalization).
+        if self.training and not getattr(_recomputing, "active", False) and not torch.compiler.is_compiling():
+            self._force_normalization(w)
         # Standard weight normalization on use (Eq. 47) makes the gradient tangent (Eq. 59).
         w = normalize(w)
         w = w * (gain / math.sqrt(w[0].numel()))
         return w.to(dtype)
+
+    def _force_normalization(self, w: torch.Tensor) -> None:
+        """Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in); w is the weight
+        in its normalization dtype."""
+        with torch.no_grad():
+            self.weight.copy_(normalize(w))
 
     def _cacheable(self, gain: float | torch.Tensor) -> bool:
         """Whether the applied weight may be reused: evaluation mode, eager, with no gradient to record (a cached
@@ -159,6 +165,14 @@ class MPConv(torch.nn.Module):
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         self._cached = None
         super()._load_from_state_dict(*args, **kwargs)
+
+
+def force_weight_normalization(module: torch.nn.Module) -> None:
+    """Eq. 66 for every MPConv of module in training mode, with the operations its forward uses: for compiled
+    training, whose graph leaves the weights alone (see MPConv.effective_weight)."""
+    for layer in module.modules():
+        if isinstance(layer, MPConv) and layer.training:
+            layer._force_normalization(layer.weight.to(torch.promote_types(layer.weight.dtype, torch.float32)))
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:

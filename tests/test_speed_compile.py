@@ -1,0 +1,110 @@
+"""torch.compile against eager: one inductor compile of the tiniest network's training graph (tens of seconds on
+two cores, so once per module), and the cheap 'aot_eager' backend (the same captured graphs, eager kernels) for
+state-dict names, resume across compile on and off, and the compiled sampler."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from edm2 import speed
+from edm2.generation import generate_images
+from edm2.encoders import StandardRGBEncoder
+from edm2.loss import EDM2Loss
+from edm2.networks import Precond
+from training import step as step_module
+from training.benchmark import synthetic_step
+from training.state import adam
+from training.step import training_step
+from tests.helpers import randomized, tiny_precond
+
+CPU = torch.device("cpu")
+
+
+def tiniest(seed=0):
+    """The smallest U-Net with every kind of block: one level, one block, attention in the decoder's first."""
+    torch.manual_seed(seed)
+    net = Precond(4, 2, 2, model_channels=8, channel_mult=[1], num_blocks=1, attn_resolutions=[], channels_per_head=8,
+                  logvar_channels=8)
+    return randomized(net, seed).train()
+
+
+def loss_step(net, loss_fn, seed):
+    """Loss, gradients and the parameters after one Adam step (lr 0.01) of the summed loss on a fixed batch."""
+    optimizer = adam(net.parameters(), CPU)
+    optimizer.param_groups[0]["lr"] = 0.01
+    images, labels = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(7)), torch.eye(2)[[0, 1, 1]]
+    torch.manual_seed(seed)  # the loss draws its noise levels and noise from the global generator
+    loss = loss_fn(net, images, labels)
+    loss.sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    optimizer.step()
+    return loss.detach(), grads, [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.fixture(scope="module")
+def inductor_vs_eager():
+    eager = loss_step(tiniest(), EDM2Loss(), seed=3)
+    compiled = loss_step(tiniest(), speed.compile_loss(EDM2Loss()), seed=3)
+    return eager, compiled
+
+
+def test_inductor_loss_gradients_and_adam_step_match_eager(inductor_vs_eager):
+    (loss, grads, params), (loss_c, grads_c, params_c) = inductor_vs_eager
+    # Inductor fuses the elementwise chains and reorders reductions (weight norms, pixel norms, softmax); every
+    # float32 operation rounds with relative error eps = 1.2e-7, and a path through this network has about 40
+    # operations, so outputs agree to ~40 eps = 5e-6 relative: rtol 2e-5. The same noise was drawn (outside the
+    # graph), so the losses are comparable element by element.
+    torch.testing.assert_close(loss_c, loss, rtol=2e-5, atol=2e-5 * loss.abs().max().item())
+    for g_c, g in zip(grads_c, grads):
+        # Gradients add up to 3 images x 16 pixels of such terms per weight; where they cancel, the error is
+        # relative to the largest term, hence the absolute part from the tensor's largest gradient.
+        torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-4 * g.abs().max().item())
+    for p_c, p, g in zip(params_c, params, grads):
+        # Adam's first step moves each weight by lr g / (|g| + eps) = lr sign(g), up to eps / |g|: the same move
+        # wherever the gradients agree in sign, which is everywhere outside the round-off band around 0.
+        clear = g.abs() > 1e-4 * g.abs().max()
+        torch.testing.assert_close(p_c[clear], p[clear], rtol=1e-6, atol=1e-6)
+        assert ((p_c - p).abs() <= 2 * 0.01 + 1e-6).all()
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """Make the training and sampling setup compile with the 'aot_eager' backend."""
+    monkeypatch.setattr(step_module, "compile_loss", functools.partial(speed.compile_loss, backend="aot_eager"))
+    monkeypatch.setattr(speed, "compile_network", functools.partial(speed.compile_network, backend="aot_eager"))
+
+
+def run_steps(compile, saved=None, steps=2):
+    step = synthetic_step("toy-tiny", 4, CPU, resolution=8, compile=compile)
+    if saved is not None:
+        step.state.load(copy.deepcopy(saved))  # Adam adopts same-device tensors as they are, and would step them
+    for _ in range(steps):
+        training_step(step)
+    return step.state.to_dict(step.opts, ["digest"])
+
+
+def test_compiled_and_eager_runs_resume_each_other(aot_eager):
+    saved_eager, saved_compiled = run_steps(compile=False), run_steps(compile=True)
+    # The same names: compiling the loss leaves the network and its state dict as they are.
+    assert list(saved_compiled["net"]) == list(saved_eager["net"]) and not any("_orig_mod" in k for k in saved_eager["net"])
+    reference = run_steps(compile=False, saved=saved_eager)  # eager all along
+    # aot_eager runs the captured graphs with eager kernels: whichever way a run switches, it continues bit for bit.
+    for first, then in ((saved_eager, True), (saved_compiled, False), (saved_compiled, True)):
+        saved = run_steps(compile=then, saved=first)
+        assert all(torch.equal(saved["net"][k], v) for k, v in reference["net"].items())
+        for ema, ema_ref in zip(saved["ema"]["emas"], reference["ema"]["emas"]):
+            assert all(torch.equal(ema[k], v) for k, v in ema_ref.items())
+
+
+def test_compiled_sampling_network_keeps_its_names_and_images(aot_eager):
+    net = randomized(tiny_precond(img_resolution=8, label_dim=4)).eval().requires_grad_(False)
+    names = list(net.state_dict())
+    eager = [images for _, images in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
+                                                     num_steps=3)]
+    speed.SamplingSpeed(compile=True).apply(net, CPU)
+    assert net._compiled_call_impl is not None and list(net.state_dict()) == names
+    compiled = [images for _, images in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
+                                                        num_steps=3)]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))  # uint8 images of the same computation
