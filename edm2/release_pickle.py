@@ -146,8 +146,12 @@ def _network(record: PersistentRecord) -> Precond:
     return net.float().eval().requires_grad_(False)
 
 
-def _encoder_config(record: PersistentRecord) -> dict:
-    """Encoder settings as the config dict of edm2.encoders."""
+def _encoder_config(record: PersistentRecord | None) -> dict:
+    """Encoder settings as the config dict of edm2.encoders; without an entry, RGB pixels, as the release assumes
+    (generate_images.py falls back to StandardRGBEncoder for pickles that predate the encoder entry)."""
+    if record is None:
+        return StandardRGBEncoder().config()
+    record = _expect(record, ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
     if record.class_name == "StandardRGBEncoder":
         return StandardRGBEncoder().config()
     state = record.state
@@ -181,15 +185,16 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
     try:
         net = _network(_expect(data["ema"], ("Precond",), "ema"))
-        encoder = _expect(data.get("encoder"), ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
-        loss = _expect(data.get("loss_fn"), ("EDM2Loss",), "loss_fn").state
         metadata = {
             "source": "release-pickle",
             "network_kwargs": net.init_kwargs,
-            "encoder": _encoder_config(encoder),
+            "encoder": _encoder_config(data.get("encoder")),
             "dataset_kwargs": _plain(data.get("dataset_kwargs") or {}),
-            "loss": {k: float(loss[k]) for k in ("P_mean", "P_std", "sigma_data")},
         }
+        # Older and third-party pickles carry no loss; the network and encoder are all that sampling needs.
+        if data.get("loss_fn") is not None:
+            loss = _expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state
+            metadata["loss"] = {k: float(loss[k]) for k in ("P_mean", "P_std", "sigma_data")}
     except ReleasePickleError as e:
         raise ReleasePickleError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

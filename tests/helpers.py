@@ -298,24 +298,25 @@ def random_release_tiny_net(seed=0) -> Precond:
     return randomized(Precond(**RELEASE_TINY), seed).eval()
 
 
-def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: str = "vae") -> None:
-    """Write net (built with RELEASE_TINY) as the release pickles a network, its encoder and loss."""
+def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: str | None = "vae",
+                         loss: bool = True, replace: dict | None = None) -> None:
+    """Write net (built with RELEASE_TINY) as the release pickles a network, its encoder ('vae', 'rgb', or None
+    for no entry, as in older and third-party pickles) and, with `loss`, its loss; `replace` maps entries to other values."""
     ema = release_module(net, persistence)
     ema.meta["state"].update(_init_args=(), _init_kwargs=dict(RELEASE_TINY, dropout=0.0, use_fp16=True))
+    data = dict(ema=ema, dataset_kwargs=util.EasyDict(class_name="training.dataset.ImageFolderDataset",
+                                                      path="img512-sd.zip", use_labels=True))
     if encoder == "vae":
         scale = np.float32(0.5) / np.float32([4.17, 4.62, 3.71, 3.28])
         bias = np.float32(0) - np.float32([5.81, 3.25, 0.12, -2.15]) * scale
         state = dict(vae_name="stabilityai/sd-vae-ft-mse", scale=scale, bias=bias, batch_size=8, _vae=None)
-        encoder = persistence.Persistent("StabilityVAEEncoder", dict(state, _init_args=(), _init_kwargs={}))
-    else:
-        encoder = persistence.Persistent("StandardRGBEncoder", dict(_init_args=(), _init_kwargs={}))
-    loss = dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
-    data = dict(
-        ema=ema,
-        encoder=encoder,
-        dataset_kwargs=util.EasyDict(class_name="training.dataset.ImageFolderDataset", path="img512-sd.zip", use_labels=True),
-        loss_fn=persistence.Persistent("EDM2Loss", dict(loss, _init_args=(), _init_kwargs=dict(P_mean=-0.4, P_std=1.0))),
-    )
+        data["encoder"] = persistence.Persistent("StabilityVAEEncoder", dict(state, _init_args=(), _init_kwargs={}))
+    elif encoder == "rgb":
+        data["encoder"] = persistence.Persistent("StandardRGBEncoder", dict(_init_args=(), _init_kwargs={}))
+    if loss:
+        state = dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5, _init_args=(), _init_kwargs=dict(P_mean=-0.4, P_std=1.0))
+        data["loss_fn"] = persistence.Persistent("EDM2Loss", state)
+    data.update(replace or {})
     with open(path, "wb") as f:
         pickle.dump(data, f)
 
