@@ -20,8 +20,9 @@ import torch
 
 from edm2 import safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.errors import SnapshotError
+from edm2.errors import SnapshotError, one_line
 from edm2.networks import Precond
+from edm2.toy_model import ToyDenoiser
 
 
 class ReleasePickleError(SnapshotError):
@@ -103,6 +104,7 @@ _ALLOWED_GLOBALS = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch.storage", "_load_from_bytes"): _load_storage,
     ("torch.nn.modules.container", "ModuleDict"): ModuleRecord,
+    ("torch.nn.modules.container", "Sequential"): ModuleRecord,  # the toy example's layers
 }
 
 
@@ -172,15 +174,20 @@ def _plain(value):
     raise ReleasePickleError(f"unexpected {type(value).__name__} in dataset_kwargs")
 
 
-def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
-    """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
+def _restricted_load(path: str | os.PathLike) -> object:
+    """The release pickle's contents, persistent objects as records; nothing in it runs."""
     with open(path, "rb") as f:
         try:
-            data = safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
+            return safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
         except (ReleasePickleError, safe_pickle.RefusedGlobal) as e:
             raise ReleasePickleError(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
             raise ReleasePickleError(f"{path}: not a readable release pickle ({e.__class__.__name__}: {e})") from None
+
+
+def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
+    """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
+    data = _restricted_load(path)
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
     try:
@@ -200,3 +207,25 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     except (KeyError, TypeError, ValueError) as e:
         raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {e})") from None
     return net, metadata
+
+
+def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
+    """Read one of the release's toy-example snapshots (toy_example.py's iterNNNN.pkl: a pickled ToyModel) into
+    our ToyDenoiser in eval mode, float32, without running its code."""
+    record = _restricted_load(path)
+    try:
+        record = _expect(record, ("ToyModel",), "toy example snapshot")
+        kwargs = dict(record.state.get("_init_kwargs") or {})
+        try:
+            net = ToyDenoiser(*record.state.get("_init_args", ()), **kwargs)
+        except TypeError as e:
+            raise ReleasePickleError(f"the toy model's constructor arguments {kwargs} do not fit: {e}") from None
+        tensors: dict[str, torch.Tensor] = {}
+        _module_tensors(record.state, "", tensors)
+        try:
+            net.load_state_dict(tensors, strict=True)
+        except RuntimeError as e:
+            raise ReleasePickleError(f"the toy model's weights do not match: {one_line(e)}") from None
+    except ReleasePickleError as e:
+        raise ReleasePickleError(f"{path}: {e}") from None
+    return net.float().eval().requires_grad_(False)

@@ -274,22 +274,33 @@ def forget_release_standins() -> None:
     importlib.invalidate_caches()
 
 
-def release_module(module: torch.nn.Module, persistence):
-    """Mirror a module as the release pickles it: float16 tensors, module tree in _parameters/_buffers/_modules."""
+def release_module(module: torch.nn.Module, persistence, dtype=torch.float16, names: dict | None = None):
+    """Mirror a module as the release pickles it: tensors in dtype (its EDM2 networks float16, its toy models
+    float32), the module tree in _parameters/_buffers/_modules; `names` maps our class names to the release's."""
     plain = (bool, int, float, str, type(None))
     state = {k: v for k, v in vars(module).items() if isinstance(v, plain)}
     state["_parameters"] = collections.OrderedDict(
-        (n, torch.nn.Parameter(p.detach().half(), requires_grad=False)) for n, p in module._parameters.items()
+        (n, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)) for n, p in module._parameters.items()
     )
-    state["_buffers"] = collections.OrderedDict((n, b.half()) for n, b in module._buffers.items())
+    state["_buffers"] = collections.OrderedDict((n, b.to(dtype)) for n, b in module._buffers.items())
     state["_non_persistent_buffers_set"] = set()
-    state["_modules"] = collections.OrderedDict((n, release_module(c, persistence)) for n, c in module._modules.items())
-    if isinstance(module, torch.nn.ModuleDict):
-        # The release's enc/dec are plain torch ModuleDicts holding persistent blocks.
-        container = torch.nn.ModuleDict.__new__(torch.nn.ModuleDict)
+    state["_modules"] = collections.OrderedDict((n, release_module(c, persistence, dtype, names))
+                                                for n, c in module._modules.items())
+    if isinstance(module, (torch.nn.ModuleDict, torch.nn.Sequential)):
+        # The release's enc/dec and the toy model's layers are plain torch containers holding persistent modules.
+        container = type(module).__new__(type(module))
         container.__dict__.update(state)
         return container
-    return persistence.Persistent(type(module).__name__, state)
+    name = type(module).__name__
+    return persistence.Persistent((names or {}).get(name, name), state)
+
+
+def write_release_toy_pickle(path: Path, net: torch.nn.Module, persistence) -> None:
+    """Write a toy denoiser as the release's toy_example.py saves its snapshots: the pickled ToyModel itself."""
+    model = release_module(net, persistence, dtype=torch.float32, names={"ToyDenoiser": "ToyModel"})
+    model.meta["state"].update(_init_args=(), _init_kwargs={k: v for k, v in net.init_kwargs.items() if k != "in_dim"})
+    with open(path, "wb") as f:
+        pickle.dump(model, f)
 
 
 def random_release_tiny_net(seed=0) -> Precond:
