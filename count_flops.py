@@ -66,8 +66,8 @@ def report(description: str, net: Precond, verbose: bool) -> None:
     macs = sum(by_op[op] for op in flops.MAC_OPS)
     print(f"{'Network':<12}{description}")
     print(f"{'Parameters':<12}{count.parameters / 1e6:.2f} M ({count.parameters:,})")
-    print(f"{'Gflops':<12}{count.total / 1e9:.2f} per evaluation of one sample "
-          f"({macs / 1e9:.2f} in convolutions and matrix products)")
+    print(f"{'Gflops':<12}{count.total / 1e9:.2f} per evaluation of one sample ({count.total:,} flops, "
+          f"{macs / count.total:.1%} in convolutions and matrix products)")
     if torch.cuda.is_available():
         device = torch.device("cuda")
         net = net.to_empty(device=device) if next(net.parameters()).is_meta else net.to(device)

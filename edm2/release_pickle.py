@@ -4,7 +4,9 @@ The release pickles its classes through `torch_utils.persistence`, which stores 
 `_reconstruct_persistent_obj(meta)` carrying the defining module's source. A plain `pickle.load` would
 execute that source; here a restricted unpickler maps every allowed global to a safe stand-in, keeps
 each persistent object as a record of its class name and state, and rebuilds our own objects from the
-records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings.
+records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings
+(pickles without them, older and third-party ones, get the RGB encoder and no loss), and the toy example's
+`ToyModel` snapshots as our ToyDenoiser.
 """
 
 from __future__ import annotations
