@@ -134,19 +134,20 @@ def _expect(record, class_names: tuple[str, ...], what: str) -> PersistentRecord
     return record
 
 
-def _network(record: PersistentRecord) -> Precond:
-    """Our Precond built from the release Precond's recorded constructor arguments, weights loaded strictly."""
-    args, kwargs = record.state.get("_init_args", ()), record.state.get("_init_kwargs", {})
+def _rebuild(record: PersistentRecord, module_class: type, what: str) -> torch.nn.Module:
+    """Our module_class built from the recorded constructor arguments, weights loaded strictly; float32, eval."""
+    args, kwargs = record.state.get("_init_args") or (), dict(record.state.get("_init_kwargs") or {})
+    name = module_class.__name__
     try:
-        net = Precond(*args, **dict(kwargs))
+        net = module_class(*args, **kwargs)
     except TypeError as e:
-        raise ReleasePickleError(f"the release network's constructor arguments {dict(kwargs)} do not fit Precond: {e}") from None
+        raise ReleasePickleError(f"{what}'s constructor arguments {kwargs} do not fit {name}: {e}") from None
     tensors: dict[str, torch.Tensor] = {}
     _module_tensors(record.state, "", tensors)
     try:
         net.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
-        raise ReleasePickleError(f"the release network's weights do not match Precond: {e}") from None
+        raise ReleasePickleError(f"{what}'s weights do not match {name}: {one_line(e)}") from None
     return net.float().eval().requires_grad_(False)
 
 
@@ -193,7 +194,7 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
     try:
-        net = _network(_expect(data["ema"], ("Precond",), "ema"))
+        net = _rebuild(_expect(data["ema"], ("Precond",), "ema"), Precond, "the release network")
         metadata = {
             "source": "release-pickle",
             "network_kwargs": net.init_kwargs,
@@ -216,18 +217,6 @@ def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
     our ToyDenoiser in eval mode, float32, without running its code."""
     record = _restricted_load(path)
     try:
-        record = _expect(record, ("ToyModel",), "toy example snapshot")
-        kwargs = dict(record.state.get("_init_kwargs") or {})
-        try:
-            net = ToyDenoiser(*record.state.get("_init_args", ()), **kwargs)
-        except TypeError as e:
-            raise ReleasePickleError(f"the toy model's constructor arguments {kwargs} do not fit: {e}") from None
-        tensors: dict[str, torch.Tensor] = {}
-        _module_tensors(record.state, "", tensors)
-        try:
-            net.load_state_dict(tensors, strict=True)
-        except RuntimeError as e:
-            raise ReleasePickleError(f"the toy model's weights do not match: {one_line(e)}") from None
+        return _rebuild(_expect(record, ("ToyModel",), "toy example snapshot"), ToyDenoiser, "the toy model")
     except ReleasePickleError as e:
         raise ReleasePickleError(f"{path}: {e}") from None
-    return net.float().eval().requires_grad_(False)

@@ -141,7 +141,7 @@ def test_snapshot_round_trip_and_refusals(tmp_path):
     x, sigma = torch.randn(6, 2), torch.rand(6) + 0.1
     assert torch.equal(loaded(x, sigma), net(x, sigma)) and metadata["iteration"] == 7
     # Neither kind of file passes for the other.
-    with pytest.raises(toy_gmm.ToyError, match="not a toy-example snapshot"):
+    with pytest.raises(snapshot.SnapshotError, match="not a toy-example snapshot"):
         load_toy(write_raw_snapshot(tmp_path / "edm2.safetensors", json.dumps({"format_version": 1})))
     with pytest.raises(snapshot.SnapshotError, match="no 'edm2' metadata"):
         snapshot.load_network(tmp_path / "toy.safetensors")
