@@ -1,6 +1,7 @@
 """generate.py and generate_images: per-seed reproducibility across batch sizes and processes, the default
 preset, bad input, full and read-only disks, and what killed runs left behind."""
 
+import json
 import os
 import shutil
 import socket
@@ -88,11 +89,16 @@ def test_one_and_two_processes_write_the_same_images(nets, tmp_path):
     tiles = two_images.pop("grid.png")
     assert sorted(two_images) == sorted(images)
     assert all(np.array_equal(images[k], two_images[k]) for k in images)
-    # --grid gathers every rank's images, in seed order, into one PNG.
-    assert tiles.shape == (3 * 8, 3 * 8, 3)
+    # --grid gathers every rank's images, in seed order, into one PNG, a one-pixel white gap between them.
+    assert tiles.shape == (3 * 8 + 2, 3 * 8 + 2, 3)
     for i, key in enumerate(sorted(images, key=lambda k: int(Path(k).stem))):
         row, col = divmod(i, 3)
-        assert np.array_equal(tiles[row * 8 : row * 8 + 8, col * 8 : col * 8 + 8], images[key])
+        assert np.array_equal(tiles[row * 9 : row * 9 + 8, col * 9 : col * 9 + 8], images[key])
+    assert (tiles[[8, 17]] == 255).all() and (tiles[:, [8, 17]] == 255).all()
+    # Both write the class of every image, gathered from every rank, under the same names.
+    labels = json.loads((tmp_path / "one" / "labels.json").read_text())["labels"]
+    assert labels == json.loads((tmp_path / "two" / "labels.json").read_text())["labels"]
+    assert [name for name, _ in labels] == sorted(images)
 
 
 def test_default_command_uses_the_s_guid_fid_preset(nets, tmp_path, monkeypatch):
