@@ -21,8 +21,10 @@ import torch
 from edm2.errors import EDM2Error
 
 IMAGE_SUFFIXES = (".png", ".npy")
-# PIL modes whose array is not the pixels' colours: decoded as L or RGB when reading any image format.
-PIXEL_MODES = {"1": "L", "P": "RGB", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB", "PA": "RGBA"}
+# Reading any image format (for metrics), images of these PIL modes are decoded as RGB: a folder may mix them
+# (ImageNet's JPEGs include grayscale and CMYK ones), and gray repeated to RGB is what metrics do with gray anyway.
+# Alpha and 16-bit images stay as they are, for the reader to refuse.
+TO_RGB_MODES = {"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV"}
 LABELS_FILE = "dataset.json"
 # The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
 RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
@@ -171,7 +173,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     error about them ends with a pointer to `dataset_tool.py convert`.
 
     With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
-    beside .npy), and palette, bilevel and CMYK images are decoded to their colours (PIXEL_MODES).
+    beside .npy), and every 8-bit image without alpha is decoded as RGB (TO_RGB_MODES).
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
@@ -249,8 +251,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             if fname.lower().endswith(".npy"):
                 return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
             with PIL.Image.open(data) as pil:
-                image = np.asarray(pil.convert(PIXEL_MODES[pil.mode]) if self._any_format and pil.mode in PIXEL_MODES
-                                   else pil)
+                image = np.asarray(pil.convert("RGB") if self._any_format and pil.mode in TO_RGB_MODES else pil)
         except IMAGE_ERRORS as e:
             raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
         if image.dtype != np.uint8:
