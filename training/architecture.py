@@ -134,5 +134,5 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
 
 
 def _text(value) -> str:
-    """An option value as typed: lists comma-separated."""
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    """An option value as typed: lists comma-separated, 'none' for the empty list."""
+    return (",".join(map(str, value)) or "none") if isinstance(value, (list, tuple)) else str(value)
