@@ -75,7 +75,7 @@ def network_options(preset: str, resolution: int, channels: int | None, given: d
     network = unet_options(get_preset(preset).network, given)
     try:
         check_architecture(resolution, channels or get_preset(preset).channels, network,
-                           attention_given=given["attn_resolutions"] is not None)
+                           explicit=any(value is not None for value in given.values()))
     except OptionsError as e:
         raise click.UsageError(f"{e} (data {resolution}x{resolution})") from None
     return network

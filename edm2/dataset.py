@@ -270,8 +270,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         image = self._load(raw_idx)
         if list(image.shape) != self.image_shape:
             hint = convert_hint(self.path) if self._raw else ""
+            mixed = "resolutions" if list(image.shape[1:]) != self.image_shape[1:] else "channel counts (gray and colour)"
             raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(image.shape)} "
-                               f"but the first image has {_shape_text(self.image_shape)}; mixed resolutions{hint}")
+                               f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
         return image, self.get_label(idx)
 
     def get_label(self, idx: int) -> np.ndarray:

@@ -297,8 +297,10 @@ def test_bad_option(args, option, message, train_data, tmp_path):
 BAD_ARCHITECTURES = [
     (["--channel-mult=1,2,2,2,2"], "--channel-mult=1,2,2,2,2 has 5 levels: the resolution 8 must be divisible by "
                                    "2^4 = 16 (data 8x8)"),
-    (["--attn-resolutions=16"], "--attn-resolutions: 16 is not a resolution of this U-Net (its levels are 8, 4)"),
-    (["--channel-mult=1,2,4", "--attn-resolutions=4,1"], "--attn-resolutions: 1 is not a resolution"),
+    (["--attn-resolutions=16"], "attention at 16x16, but the U-Net's levels are 8x8, 4x4: choose --attn-resolutions "
+                                "among them"),
+    (["--channel-mult=1,2,4", "--attn-resolutions=4,1"], "attention at 1x1, but the U-Net's levels are 8x8, 4x4, 2x2"),
+    (["--channel-mult=1"], "attention at 4x4, but the U-Net's levels are 8x8:"),  # the preset's attention at 4x4
     (["--attn-resolutions=8", "--channels=8"], "attention at 8x8 splits --channels=8 x 1 = 8 channels into heads "
                                                "of 16"),
     (["--channels=35"], "attention at 4x4 splits --channels=35 x 2 = 70 channels into heads of 16"),

@@ -35,13 +35,14 @@ def effective(network: dict, name: str):
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def check_architecture(resolution: int, channels: int, network: dict, attention_given: bool = True) -> None:
+def check_architecture(resolution: int, channels: int, network: dict, explicit: bool = True) -> None:
     """Raise OptionsError unless a U-Net of these arguments fits images of this resolution.
 
     Every level but the last halves the resolution, and the decoder must come back to the same sizes, so the
     resolution must divide by 2^(levels-1). Attention splits a level's channels into heads of channels_per_head
-    channels; the level's channels must divide evenly into them. With attention_given, every attention
-    resolution must be one of the levels' and hold at least one head.
+    channels; the level's channels must divide evenly into them. With explicit (the U-Net options were given, not
+    all the preset's), every attention resolution must be one of the levels' and hold at least one head; a preset's
+    attention resolutions that data of another size does not have are left out, as they always were.
     """
     mult, attention = effective(network, "channel_mult"), effective(network, "attn_resolutions")
     per_head, levels = effective(network, "channels_per_head"), len(effective(network, "channel_mult"))
@@ -50,16 +51,16 @@ def check_architecture(resolution: int, channels: int, network: dict, attention_
                            f"{resolution} must be divisible by 2^{levels - 1} = {2 ** (levels - 1)}")
     sizes = [resolution >> level for level in range(levels)]
     missing = [res for res in attention if res not in sizes]
-    if attention_given and missing:
-        raise OptionsError(f"--attn-resolutions: {missing[0]} is not a resolution of this U-Net (its levels are "
-                           f"{', '.join(map(str, sizes))})")
+    if explicit and missing:
+        raise OptionsError(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
+                           f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them")
     # The lowest level's first decoder block always has attention (UNet, as in the release).
     for level, res in enumerate(sizes):
         width = channels * mult[level]
         heads = width // per_head
         if not (res in attention or level == levels - 1):
             continue
-        if (heads and width % heads) or (not heads and attention_given and res in attention):
+        if (heads and width % heads) or (not heads and explicit and res in attention):
             raise OptionsError(f"attention at {res}x{res} splits --channels={channels} x {mult[level]} = {width} "
                                f"channels into heads of {per_head}: the product must be a multiple of {per_head}")
 
