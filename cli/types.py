@@ -7,7 +7,7 @@ import re
 
 import click
 
-from edm2 import phema
+from edm2 import phema, sampler
 from edm2.generation import MAX_SEED, SeedRanges
 
 
@@ -164,7 +164,9 @@ class SigmaInterval(click.ParamType):
             lo, hi = (float(part) for part in parts)
         except ValueError:
             self.fail(f"{value!r} is not two numbers SIGMA_LO,SIGMA_HI (for example 0.28,5.42)", param, ctx)
-        if not 0 <= lo < hi:  # NaN fails every comparison
+        try:
+            sampler.check_guidance_interval((lo, hi))
+        except sampler.SamplerError:
             self.fail(f"{value!r}: needs 0 <= SIGMA_LO < SIGMA_HI (SIGMA_HI may be inf)", param, ctx)
         return lo, hi
 

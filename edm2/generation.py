@@ -164,23 +164,12 @@ def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
         raise GenerationError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
 
 
-def generate_images(
-    net: torch.nn.Module,
-    encoder,
-    seeds: Sequence[int],
-    class_idx: int | None = None,
-    gnet: torch.nn.Module | None = None,
-    guidance: float = 1.0,
-    batch_size: int = 32,
-    device: torch.device | str | None = None,
-    **sampler_kwargs,
-) -> Iterator[tuple[list[int], torch.Tensor]]:
+def generate_images(*args, **kwargs) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
 
-    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list.
+    The arguments are generate_labeled_images's, which this is without the classes.
     """
-    labeled = generate_labeled_images(net, encoder, seeds, class_idx, gnet, guidance, batch_size, device,
-                                      **sampler_kwargs)
+    labeled = generate_labeled_images(*args, **kwargs)
     with contextlib.closing(labeled):  # closing this generator ends the progress bar at once
         for batch_seeds, images, _ in labeled:
             yield batch_seeds, images
@@ -197,7 +186,12 @@ def generate_labeled_images(
     device: torch.device | str | None = None,
     **sampler_kwargs,
 ) -> Iterator[tuple[list[int], torch.Tensor, list[int] | None]]:
-    """generate_images, each batch with the class of every image (None for an unconditional network)."""
+    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
+    of every image or None for an unconditional network).
+
+    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. sampler_kwargs go to
+    edm_sampler (num_steps, sigma_min, ..., guidance_interval).
+    """
     device = torch.device(device) if device is not None else distributed.device()
     if class_idx is not None and not 0 <= class_idx < net.label_dim:
         raise GenerationError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
