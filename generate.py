@@ -21,10 +21,10 @@ from edm2.generation import (LABELS_FILE, GenerationError, check_guidance_pair, 
                              read_generated_labels, save_generated_labels)
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
+from edm2.snapshot import load_generator, load_network
 
 # generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
 GRID_GAP_VALUE = 255
-from edm2.snapshot import load_generator, load_network
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -201,9 +201,9 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
             if tiles is not None:
                 save_png(outdir / "grid.png", tiles)
         distributed.barrier()
-        saved = [f"{len(seeds)} images", *(name for name, made in ((LABELS_FILE, net.label_dim), ("grid.png", grid))
-                                            if made)]
-        distributed.print0(f"Saved {', '.join(saved[:-1])}{' and ' if len(saved) > 1 else ''}{saved[-1]} in {outdir}")
+        extras = [name for name, made in ((LABELS_FILE, net.label_dim), ("grid.png", grid)) if made]
+        listed = ", ".join([f"{len(seeds)} images", *extras[:-1]]) + "".join(f" and {name}" for name in extras[-1:])
+        distributed.print0(f"Saved {listed} in {outdir}")
 
 
 if __name__ == "__main__":
