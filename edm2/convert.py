@@ -94,8 +94,15 @@ def choose_mode(source: ImageSource, channels: str, max_images: int | None = Non
 
 
 def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
-    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted)."""
+    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted).
+
+    16-bit grayscale (PIL's I;16 modes: 16-bit PNG and TIFF, common for scientific images) is scaled to 8 bits as
+    round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white.
+    """
     with PIL.Image.open(io.BytesIO(data)) as image:
+        if image.mode.startswith("I;16"):
+            wide = np.asarray(image).astype(np.uint32)
+            image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
         return np.asarray(image.convert(mode))
 
 

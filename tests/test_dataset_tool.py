@@ -600,3 +600,13 @@ def test_every_command_help_shows_an_example():
         result = run(command, "--help")
         assert_ok(result)
         assert f"dataset_tool.py {command} --" in result.output
+
+
+def test_convert_scales_16_bit_grayscale_to_8_bits(tmp_path):
+    values = np.array([[0, 128, 129, 32767], [32768, 65406, 65407, 65535]], np.uint16)  # round-half boundaries
+    source = write_members(tmp_path / "src", {"a.png": png_file(np.tile(values, (2, 1)))})
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "o", "--workers", 0))
+    image = ImageFolderDataset(tmp_path / "o")[0][0]
+    # v * 255 / 65535 = v / 257, rounded to nearest: 128 -> 0.498, 129 -> 0.502, 32767 -> 127.498, 32768 -> 127.502.
+    assert image.shape == (1, 4, 4) and PIL.Image.open(tmp_path / "src" / "a.png").mode == "I;16"
+    assert image[0, :2].tolist() == [[0, 0, 1, 127], [128, 254, 255, 255]]
