@@ -10,7 +10,7 @@ import os
 import torch
 
 from edm2 import files
-from edm2.encoders import Encoder, encoder_from_config
+from edm2.encoders import Encoder
 from edm2.networks import Block, UNet
 from edm2.snapshot import load_generator
 from training.options import OptionsError
@@ -29,7 +29,7 @@ def unet_defaults() -> dict:
     return dict(defaults, channels_per_head=inspect.signature(Block).parameters["channels_per_head"].default)
 
 
-def effective(network: dict, name: str):
+def effective(network: dict, name: str) -> int | list[int]:
     """The value of a U-Net argument for these network arguments: theirs, else the default; sequences as lists."""
     value = network.get(name, unet_defaults()[name])
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
@@ -45,7 +45,7 @@ def check_architecture(resolution: int, channels: int, network: dict, explicit: 
     attention resolutions that data of another size does not have are left out, as they always were.
     """
     mult, attention = effective(network, "channel_mult"), effective(network, "attn_resolutions")
-    per_head, levels = effective(network, "channels_per_head"), len(effective(network, "channel_mult"))
+    per_head, levels = effective(network, "channels_per_head"), len(mult)
     if resolution % 2 ** (levels - 1):
         raise OptionsError(f"--channel-mult={','.join(map(str, mult))} has {levels} levels: the resolution "
                            f"{resolution} must be divisible by 2^{levels - 1} = {2 ** (levels - 1)}")
@@ -105,8 +105,7 @@ def read_init(path_or_url: str) -> InitSnapshot:
 
 def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
     """The float32 weights of the snapshot a run starts from (--init)."""
-    net, _ = load_generator(path_or_url)[:2]
-    return net.state_dict()
+    return load_generator(path_or_url)[0].state_dict()
 
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
