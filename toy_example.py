@@ -43,6 +43,11 @@ Examples:
 \b
   # Classifier-free guidance instead: guide by a model of both classes
   python toy_example.py train --outdir=toy/clsAB-layers04-dim32 --cls=AB --layers=4 --dim=32 --iters=512
+\b
+  # A quick look on a CPU (about two minutes)
+  python toy_example.py train --outdir=toy/quick-main --iters=512
+  python toy_example.py train --outdir=toy/quick-guide --dim=32 --iters=64
+  python toy_example.py plot --net=toy/quick-main/iter0512.safetensors --gnet=toy/quick-guide/iter0064.safetensors
 """)
 def main() -> None:
     """2-D toy example from the paper "Guiding a Diffusion Model with a Bad Version of Itself" (Figure 1)."""
@@ -89,8 +94,8 @@ def train(outdir: Path, cls: str, layers: int, dim: int, viz: bool, iters: int) 
 @click.option("--net", metavar="PATH|URL", default=DEFAULT_NET, show_default=True,
               help="Main model: our .safetensors toy snapshot or the release's .pkl")
 @click.option("--gnet", metavar="PATH|URL", default=DEFAULT_GNET, show_default=True,
-              help="Guiding model  [default: the release's autoguidance model]")
-@click.option("--guidance", type=Number(), default=3.0, show_default=True, help="Guidance weight w (Eq. 152)")
+              help="Guiding model: the main model's worse version (autoguidance) or an unconditional one")
+@click.option("--guidance", type=Number(), default=3.0, help="Guidance weight w (Eq. 152)  [default: 3]")
 @click.option("--save", type=click.Path(path_type=Path, dir_okay=False), default="toy-example.png",
               show_default=True, help="Where to write the figure (PNG)")
 def plot(net: str, gnet: str, guidance: float, save: Path) -> None:

@@ -198,6 +198,13 @@ def test_train_then_plot(tmp_path, small_views):
         assert image.format == "PNG" and image.size == (1920, 1000)
 
 
+def test_help_shows_the_options_and_a_quick_cpu_example():
+    result = run("--help")
+    assert result.exit_code == 0 and "--iters=512" in result.output
+    result = run("plot", "--help")
+    assert "--guidance" in result.output and "None" not in result.output
+
+
 def bad(tmp_path, kind):
     """Files for the bad-input cases."""
     if kind == "file":
