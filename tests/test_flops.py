@@ -220,6 +220,8 @@ def test_counts_a_snapshot_of_ours(tmp_path):
     expected = flops.count_flops(load_network(path)[0]).total
     assert f"({expected:,} flops" in result.output
     assert expected == traced_release_flops(load_network(path)[0])
+    # The same file by URL.
+    assert run(path.as_uri()).output.replace(path.as_uri(), str(path)) == result.output
 
 
 def test_counts_a_release_pickle(tmp_path, release_standins):
