@@ -176,6 +176,7 @@ def test_offline_detector_found_where_earlier_versions_downloaded_it(offline):
     assert detectors.load_detector("fid").feature_dim == 12
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("metric, option, url, name", [
     ("fid", "--inception", detectors.INCEPTION_URL, "inception-2015-12-05.pt"),
     ("fd_dinov2", "--dinov2", detectors.DINOV2_URL, "dinov2_vitl14_pretrain.pth"),
