@@ -24,6 +24,10 @@ class Number(click.FloatRange):
         super().__init__(min=min, max=max, min_open=min_open, max_open=max_open)
         self.allow_inf = allow_inf
 
+    def _describe_range(self) -> str:
+        """The range for --help; nothing without bounds (click would print 'x<=None')."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
     def convert(self, value, param, ctx) -> float:
         """Parse value and refuse NaN (always) and infinities (unless allowed) before the range check."""
         number = value if isinstance(value, float) else click.FLOAT.convert(value, param, ctx)
