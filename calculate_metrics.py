@@ -46,9 +46,9 @@ def metric_options(batch_default: int) -> Callable:
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
                          type=click.IntRange(min=1), default=batch_default, show_default=True),
-            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: published URL]",
+            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
                          metavar="PATH|URL", default=None),
-            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: published ViT-L/14 URL]",
+            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
                          metavar="PATH|URL", default=None),
         ]
         for option in reversed(options):
@@ -170,8 +170,9 @@ def main() -> None:
         --ref=refs/img512.npz --metrics=fid
 
     Statistics files: .npz (ours, '<metric>/mu' and '<metric>/sigma' in float64), the release's .pkl, or
-    EDM's .npz (FID only). Detector weights come from their published URLs through the download cache
-    ($EDM2_CACHE_DIR, default ~/.cache/edm2); --inception and --dinov2 point at local copies instead.
+    EDM's .npz (FID only). Detector weights are looked for in $EDM2_CACHE_DIR/detectors/ (default
+    ~/.cache/edm2/detectors/) and downloaded there once from their published URLs; without internet, copy
+    the files there, or point --inception and --dinov2 at local copies.
     An Inception file is a TorchScript program: its code is read first and refused unless it is tensor
     arithmetic only (no file, storage, process or network operations).
     """
