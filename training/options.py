@@ -17,7 +17,7 @@ from training.presets import get_preset
 # where and for how long training runs and how much memory it uses, not what it computes.
 HYPERPARAMETERS = (
     "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
-    "ema_stds", "network", "precision", "ls", "seed", "dataset",
+    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init",
 )
 
 
@@ -58,6 +58,7 @@ class TrainingOptions:
     ls: float = 1.0
     seed: int = 0
     workers: int = 2
+    init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
     # How fast, not what: a resumed run may change these (edm2/speed.py). None: the device's default.
     compile: bool | None = None  # torch.compile of the network and the loss
     channels_last: bool | None = None  # NHWC convolution weights and activations

@@ -11,6 +11,7 @@ from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.speed import to_channels_last
 from training import checkpoint
+from training.architecture import init_weights
 from training.options import TrainingOptions
 
 ADAM_BETAS = (0.9, 0.99)
@@ -50,9 +51,18 @@ class TrainingState:
 
     @classmethod
     def create(cls, opts: TrainingOptions, img_channels: int, device: torch.device) -> TrainingState:
-        """A new state: weights from opts.seed (identical on every rank), Adam at learning rate 0, fresh EMAs."""
+        """A new state: weights from opts.seed (identical on every rank) or the opts.init snapshot, Adam at
+        learning rate 0, EMA tracks equal to the weights.
+
+        A run started from a snapshot is a new run: it counts its own images from 0, so the learning rate ramps up
+        and decays (Eq. 67) and the EMA profiles (Eq. 127) span the new run's images as for any run; the snapshot
+        enters the EMA only through the network's weights (the first update's beta is 0).
+        """
         torch.manual_seed(opts.seed)
-        net = init_network(opts, img_channels).to(device).train()
+        net = init_network(opts, img_channels)
+        if opts.init is not None:
+            net.load_state_dict(init_weights(opts.init))
+        net = net.to(device).train()
         if opts.uses_channels_last(device):
             to_channels_last(net)
         net.cpu_16bit = opts.cpu_16bit
