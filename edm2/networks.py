@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Sequence
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, recomputing, resample
+from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, recomputing,
+                         resample)
 
 
 class Block(torch.nn.Module):

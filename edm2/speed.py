@@ -35,11 +35,18 @@ def compile_network(net: torch.nn.Module, backend: str = "inductor") -> torch.nn
 
     In place (nn.Module.compile), not wrapped: parameter and state-dict names stay those of the eager network.
     The backend 'aot_eager' captures the same graphs but runs them with eager kernels (quick to compile: tests).
-    For evaluation: a compiled forward in training mode skips the forced weight normalization (compile_loss
-    applies it before its graph).
+    In training mode the forced weight normalization runs eagerly before the graph, which cannot write weights.
     """
+    net.register_forward_pre_hook(_normalize_before_graph)
     net.compile(dynamic=False, backend=backend)
     return net
+
+
+@torch.compiler.disable
+def _normalize_before_graph(module: torch.nn.Module, args: tuple) -> None:
+    """A forward pre-hook: Eq. 66 for a training-mode network, outside (before) its compiled graph."""
+    if module.training:
+        force_weight_normalization(module)
 
 
 def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., torch.Tensor]:

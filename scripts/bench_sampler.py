@@ -63,7 +63,8 @@ def main(size, resolution, img_channels, channels, gnet_channels, classes, batch
              1.4: benchmark.sampling_flops_per_image(net, gnet, num_steps)}
     net, gnet = (speed.apply(n.eval().requires_grad_(False).to(device), device) for n in (net, gnet))
     print(f"device {device}, {net.img_resolution}x{net.img_resolution}x{net.img_channels}, batch {batch_size}, "
-          f"{num_steps} steps, computing in {net.compute_dtype(device)}, {speed}")
+          f"{num_steps} steps, computing in {net.compute_dtype(device)}, compile {speed.compiles(device)}, "
+          f"channels-last {speed.uses_channels_last(device)}")
     peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
     result = dict(size=size, batch=batch_size, steps=num_steps, device=str(device), precision=precision,
                   compile=speed.compiles(device), channels_last=speed.uses_channels_last(device), peak_tflops=peak)

@@ -77,7 +77,8 @@ def run_section(name: str, out: Path, seconds: float, config: sections.Config,
 
 def launch_section(name: str, out: Path, seconds: float) -> dict:
     """Run a section in a child process limited to `seconds` (plus a grace period); its outcome as a report entry."""
-    command = [sys.executable, str(Path(__file__).resolve()), f"--out={out}", f"--section={name}", f"--seconds={seconds}"]
+    command = [sys.executable, str(Path(__file__).resolve()), f"--out={out}", f"--section={name}",
+               f"--seconds={seconds}"]
     start = time.monotonic()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=seconds + GRACE_S)

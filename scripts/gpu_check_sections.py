@@ -46,7 +46,7 @@ class Config:
     train_batches: tuple[int, ...] = (32, 64)  # (c)
     train_steps: int = 10
     train_warmup: int = 3  # the first step compiles
-    release: tuple = (("precision", "fp16"), ("compile", False), ("channels_last", False))  # the release's configuration
+    release: tuple = (("precision", "fp16"), ("compile", False), ("channels_last", False))  # as the release trains
     fastest: tuple = (("precision", "bf16"), ("compile", True), ("channels_last", True))
     sample_batch: int = 64  # (d)
     sample_steps: int = 32

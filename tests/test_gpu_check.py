@@ -31,14 +31,15 @@ class CPUProbe(sections.Probe):
 
 
 TINY = sections.Config(
-    preset="toy-tiny", reference_batch=2, toy_preset="toy-tiny", toy_steps=16, toy_batch=8, train_batches=(4, 8), train_steps=1,
-    train_warmup=1, fastest=(("precision", "bf16"), ("compile", False), ("channels_last", True)), sample_batch=2,
+    preset="toy-tiny", reference_batch=2, toy_preset="toy-tiny", toy_steps=16, toy_batch=8, train_batches=(4, 8),
+    train_steps=1, train_warmup=1, fastest=(("precision", "bf16"), ("compile", False), ("channels_last", True)), sample_batch=2,
     sample_steps=2, guide_preset="toy-tiny", memory_presets=("toy-tiny",), memory_batch=2, torchrun_duration="64",
 )
 
 
 def run(name, tmp_path, probe=CPUProbe, config=TINY):
-    assert gpu_check.run_section(name, tmp_path, 300, config, probe) == 0, gpu_check.section_file(tmp_path, name).read_text()
+    status = gpu_check.run_section(name, tmp_path, 300, config, probe)
+    assert status == 0, gpu_check.section_file(tmp_path, name).read_text()
     return json.loads(gpu_check.section_file(tmp_path, name).read_text())["results"]
 
 

@@ -43,8 +43,8 @@ class CountOps(TorchDispatchMode):
 def test_gradient_cleaning_is_the_release_loop_bitwise_in_a_few_operations():
     torch.manual_seed(0)
     shapes = [(5, 3, 3, 3), (7,), (), (4, 6), (1000,), (8, 16, 1, 1)] * 4
-    grads = [torch.randn(s) for s in shapes] + [torch.randn(6, 4, 3, 3).to(memory_format=torch.channels_last),
-                                                torch.randn(9, dtype=torch.float16), torch.randn(9, dtype=torch.float64)]
+    grads = [torch.randn(s) for s in shapes] + [torch.randn(6, 4, 3, 3).to(memory_format=torch.channels_last)]
+    grads += [torch.randn(9, dtype=torch.float16), torch.randn(9, dtype=torch.float64)]
     for g in grads:  # plant NaN, +-inf and -0 where the random mask says
         for value in (float("nan"), float("inf"), -float("inf"), -0.0):
             g[torch.rand(g.shape) < 0.1] = value

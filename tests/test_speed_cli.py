@@ -44,7 +44,8 @@ def test_a_run_resumes_bit_for_bit_across_the_speed_options(train_data, referenc
 @pytest.fixture(scope="module")
 def net_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("net") / "net.safetensors"
-    snapshot.save_network(path, randomized(tiny_precond(label_dim=0)).eval(), {"encoder": StandardRGBEncoder().config()})
+    net = randomized(tiny_precond(label_dim=0)).eval()
+    snapshot.save_network(path, net, {"encoder": StandardRGBEncoder().config()})
     return path
 
 

@@ -88,7 +88,8 @@ def run_steps(compile, saved=None, steps=2):
 def test_compiled_and_eager_runs_resume_each_other(aot_eager):
     saved_eager, saved_compiled = run_steps(compile=False), run_steps(compile=True)
     # The same names: compiling the loss leaves the network and its state dict as they are.
-    assert list(saved_compiled["net"]) == list(saved_eager["net"]) and not any("_orig_mod" in k for k in saved_eager["net"])
+    assert list(saved_compiled["net"]) == list(saved_eager["net"])
+    assert not any("_orig_mod" in k for k in saved_eager["net"])
     reference = run_steps(compile=False, saved=saved_eager)  # eager all along
     # aot_eager runs the captured graphs with eager kernels: whichever way a run switches, it continues bit for bit.
     for first, then in ((saved_eager, True), (saved_compiled, False), (saved_compiled, True)):
@@ -108,3 +109,15 @@ def test_compiled_sampling_network_keeps_its_names_and_images(aot_eager):
     compiled = [images for _, images in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
                                                         num_steps=3)]
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))  # uint8 images of the same computation
+
+
+def test_a_compiled_network_in_training_mode_still_forces_the_weight_norms(aot_eager):
+    eager, compiled = tiniest(), speed.compile_network(tiniest())
+    images, sigma, labels = torch.randn(3, 2, 4, 4), torch.tensor([0.5, 1.0, 2.0]), torch.eye(2)[[0, 1, 1]]
+    # With u(sigma) as training computes it: the eager forward then normalizes every layer, logvar_linear included.
+    want = eager(images, sigma, labels, return_logvar=True)
+    got = compiled(images, sigma, labels, return_logvar=True)
+    # The write of Eq. 66 happened (before the graph) exactly as the eager forward does it, and the graph computed
+    # with the normalized weights.
+    assert all(torch.equal(a, b) for a, b in zip(compiled.parameters(), eager.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

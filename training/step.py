@@ -59,8 +59,8 @@ def training_step(step: TrainingStep) -> torch.Tensor:
     return loss
 
 
-def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder, batches: Iterator, *,
-                         seeds: list[int], scale: float, device: torch.device) -> torch.Tensor:
+def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder,
+                         batches: Iterator, *, seeds: list[int], scale: float, device: torch.device) -> torch.Tensor:
     """Backpropagate one batch per seed (the round's random draws), all-reducing gradients after the last
     under DistributedDataParallel; returns the sum of the rounds' mean losses."""
     rounds = len(seeds)
