@@ -81,12 +81,12 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
                   gnet_path: str | None, guidance: float, stds: list[float]) -> dict:
     """Refuse option combinations that cannot work; returns the settings a results file records."""
     distances = [metric for metric in metrics if metric != "loss"]
-    for needed, missing, option in ((guidance != 1, gnet_path is None, "--gnet"),
-                                    ("loss" in metrics, data_path is None, "--data"),
-                                    (bool(distances), ref_path is None, "--ref")):
+    for needed, missing, option, why in (
+            (guidance != 1, gnet_path is None, "--gnet", f"--guidance={guidance:g} needs a guiding network"),
+            ("loss" in metrics, data_path is None, "--data", "--metrics=loss needs the dataset to measure it on"),
+            (bool(distances), ref_path is None, "--ref", f"--metrics={','.join(distances)} needs reference statistics")):
         if needed and missing:
-            raise click.BadParameter(f"needed for --metrics={','.join(metrics)} --guidance={guidance:g}",
-                                     param_hint=option)
+            raise click.BadParameter(why, param_hint=option)
     if seed + num > MAX_SEED:
         raise click.BadParameter(f"seeds {seed}..{seed + num - 1} go past {MAX_SEED - 1}", param_hint="--seed")
     return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,

@@ -93,7 +93,7 @@ def validation_loss(net: torch.nn.Module, samples: ValidationSamples, batch_size
     for batch in batches:
         y, sigma, noise, labels = samples.batch(batch, device)
         denoised = net(y + sigma * noise, sigma, labels)
-        error = (denoised - y).to(torch.float64).square().flatten(1).mean(1)
+        error = (denoised.to(torch.float64) - y.to(torch.float64)).square().flatten(1).mean(1)
         total += (weight(sigma.to(torch.float64)).flatten() * error).sum()
     return float(distributed.all_reduce_sum(total)) / samples.num
 
@@ -115,7 +115,7 @@ def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, l
     errors, logvars = [], []
     for sigma in sigmas:
         denoised, logvar = net(y + sigma * noise, sigma, labels, return_logvar=True)
-        error = (denoised - y).to(torch.float64).square().mean()
+        error = (denoised.to(torch.float64) - y.to(torch.float64)).square().mean()
         errors.append(float(weight(torch.tensor(sigma, dtype=torch.float64)) * error))
         logvars.append(float(logvar.flatten()[0]))
     return errors, logvars

@@ -7,10 +7,17 @@ import math
 
 import matplotlib
 import matplotlib.figure
+import matplotlib.ticker
 import numpy as np
 
 from edm2 import plots
 from edm2.magnitudes import bucket
+
+# No mathtext anywhere: plain-text labels, and plain tick labels on log axes (matplotlib's default ones are
+# mathtext). Its parser (pyparsing) leaves reference cycles of exceptions and their tracebacks, which keep the
+# frames of whoever drew the figure until the garbage collector runs; in a training those frames hold the data
+# loader, whose worker processes then kept the interpreter from exiting at the end of the run.
+PLAIN = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
 
 
 def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
@@ -45,18 +52,20 @@ def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
     """Eq. 21's two halves against sigma, and u(sigma) beside ln(lambda L), for one snapshot's row."""
     sigma, error, u = (np.asarray(v, dtype=np.float64) for v in (data["sigma"], row["weighted_error"], row["u"]))
     scaled = error / np.exp(u)
-    halves.plot(sigma, scaled, "o-", color="C1", markersize=3, label=r"$\lambda(\sigma)/e^{u(\sigma)}\,L(\sigma)$")
-    halves.plot(sigma, u, "s-", color="C2", markersize=3, label=r"$u(\sigma)$")
-    halves.plot(sigma, scaled + u, "--", color="0.4", linewidth=1, label="sum: loss at $\\sigma$")
-    fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label=r"$\ln \lambda(\sigma) L(\sigma)$ measured")
-    fit.plot(sigma, u, "s-", color="C2", markersize=3, label=r"$u(\sigma)$ learned")
-    snapshot = f"EMA $\\sigma_{{rel}}$={data['ema_std']:.3f} at kimg {row['kimg']:.1f}"
+    halves.plot(sigma, scaled, "o-", color="C1", markersize=3, label="λ(σ) L(σ) / exp u(σ)")
+    halves.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ)")
+    halves.plot(sigma, scaled + u, "--", color="0.4", linewidth=1, label="sum: the loss at σ")
+    fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label="ln λ(σ) L(σ), measured")
+    fit.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ), learned")
+    snapshot = f"EMA σ_rel={data['ema_std']:.3f} at kimg {row['kimg']:.1f}"
     halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9)
-    fit.set_title(f"optimum of Eq. 21: $u = \\ln \\lambda L$, {snapshot}", fontsize=9)
+    fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9)
     low, high = math.exp(data["P_mean"] - data["P_std"]), math.exp(data["P_mean"] + data["P_std"])
     for ax in (halves, fit):
-        ax.axvspan(low, high, color="0.9", zorder=0, label=r"training $\sigma$, $\pm 1$ std")
-        ax.set(xscale="log", xlabel=r"$\sigma$")
+        ax.axvspan(low, high, color="0.9", zorder=0, label="training σ, ±1 std")
+        ax.set(xscale="log", xlabel="σ")
+        ax.xaxis.set_major_formatter(PLAIN)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
 
@@ -84,7 +93,7 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
         for k, group in enumerate(dict.fromkeys(bucket(name) for name in names)):
             k = buckets.index(group)
             ax.plot([], [], color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=group)
-        ax.set(xlabel="kimg", ylabel="RMS", title=f"{title}, EMA $\\sigma_{{rel}}$={data['ema_std']:.3f}")
+        ax.set(xlabel="kimg", ylabel="RMS", title=f"{title}, EMA σ_rel={data['ema_std']:.3f}")
         ax.set_ylim(0, 1.15 * top)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="lower left")

@@ -10,6 +10,8 @@ import matplotlib.figure
 from edm2 import plots
 from edm2.sweep import best_rows
 
+LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2"}  # plain text, no mathtext
+
 
 def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
     """One panel per metric: metric against sigma_rel for every training time in rows, the minimum starred."""
@@ -28,7 +30,7 @@ def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.fig
                 ax.plot([row["std"]], [row[metric]], "*", color=color, markersize=14, markeredgecolor="black")
                 ax.annotate(f"{row['std']:.3f}", (row["std"], row[metric]), textcoords="offset points",
                             xytext=(0, 9), ha="center", fontsize=8)
-        ax.set(xlabel=r"EMA length $\sigma_{rel}$", ylabel=metric, title=f"{metric} against EMA length")
+        ax.set(xlabel="EMA length σ_rel", ylabel=LABELS.get(metric, metric), title=f"{metric} against EMA length")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return figure
