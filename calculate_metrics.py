@@ -288,8 +288,8 @@ def sweep(indir: Path, stds: list[float], kimgs: list[int | None], metrics: list
           ema_batch: int) -> None:
     """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
     distances = [metric for metric in metrics if metric in DETECTORS]
-    settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance, stds)
-    plan = sweep_cli.plan(indir, kimgs, dest, save_dir, settings)
+    settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance)
+    plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
     with distributed.session():
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
         reference = load_reference(ref_path, distances) if distances else None

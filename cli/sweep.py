@@ -78,8 +78,9 @@ def options(fn: Callable) -> Callable:
 
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
-                  gnet_path: str | None, guidance: float, stds: list[float]) -> dict:
-    """Refuse option combinations that cannot work; returns the settings a results file records."""
+                  gnet_path: str | None, guidance: float) -> dict:
+    """Refuse option combinations that cannot work; returns the settings a results file records (its rows record
+    the training times and EMA lengths, so a rerun may add either)."""
     distances = [metric for metric in metrics if metric != "loss"]
     for needed, missing, option, why in (
             (guidance != 1, gnet_path is None, "--gnet", f"--guidance={guidance:g} needs a guiding network"),
@@ -89,8 +90,7 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
             raise click.BadParameter(why, param_hint=option)
     if seed + num > MAX_SEED:
         raise click.BadParameter(f"seeds {seed}..{seed + num - 1} go past {MAX_SEED - 1}", param_hint="--seed")
-    return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
-                stds=stds)
+    return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance)
 
 
 @dataclasses.dataclass
@@ -110,7 +110,8 @@ def _local(path: str | Path | None) -> str | None:
     return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
 
 
-def plan(indir: Path, kimgs: list[int | None], dest: Path | None, save_dir: Path | None, settings: dict) -> SweepPlan:
+def plan(indir: Path, kimgs: list[int | None], stds: list[float], dest: Path | None, save_dir: Path | None,
+         settings: dict) -> SweepPlan:
     """Find the snapshots of every training time, read the run's settings, and check both output folders."""
     try:
         snapshots = posthoc.list_snapshots(indir)
@@ -139,7 +140,7 @@ def plan(indir: Path, kimgs: list[int | None], dest: Path | None, save_dir: Path
         results = sweep.SweepResults(dest / sweep.SWEEP_JSON, settings)
     except sweep.SweepError as e:
         raise click.BadParameter(str(e), param_hint="--dest") from None
-    save = _saver(save_dir, [(nimg, std) for _, nimg in times for std in settings["stds"]]) if save_dir else None
+    save = _saver(save_dir, [(nimg, std) for _, nimg in times for std in stds]) if save_dir else None
     return SweepPlan(times, metadata, encoder, results, dest, save)
 
 

@@ -19,7 +19,8 @@ from edm2 import posthoc
 from edm2.plots.sweep import sweep_figure
 from edm2.snapshot import load_network
 from edm2.sweep import SweepResults, run_sweep
-from tests.helpers import REPO, assert_one_error_line, fake_training_run, tree, write_image_dataset
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, fake_training_run, tree,
+                           write_image_dataset)
 
 NUM = 24  # samples of the loss; one batch of them, as the reference below
 
@@ -84,6 +85,26 @@ def test_sweep_loss_and_reconstructions_equal_independent_ones(reference_run, tr
     # holds); only the float64 sums of 24 x 192 terms differ in order: ~1e-13 relative.
     assert row["loss"] == pytest.approx(expected, rel=1e-10)
     assert 0.2 < expected < 5  # lambda(sigma) makes Eq. 14 about 1 for a weak denoiser
+
+
+def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path):
+    # FID through the sweep equals `calculate_metrics.py gen` on reconstruct_phema.py's file for that length, with
+    # the guidance options of gen (here autoguidance by the run's early snapshot): the same seeds, the same images.
+    torch.manual_seed(0)
+    torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
+    inception, gnet = f"--inception={tmp_path / 'inception.pt'}", reference_run / "network-snapshot-0000001-0.050.safetensors"
+    assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
+                                        inception], standalone_mode=False) is None
+    common = ["--metrics=fid", f"--ref={tmp_path / 'ref.npz'}", inception, "--num=4", "--batch=4", "--seed=7",
+              f"--gnet={gnet}", "--guidance=2"]
+    result = sweep(f"--indir={reference_run}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
+                   *common)
+    assert result.exit_code == 0, result.output
+    [row] = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    result = CliRunner().invoke(calculate_metrics.main, ["gen", f"--net={tmp_path / 'saved' / 'phema-0000002-0.130.safetensors'}",
+                                                         *common])
+    assert result.exit_code == 0, result.output
+    assert row["fid"] == json.loads(result.output.strip().splitlines()[-1])["results"]["fid"]  # bit for bit
 
 
 def test_an_interrupted_sweep_resumes_without_remeasuring(reference_run, tmp_path):
@@ -182,13 +203,19 @@ def test_sweep_bad_input_is_one_line_before_any_network_is_loaded(reference_run,
     assert tree(tmp_path) == before and tree(reference_run) == run_before
 
 
-def test_a_finished_sweep_loads_no_network_and_draws_again(reference_run, train_data, tmp_path, monkeypatch):
-    args = [f"--indir={reference_run}", "--std=0.1", "--metrics=loss", f"--data={train_data}", "--num=4",
-            f"--dest={tmp_path}"]
-    assert sweep(*args).exit_code == 0
+def test_a_sweep_grows_by_the_rows_it_lacks_and_a_finished_one_loads_no_network(reference_run, train_data, tmp_path,
+                                                                                  monkeypatch):
+    common = ["--metrics=loss", f"--data={train_data}", "--num=4", f"--indir={reference_run}", f"--dest={tmp_path}"]
+    assert sweep("--std=0.1", *common).exit_code == 0
+    first = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    result = sweep("--std=0.1,0.12", *common)  # one more EMA length: only that one is measured
+    assert result.exit_code == 0 and "kimg 2 sigma_rel 0.120" in result.output
+    assert "kimg 2 sigma_rel 0.100" not in result.output
+    rows = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    assert rows[0] == first[0] and [row["std"] for row in rows] == [0.1, 0.12]
     (tmp_path / "ema-sweep.png").unlink()
     monkeypatch.setattr(posthoc, "load_network", lambda path: pytest.fail(f"loaded {path} again"))
-    result = sweep(*args)
+    result = sweep("--std=0.12,0.1", *common)
     assert result.exit_code == 0 and "kimg 2 sigma_rel" not in result.output, result.output
-    assert (tmp_path / "ema-sweep.png").is_file()
-    assert math.isfinite(json.loads((tmp_path / "ema-sweep.json").read_text())["rows"][0]["loss"])
+    assert (tmp_path / "ema-sweep.png").is_file()  # drawn again from the rows alone
+    assert math.isfinite(json.loads((tmp_path / "ema-sweep.json").read_text())["rows"][1]["loss"])
