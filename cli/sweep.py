@@ -4,6 +4,7 @@ naming the option at fault, made before any network is loaded; then the summary 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from cli.types import Number, StdList
 
-from edm2 import files, posthoc, sweep
+from edm2 import distributed, files, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
@@ -196,7 +197,7 @@ def finish(plan: SweepPlan, metrics: list[str]) -> None:
 def guiding_network(gnet_path: str, plan: SweepPlan, device: torch.device) -> torch.nn.Module:
     """--gnet on device, checked to fit the run's network."""
     try:
-        gnet, _ = load_network(gnet_path)
+        gnet, _ = distributed.main_rank_first(functools.partial(load_network, gnet_path))  # rank 0 alone downloads
         check_guidance_pair(network_shape(plan.metadata), gnet)
     except (SnapshotError, GenerationError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--gnet") from None

@@ -157,7 +157,8 @@ class Dashboard:
         same = stored and all(stored.get(k) == v for k, v in mine.items() if k != key)
         if not same or not isinstance(stored.get(key), list):
             return []
-        return [row for row in stored[key] if isinstance(row, dict) and row.get("nimg", math.inf) <= cur_nimg]
+        return [row for row in stored[key] if isinstance(row, dict) and isinstance(row.get("nimg"), int)
+                and row["nimg"] <= cur_nimg]
 
     def update(self, net: torch.nn.Module, nimg: int) -> None:
         """Measure the EMA network at nimg images, record the numbers, and redraw training.png."""
