@@ -13,7 +13,7 @@ import torch
 
 from cli import sweep as sweep_cli
 from cli.command import Group
-from cli.types import Number
+from cli.types import Number, SigmaInterval
 from edm2 import distributed, files, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
@@ -49,9 +49,9 @@ def metric_options(batch_default: int) -> Callable:
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
                          type=click.IntRange(min=1), default=batch_default, show_default=True),
-            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: published URL]",
+            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
                          metavar="PATH|URL", default=None),
-            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: published ViT-L/14 URL]",
+            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
                          metavar="PATH|URL", default=None),
         ]
         for option in reversed(options):
@@ -105,9 +105,9 @@ def check_dimensions(ref: dict, ref_path: str, detectors: dict) -> None:
 
 
 def open_images(path: str, option: str) -> ImageFolderDataset:
-    """The image dataset at path, checked to hold uint8 RGB or grayscale images."""
+    """The images at path, in any format PIL reads, checked to be uint8 RGB or grayscale."""
     try:
-        dataset = ImageFolderDataset(path, use_labels=False)
+        dataset = ImageFolderDataset(path, use_labels=False, any_format=True)
         image, _ = dataset[0]
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint=option) from None
@@ -173,8 +173,9 @@ def main() -> None:
         --ref=refs/img512.npz --metrics=fid
 
     Statistics files: .npz (ours, '<metric>/mu' and '<metric>/sigma' in float64), the release's .pkl, or
-    EDM's .npz (FID only). Detector weights come from their published URLs through the download cache
-    ($EDM2_CACHE_DIR, default ~/.cache/edm2); --inception and --dinov2 point at local copies instead.
+    EDM's .npz (FID only). Detector weights are looked for in $EDM2_CACHE_DIR/detectors/ (default
+    ~/.cache/edm2/detectors/) and downloaded there once from their published URLs; without internet, copy
+    the files there, or point --inception and --dinov2 at local copies.
     An Inception file is a TorchScript program: its code is read first and refused unless it is tensor
     arithmetic only (no file, storage, process or network operations).
     """
@@ -209,8 +210,8 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
 
 
 @main.command()
-@click.option("--images", "images_path", help=f"Images: directory or ZIP (a top-level {GRID_FILE} from "
-              "generate.py --grid is skipped)", metavar="PATH|ZIP", required=True)
+@click.option("--images", "images_path", help=f"Images: directory or ZIP of PNG, JPEG, WebP or any format PIL reads "
+              f"(a top-level {GRID_FILE} from generate.py --grid is skipped)", metavar="PATH|ZIP", required=True)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=64)
 @click.option("--num", "num_images", help="Number of images to use (a random subset if there are more)",
@@ -244,17 +245,23 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
 @click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=Number(), default=1.0,
               show_default=True)
+@click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], e.g. "
+              "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
 @click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=click.IntRange(min=2),
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
               type=click.IntRange(min=0), default=0, show_default=True)
-def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, metrics: list[str], batch_size: int,
-        inception: str | None, dinov2: str | None, num_images: int, seed: int) -> None:
+def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+        ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
+        seed: int) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     if guidance != 1 and gnet_path is None:
         raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
+    if guidance_interval is not None and guidance == 1:
+        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
+                                 param_hint="--guidance-interval")
     if seed + num_images > MAX_SEED:  # checked now, not at the first batch past the limit hours later
         raise click.BadParameter(f"seeds {seed}..{seed + num_images - 1} go past {MAX_SEED - 1}; every seed must be "
                                  "below 2**32", param_hint="--seed")
@@ -273,22 +280,23 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, ref_path: str, me
         check_dimensions(reference, ref_path, detectors)
         seeds = range(seed, seed + num_images)
         images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
-                                                        batch_size=batch_size, device=device))
+                                                        batch_size=batch_size, device=device,
+                                                        guidance_interval=guidance_interval))
         stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
         report(stats, reference, metrics, count, net_path, ref_path)
-
 
 
 @main.command(epilog=sweep_cli.EPILOG)
 @sweep_cli.options
 @metric_options(batch_default=32)
-def sweep(indir: Path, stds: list[float], kimgs: list[int | None], metrics: list[str], batch_size: int,
+def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
-          seed: int, gnet_path: str | None, guidance: float, dest: Path | None, save_dir: Path | None,
-          ema_batch: int) -> None:
+          seed: int, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+          dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
     """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
     distances = [metric for metric in metrics if metric in DETECTORS]
-    settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance)
+    settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
+                                       guidance_interval)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
     with distributed.session():
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
@@ -299,7 +307,7 @@ def sweep(indir: Path, stds: list[float], kimgs: list[int | None], metrics: list
         if reference is not None:
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,
-                          reference, samples, gnet, guidance)
+                          reference, samples, gnet, dict(guidance=guidance, guidance_interval=guidance_interval))
         main_rank = distributed.is_main()
         run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
                   plan.save if main_rank else None, report=click.echo)

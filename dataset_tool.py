@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from cli.command import Group
 from edm2 import distributed, files
-from edm2.convert import ImageSizeError, UnreadableImageError, convert_images, open_image_source
+from edm2.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
+                          open_image_source)
 from edm2.dataset import DatasetError, ImageFolderDataset, image_fname
 from edm2.dataset_writer import dataset_writer, png_bytes
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
@@ -116,12 +117,17 @@ def main() -> None:
               help="What to do with an image that cannot be read.")
 @click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True, type=click.IntRange(min=0),
               help="Processes reading and cropping images.")
+@click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
+              help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str, workers: int) -> None:
+            max_images: int | None, on_error: str, workers: int, channels: str) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
+    Top-level class folders give the labels, numbered in sorted folder order (printed at the end).
+    Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
+    with any colour image among them all become RGB. Alpha is dropped.
 
     \b
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
@@ -134,17 +140,23 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             images = open_image_source(source)
         except DatasetError as e:
             raise click.BadParameter(str(e), param_hint="'--source'") from None
+        mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
             try:
                 written = convert_images(images, writer, transform_image, max_images, workers,
-                                         on_skip=report_skip if on_error == "skip" else None)
+                                         on_skip=report_skip if on_error == "skip" else None, mode=mode)
             except UnreadableImageError as e:
                 raise click.ClickException(f"{e}; --on-error=skip leaves such images out") from None
             except ImageSizeError as e:
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
     skipped = len(images.names[:max_images]) - written
-    click.echo(f"wrote {written} images to {dest}" + (f" ({skipped} skipped)" if skipped else ""))
+    kind = "grayscale (1 channel)" if mode == "L" else "RGB"
+    click.echo(f"wrote {written} {kind} images to {dest}" + (f" ({skipped} skipped)" if skipped else ""))
+    if images.classes:
+        click.echo("labels from the class folders (dataset.json's numbers):")
+        for label, folder in enumerate(images.classes):
+            click.echo(f"  {label}: {folder}")
 
 
 def vae_options(command: Callable) -> Callable:

@@ -14,13 +14,17 @@ import PIL.Image
 import torch
 
 from cli.command import Command
-from cli.types import Number, SeedList
+from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import GenerationError, check_guidance_pair, generate_images
+from edm2.generation import (LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
+                             read_generated_labels, save_generated_labels)
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
+
+# generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
+GRID_GAP_VALUE = 255
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -40,12 +44,21 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
     return net, gnet, guidance
 
 
-def check_before_work(outdir: str, guidance: float, sampler_kwargs: dict) -> None:
-    """Refuse sampler settings that cannot work and an output folder that cannot be written, before any loading."""
+def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[float, float] | None,
+                      sampler_kwargs: dict) -> dict[str, int]:
+    """Refuse sampler settings that cannot work, an output folder that cannot be written and a labels file that
+    is not ours, before any loading; returns the labels already in the folder."""
     if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
         raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
+    if guidance_interval is not None and guidance == 1:
+        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet (or a --preset "
+                                 "that has them)", param_hint="--guidance-interval")
     check_settings(guidance=guidance, **sampler_kwargs)
     files.check_writable_dir(outdir)
+    try:
+        return read_generated_labels(Path(outdir) / LABELS_FILE)
+    except GenerationError as e:
+        raise click.BadParameter(str(e), param_hint="--outdir") from None
 
 
 def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str) -> tuple:
@@ -84,7 +97,8 @@ def save_png(path: Path, image: np.ndarray) -> None:
 
 
 def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
-    """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere)."""
+    """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere), with a one-pixel
+    gap of GRID_GAP_VALUE between them."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(seeds), *shape], dtype=torch.uint8, device=distributed.device())
     for i, seed in enumerate(seeds):
@@ -97,10 +111,26 @@ def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.nd
     cols = math.ceil(math.sqrt(len(seeds)))
     rows = math.ceil(len(seeds) / cols)
     h, w, c = shape
-    grid = np.zeros([rows * h, cols * w, c], dtype=np.uint8)
+    grid = np.full([rows * (h + 1) - 1, cols * (w + 1) - 1, c], GRID_GAP_VALUE, dtype=np.uint8)
     for i, image in enumerate(stack):
-        grid[(i // cols) * h : (i // cols + 1) * h, (i % cols) * w : (i % cols + 1) * w] = image
+        top, left = (i // cols) * (h + 1), (i % cols) * (w + 1)
+        grid[top : top + h, left : left + w] = image
     return grid
+
+
+def image_path(outdir: Path, seed: int, subdirs: bool) -> Path:
+    """Where the image of a seed goes: OUTDIR/SEED.png, or OUTDIR/BLOCK/SEED.png with --subdirs."""
+    return outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png"
+
+
+def save_labels(outdir: Path, earlier: dict[str, int], labels: dict[str, int]) -> None:
+    """Gather every rank's {image name: class} and write them, with those of earlier runs, to OUTDIR/labels.json."""
+    gathered = distributed.all_gather_object(labels)
+    if distributed.is_main():
+        merged = dict(earlier)
+        for part in gathered:
+            merged.update(part)
+        save_generated_labels(outdir / LABELS_FILE, merged)
 
 
 @click.command(cls=Command, epilog="""\b
@@ -130,33 +160,50 @@ Examples:
 @click.option("--S_max", "S_max", type=Number(min=0, allow_inf=True), default=float("inf"), show_default=True,
               help="Stochasticity up to this noise level")
 @click.option("--S_noise", "S_noise", type=Number(min=0), default=1, show_default=True, help="Stochastic noise inflation")
-@click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png")
-def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, **sampler_kwargs):
-    """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG."""
+@click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png (one-pixel white gaps)")
+@click.option("--guidance-interval", type=SigmaInterval(), default=None,
+              help="Guide only the steps whose noise level sigma lies in (SIGMA_LO, SIGMA_HI], e.g. 0.28,5.42 "
+                   "(Kynkaanniemi et al. 2024); unguided elsewhere  [default: every step]")
+def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, guidance_interval,
+         **sampler_kwargs):
+    """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG.
+
+    A conditional network's images get their classes in OUTDIR/labels.json ({"labels": [[file, class], ...]},
+    the release's dataset.json format; the entries of earlier runs into the same folder are kept).
+    """
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
-    check_before_work(outdir, guidance, sampler_kwargs)
+    earlier_labels = check_before_work(outdir, guidance, guidance_interval, sampler_kwargs)
     outdir = Path(outdir)
     with distributed.session():
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, class_idx)
+        interval = "" if guidance_interval is None else " for sigma in ({:g}, {:g}]".format(*guidance_interval)
         distributed.print0(f"Generating {len(seeds)} images from {net_path}"
-                           + (f", guided by {gnet_path} at {guidance:g}" if gnet is not None else ""))
-        batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
-                                  batch_size=batch_size, device=distributed.device(), **sampler_kwargs)
-        generated = {}
+                           + (f", guided by {gnet_path} at {guidance:g}{interval}" if gnet is not None else ""))
+        batches = generate_labeled_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
+                                          batch_size=batch_size, device=distributed.device(),
+                                          guidance_interval=guidance_interval, **sampler_kwargs)
+        generated, labels = {}, {}
         with contextlib.closing(batches):  # on an error, the progress bar ends before the error line
-            for batch_seeds, images in batches:
-                for seed, image in zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy()):
-                    save_png(outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png", image)
+            for batch_seeds, images, classes in batches:
+                for i, (seed, image) in enumerate(zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy())):
+                    path = image_path(outdir, seed, subdirs)
+                    save_png(path, image)
+                    if classes is not None:
+                        labels[path.relative_to(outdir).as_posix()] = classes[i]
                     if grid:
                         generated[seed] = image
+        if net.label_dim:
+            save_labels(outdir, earlier_labels, labels)
         if grid:
             tiles = gather_grid(seeds, generated)
             if tiles is not None:
                 save_png(outdir / "grid.png", tiles)
         distributed.barrier()
-        distributed.print0(f"Saved {len(seeds)} images{' and grid.png' if grid else ''} in {outdir}")
+        extras = [name for name, made in ((LABELS_FILE, net.label_dim), ("grid.png", grid)) if made]
+        listed = ", ".join([f"{len(seeds)} images", *extras[:-1]]) + "".join(f" and {name}" for name in extras[-1:])
+        distributed.print0(f"Saved {listed} in {outdir}")
 
 
 if __name__ == "__main__":

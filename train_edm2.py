@@ -9,11 +9,12 @@ import click
 import numpy as np
 
 from cli.command import Command
-from cli.types import ImageCount, Number
+from cli.types import ImageCount, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
-from edm2.errors import one_line
+from edm2.errors import SnapshotError, one_line
+from training.architecture import check_architecture, check_init, read_init, unet_options
 from training.loop import train
 from training.options import PRECISIONS, OptionsError, TrainingOptions, rounds_per_step
 from training.presets import PRESETS, get_preset
@@ -30,6 +31,13 @@ Examples:
 \b
   # Print the resolved options without training
   python train_edm2.py --preset=edm2-img64-s --data=datasets/img64.zip --dry-run
+\b
+  # 48x48 grayscale data (dataset_tool.py convert keeps it one-channel) with a three-level U-Net
+  python train_edm2.py --preset=toy-small --data=datasets/gray48.zip --channel-mult=1,2,2 --attn-resolutions=12
+\b
+  # Fine-tune the release's EDM2-S on other ImageNet-512 latents: a new run starting from its weights
+  python train_edm2.py --preset=edm2-img512-s --data=datasets/other-sd.zip --duration=64Mi \\
+      --init=https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/edm2-img512-s-2147483-0.130.pkl
 """
 
 
@@ -45,13 +53,11 @@ def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
 
 
 def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
-    """StandardRGBEncoder for 3-channel PNG data, StabilityVAEEncoder for 8-channel mean/std latents."""
+    """StandardRGBEncoder for PNG data of any channel count (grayscale, RGB, ...), StabilityVAEEncoder for
+    8-channel mean/std latents."""
     image, _ = dataset[0]
     channels = dataset.num_channels
     if image.dtype == np.uint8:
-        if channels != 3:
-            raise click.BadParameter(f"{dataset.path}: PNG images have {channels} channel(s); training needs RGB (3)",
-                                     param_hint="--data")
         return StandardRGBEncoder()
     encoder = StabilityVAEEncoder()
     if channels != 2 * len(encoder.scale):
@@ -61,6 +67,30 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
             param_hint="--data",
         )
     return encoder
+
+
+def network_options(preset: str, resolution: int, channels: int | None, given: dict) -> dict:
+    """The preset's U-Net arguments with --channel-mult, --num-blocks and --attn-resolutions; impossible ones are
+    refused with a line that names the option."""
+    network = unet_options(get_preset(preset).network, given)
+    try:
+        check_architecture(resolution, channels or get_preset(preset).channels, network,
+                           explicit=any(value is not None for value in given.values()))
+    except OptionsError as e:
+        raise click.UsageError(f"{e} (data {resolution}x{resolution})") from None
+    return network
+
+
+def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict) -> tuple[Encoder, dict]:
+    """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
+    cannot load, or does not fit the data or the options given, is refused naming --init."""
+    try:
+        snapshot = read_init(init)
+        check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
+                   label_dim=dataset.label_dim, encoder=encoder, given=given)
+    except (SnapshotError, files.DownloadError, OptionsError) as e:
+        raise click.BadParameter(one_line(e), param_hint="--init") from None
+    return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
 @click.command(cls=Command, epilog=EXAMPLES)
@@ -87,16 +117,37 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed")
 @click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True, help="Data loader processes per GPU")
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options and exit")
+# The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
+@click.option("--channel-mult", type=IntList(min=1), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
+              "level after the first halves the resolution)  [default: preset]")
+@click.option("--num-blocks", type=click.IntRange(min=1), help="Encoder blocks per level (decoder: one more)  "
+              "[default: preset]")
+@click.option("--attn-resolutions", type=IntList(min=1, allow_empty=True), help="Resolutions with self-attention, "
+              "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
+@click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
+              "release pickle); its architecture and encoder are taken, Adam starts afresh")
 def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
-         seed: int, workers: int, dry_run: bool, **overrides) -> None:
+         seed: int, workers: int, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
+         attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
     process then ends by SIGINT, so scripts stop too. A run directory is used by one training at a time.
+
+    --init starts a new run from a snapshot's weights (its network and EMA tracks; Adam starts afresh): the
+    architecture and encoder come from the snapshot, the rest of the recipe from --preset and the options. The
+    run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
+    --decay as given. Rerunning the same command resumes the run from its own training states.
     """
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
+    given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
+    if init is None:
+        overrides["network"] = network_options(preset, dataset.resolution, overrides["channels"], given)
+    else:
+        encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
+        overrides.update(from_init)
     opts = TrainingOptions.from_preset(
         preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
                              label_dim=dataset.label_dim),

@@ -13,7 +13,7 @@ from typing import Callable
 import click
 import torch
 
-from cli.types import Number, StdList
+from cli.types import IntList, Number, SigmaInterval, StdList
 
 from edm2 import distributed, files, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
@@ -36,19 +36,6 @@ Examples:
 """
 
 
-def parse_kimgs(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int | None]:
-    """'16,32' -> [16, 32] (distinct, in order); not given: [None], the newest snapshot."""
-    if value is None:
-        return [None]
-    try:
-        kimgs = [int(part) for part in value.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of whole kimg like 16,32") from None
-    if any(k < 0 for k in kimgs):
-        raise click.BadParameter(f"{value!r}: a training time is not negative")
-    return list(dict.fromkeys(kimgs))
-
-
 def options(fn: Callable) -> Callable:
     """The sweep's own options (the metric options are calculate_metrics.metric_options')."""
     for option in reversed([
@@ -57,7 +44,7 @@ def options(fn: Callable) -> Callable:
         click.option("--std", "stds", help="EMA lengths sigma_rel, e.g. 0.010,0.015,...,0.250", type=StdList(),
                      required=True),
         click.option("--kimg", "kimgs", help="Training times in kimg, one curve each  [default: the newest snapshot]",
-                     metavar="LIST", callback=parse_kimgs),
+                     type=IntList(min=0)),
         click.option("--data", "data_path", help="Dataset for --metrics=loss (the validation loss)", metavar="PATH|ZIP"),
         click.option("--ref", "ref_path", help="Reference statistics for fid and fd_dinov2", metavar="NPZ|PKL|URL"),
         click.option("--num", "num_images", help="Images generated per EMA length; samples of the loss", metavar="INT",
@@ -67,6 +54,8 @@ def options(fn: Callable) -> Callable:
         click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL"),
         click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance)", metavar="FLOAT",
                      type=Number(), default=1.0, show_default=True),
+        click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], "
+                     "as in gen  [default: every step]", type=SigmaInterval()),
         click.option("--dest", help="Folder for ema-sweep.json and ema-sweep.png  [default: INDIR/plots]",
                      metavar="DIR", type=click.Path(path_type=Path)),
         click.option("--save", "save_dir", help="Also save every reconstruction here, named as by reconstruct_phema.py",
@@ -79,7 +68,7 @@ def options(fn: Callable) -> Callable:
 
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
-                  gnet_path: str | None, guidance: float) -> dict:
+                  gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None) -> dict:
     """Refuse option combinations that cannot work; returns the settings a results file records (its rows record
     the training times and EMA lengths, so a rerun may add either)."""
     distances = [metric for metric in metrics if metric != "loss"]
@@ -89,9 +78,13 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
             (bool(distances), ref_path is None, "--ref", f"--metrics={','.join(distances)} needs reference statistics")):
         if needed and missing:
             raise click.BadParameter(why, param_hint=option)
+    if guidance_interval is not None and guidance == 1:
+        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
+                                 param_hint="--guidance-interval")
     if seed + num > MAX_SEED:
         raise click.BadParameter(f"seeds {seed}..{seed + num - 1} go past {MAX_SEED - 1}", param_hint="--seed")
-    return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance)
+    return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
+                guidance_interval=guidance_interval)
 
 
 @dataclasses.dataclass
@@ -111,9 +104,10 @@ def _local(path: str | Path | None) -> str | None:
     return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
 
 
-def plan(indir: Path, kimgs: list[int | None], stds: list[float], dest: Path | None, save_dir: Path | None,
+def plan(indir: Path, kimgs: tuple[int, ...] | None, stds: list[float], dest: Path | None, save_dir: Path | None,
          settings: dict) -> SweepPlan:
-    """Find the snapshots of every training time, read the run's settings, and check both output folders."""
+    """Find the snapshots of every training time (default the newest), read the run's settings, check both output
+    folders."""
     try:
         snapshots = posthoc.list_snapshots(indir)
         newest = snapshots[-1].path
@@ -125,7 +119,7 @@ def plan(indir: Path, kimgs: list[int | None], stds: list[float], dest: Path | N
     except EncoderError as e:
         raise click.BadParameter(f"{newest}: {e}", param_hint="--indir") from None
     try:
-        times = [posthoc.select_inputs(snapshots, kimg) for kimg in kimgs]
+        times = [posthoc.select_inputs(snapshots, kimg) for kimg in dict.fromkeys(kimgs or [None])]
     except posthoc.NoSuchTimeError as e:
         raise click.BadParameter(str(e), param_hint="--kimg") from None
     dest = dest if dest is not None else indir / "plots"

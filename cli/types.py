@@ -7,7 +7,7 @@ import re
 
 import click
 
-from edm2 import phema
+from edm2 import phema, sampler
 from edm2.generation import MAX_SEED, SeedRanges
 
 
@@ -23,6 +23,10 @@ class Number(click.FloatRange):
                  max_open: bool = False, allow_inf: bool = False):
         super().__init__(min=min, max=max, min_open=min_open, max_open=max_open)
         self.allow_inf = allow_inf
+
+    def _describe_range(self) -> str:
+        """The range for --help; nothing without bounds (click would print 'x<=None')."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
 
     def convert(self, value, param, ctx) -> float:
         """Parse value and refuse NaN (always) and infinities (unless allowed) before the range check."""
@@ -148,3 +152,50 @@ class ImageCount(click.ParamType):
         if count < self.min:
             self.fail(f"{value!r} is fewer than {self.min} image(s)", param, ctx)
         return count
+
+
+class SigmaInterval(click.ParamType):
+    """'SIGMA_LO,SIGMA_HI': the noise levels (sigma_lo, sigma_hi] where guidance applies; sigma_hi may be 'inf'."""
+
+    name = "LO,HI"
+
+    def convert(self, value, param, ctx) -> tuple[float, float]:
+        """Parse value into (sigma_lo, sigma_hi) with 0 <= sigma_lo < sigma_hi; refuse NaN and other text."""
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).split(",")
+        try:
+            lo, hi = (float(part) for part in parts)
+        except ValueError:
+            self.fail(f"{value!r} is not two numbers SIGMA_LO,SIGMA_HI (for example 0.28,5.42)", param, ctx)
+        try:
+            sampler.check_guidance_interval((lo, hi))
+        except sampler.SamplerError:
+            self.fail(f"{value!r}: needs 0 <= SIGMA_LO < SIGMA_HI (SIGMA_HI may be inf)", param, ctx)
+        return lo, hi
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers of at least `min`, like '1,2,2'; with allow_empty, '' is the empty list."""
+
+    name = "LIST"
+
+    def __init__(self, min: int = 1, allow_empty: bool = False):
+        self.min, self.allow_empty = min, allow_empty
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        """Parse value into a tuple of integers; refuse other text, values below min, and '' unless allowed."""
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if not text:
+            if self.allow_empty:
+                return ()
+            self.fail("needs at least one number, e.g. 1,2,2", param, ctx)
+        parts = [part.strip() for part in text.split(",")]
+        if not all(re.fullmatch(r"[+-]?\d{1,9}", part) for part in parts):
+            self.fail(f"{value!r} is not a comma-separated list of integers like 1,2,2", param, ctx)
+        numbers = tuple(int(part) for part in parts)
+        if min(numbers) < self.min:
+            self.fail(f"{value!r}: every number must be at least {self.min}", param, ctx)
+        return numbers

@@ -1,4 +1,7 @@
-"""Converting a folder or ZIP of images (any size, any format PIL reads) into a release-format dataset."""
+"""Converting a folder or ZIP of images (any size, any format PIL reads) into a release-format dataset.
+
+Images become RGB PNGs, or one-channel (L) PNGs for grayscale data (choose_mode).
+"""
 
 from __future__ import annotations
 
@@ -27,13 +30,21 @@ class ImageSizeError(DatasetError):
     """Source images that are not square, or not all of one size, after the transform."""
 
 
+# convert --channels: 'auto' picks one channel when every source image is grayscale.
+CHANNEL_MODES = {"auto": None, "1": "L", "3": "RGB"}
+
+
 @dataclasses.dataclass
 class ImageSource:
-    """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any."""
+    """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any.
+
+    classes names the class folders in label order (label i = classes[i]) when the labels come from folders.
+    """
 
     files: FileTree
     names: list[str]
     labels: dict[str, int] | None
+    classes: list[str] | None = None
 
     @property
     def path(self) -> Path:
@@ -47,23 +58,52 @@ def open_image_source(path: str | os.PathLike) -> ImageSource:
     names = source_image_names(files.names)
     if not names:
         raise DatasetError(f"{path} holds no images")
-    return ImageSource(files, names, _source_labels(files, names))
-
-
-def _source_labels(files: FileTree, names: list[str]) -> dict[str, int] | None:
-    """dataset.json's classes (read as every dataset's are), or one class per top-level folder (ImageNet's layout)."""
-    if LABELS_FILE in files.names:
+    if LABELS_FILE in files.names:  # read as every dataset's labels are
         labels = read_labels(files, names)
-        return None if labels is None else dict(zip(names, labels))
+        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)))
+    return ImageSource(files, names, *_folder_labels(names))
+
+
+def _folder_labels(names: list[str]) -> tuple[dict[str, int] | None, list[str] | None]:
+    """One class per top-level folder (ImageNet's layout), numbered in sorted folder order; none without folders."""
     folders = {name: name.split("/")[0] if "/" in name else "" for name in names}
-    classes = {folder: index for index, folder in enumerate(sorted(set(folders.values())))}
-    return {name: classes[folder] for name, folder in folders.items()} if len(classes) > 1 else None
+    classes = sorted(set(folders.values()))
+    if len(classes) < 2:
+        return None, None
+    index = {folder: label for label, folder in enumerate(classes)}
+    return {name: index[folder] for name, folder in folders.items()}, classes
 
 
-def read_rgb(data: bytes) -> np.ndarray:
-    """Decode an image file to uint8 HWC RGB (grayscale, palette and alpha images are converted)."""
+def choose_mode(source: ImageSource, channels: str, max_images: int | None = None) -> str:
+    """The PIL mode of the converted images for convert --channels (CHANNEL_MODES): with 'auto', L when every
+    image (of the first max_images) is grayscale (PIL modes 1, L, LA, I, F), else RGB.
+
+    'auto' reads headers only, and stops at the first colour image; unreadable files are left to the conversion.
+    """
+    if CHANNEL_MODES[channels] is not None:
+        return CHANNEL_MODES[channels]
+    for name in source.names[:max_images]:
+        try:
+            with source.files.open(name) as stream, PIL.Image.open(stream) as image:
+                mode = image.mode
+        except IMAGE_ERRORS:
+            continue
+        if PIL.Image.getmodebase(mode) != "L":
+            return "RGB"
+    return "L"
+
+
+def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
+    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted).
+
+    16-bit grayscale (PIL's I;16 modes: 16-bit PNG and TIFF, common for scientific images) is scaled to 8 bits as
+    round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white.
+    """
     with PIL.Image.open(io.BytesIO(data)) as image:
-        return np.asarray(image.convert("RGB"))
+        if image.mode.startswith("I;16"):
+            wide = np.asarray(image).astype(np.uint32)
+            image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+        return np.asarray(image.convert(mode))
 
 
 class ConvertedImages(torch.utils.data.Dataset):
@@ -72,15 +112,16 @@ class ConvertedImages(torch.utils.data.Dataset):
     Items are (png bytes, (height, width)), or (None, reason) for a file that cannot be read.
     """
 
-    def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray]):
-        self.files, self.names, self.transform = files, names, transform
+    def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray],
+                 mode: str = "RGB"):
+        self.files, self.names, self.transform, self.mode = files, names, transform, mode
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
         try:
-            image = self.transform(read_rgb(self.files.read(self.names[idx])))
+            image = self.transform(read_image(self.files.read(self.names[idx]), self.mode))
         except IMAGE_ERRORS as e:
             return None, f"{type(e).__name__}: {one_line(e)}"
         return png_bytes(image), image.shape[:2]
@@ -88,14 +129,15 @@ class ConvertedImages(torch.utils.data.Dataset):
 
 def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None = None, workers: int = 0,
-                   on_skip: Callable[[str, str], None] | None = None) -> int:
+                   on_skip: Callable[[str, str], None] | None = None, mode: str = "RGB") -> int:
     """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count.
 
+    Images are decoded in PIL mode `mode`: RGB, or L for one-channel PNGs (choose_mode).
     An unreadable image raises UnreadableImageError, or with on_skip is reported to on_skip(name, reason)
     and leaves its index unused. The written images must be square and of one size (ImageSizeError).
     """
     names = source.names[:max_images]
-    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform), batch_size=None,
+    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode), batch_size=None,
                                          num_workers=workers)
     size, written = None, 0
     for idx, (png, shape) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):

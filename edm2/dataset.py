@@ -1,4 +1,5 @@
-"""Reading release-format datasets: a directory or ZIP of PNG or NPY images plus dataset.json.
+"""Reading release-format datasets: a directory or ZIP of PNG or NPY images plus dataset.json (and, for metrics,
+folders and ZIPs of images in any format PIL reads).
 
 Writing them is edm2/dataset_writer.py's job; dataset_tool.py makes them from other images.
 """
@@ -20,6 +21,10 @@ import torch
 from edm2.errors import EDM2Error
 
 IMAGE_SUFFIXES = (".png", ".npy")
+# Reading any image format (for metrics), images of these PIL modes are decoded as RGB: a folder may mix them
+# (ImageNet's JPEGs include grayscale and CMYK ones), and gray repeated to RGB is what metrics do with gray anyway.
+# Alpha and 16-bit images stay as they are, for the reader to refuse.
+TO_RGB_MODES = {"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV"}
 LABELS_FILE = "dataset.json"
 # The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
 RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
@@ -118,7 +123,7 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
         text = files.read(LABELS_FILE)
     except (OSError, zipfile.BadZipFile) as e:
         raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
-    labels = _parse_labels(text, files.path)
+    labels = parse_labels(text, files.path)
     if labels is None:
         return None
     missing = [name for name in names if name not in labels]
@@ -133,7 +138,7 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
     return values
 
 
-def _parse_labels(text: bytes, path: Path) -> dict[str, object] | None:
+def parse_labels(text: bytes, path: str | os.PathLike) -> dict[str, object] | None:
     """{name: label} of a dataset.json text, None for null labels; the labels themselves are checked later."""
     try:
         listed = json.loads(text)["labels"]
@@ -166,12 +171,16 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     dataset_tool.py did not write (is_raw_image_folder) are checked a little more up front: no other
     image formats beside them, and the first image of every sub-folder has the first image's size; every
     error about them ends with a pointer to `dataset_tool.py convert`.
+
+    With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
+    beside .npy), and every 8-bit image without alpha is decoded as RGB (TO_RGB_MODES).
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
-                 max_size: int | None = None):
+                 max_size: int | None = None, any_format: bool = False):
         self.path = Path(path)
         self._files = FileTree(path)
+        self._any_format = any_format
         self._raw = is_raw_image_folder(self._files)
         try:
             self._open(resolution, use_labels, max_size)
@@ -180,17 +189,19 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def _open(self, resolution: int | None, use_labels: bool, max_size: int | None) -> None:
         suffixes = [suffix(name) for name in self._files.names]
-        self._all_fnames = [name for name, kind in zip(self._files.names, suffixes) if kind in IMAGE_SUFFIXES]
+        readable = {*PIL.Image.registered_extensions(), ".npy"} if self._any_format else set(IMAGE_SUFFIXES)
+        self._all_fnames = [name for name, kind in zip(self._files.names, suffixes) if kind in readable]
         kinds = set(suffixes)
-        others = sorted(kinds & set(PIL.Image.registered_extensions()) - {".png"})
+        others = sorted(kinds & set(PIL.Image.registered_extensions()) - readable)
         if not self._all_fnames:
             found = f" (found {', '.join(others)} files)" if others else ""
-            raise DatasetError(f"{self.path}: no .png or .npy images found{found}")
+            raise DatasetError(f"{self.path}: no {'' if self._any_format else '.png or .npy '}images found{found}")
         if self._raw and others:
             raise DatasetError(f"{self.path}: holds {', '.join(others)} images beside the .png/.npy ones; "
                                f"a dataset holds one kind")
-        if set(IMAGE_SUFFIXES) <= kinds:
-            raise DatasetError(f"{self.path}: mixes .png and .npy images; a dataset holds one kind")
+        pictures = sorted(kinds & readable - {".npy"})
+        if ".npy" in kinds and pictures:
+            raise DatasetError(f"{self.path}: mixes {', '.join(pictures)} and .npy images; a dataset holds one kind")
         all_labels = read_labels(self._files, self._all_fnames) if use_labels else None
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
@@ -239,7 +250,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             data = io.BytesIO(self._files.read(fname))
             if fname.lower().endswith(".npy"):
                 return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
-            image = np.asarray(PIL.Image.open(data))
+            with PIL.Image.open(data) as pil:
+                image = np.asarray(pil.convert("RGB") if self._any_format and pil.mode in TO_RGB_MODES else pil)
         except IMAGE_ERRORS as e:
             raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
         if image.dtype != np.uint8:
@@ -258,8 +270,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         image = self._load(raw_idx)
         if list(image.shape) != self.image_shape:
             hint = convert_hint(self.path) if self._raw else ""
+            mixed = "resolutions" if list(image.shape[1:]) != self.image_shape[1:] else "channel counts (gray and colour)"
             raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(image.shape)} "
-                               f"but the first image has {_shape_text(self.image_shape)}; mixed resolutions{hint}")
+                               f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
         return image, self.get_label(idx)
 
     def get_label(self, idx: int) -> np.ndarray:

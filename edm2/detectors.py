@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -31,9 +32,35 @@ class DetectorError(EDM2Error):
     """A detector's weights are missing or are not what the detector expects; the message names the file."""
 
 
-def _local_weights(path_or_url: str | os.PathLike) -> str:
-    """Local path of detector weights (downloaded once into the cache); raises DetectorError if absent."""
-    path = files.cached_path(path_or_url)
+def default_weights_path(url: str) -> Path:
+    """Where a detector's published file is looked for before any download, and downloaded to:
+    $EDM2_CACHE_DIR/detectors/ (default ~/.cache/edm2/detectors/) under the URL's file name.
+
+    Clusters without internet copy the files there (or pass their paths to the detectors).
+    """
+    return files.cache_dir() / "detectors" / os.path.basename(url)
+
+
+def _default_weights(url: str) -> Path:
+    """The published file of a detector: found in the cache, else downloaded there; a failed download says where
+    to put the file by hand."""
+    dest = default_weights_path(url)
+    if dest.is_file():
+        return dest
+    earlier = files.download_cache_path(url)  # where versions before the detectors/ folder downloaded it
+    if earlier.is_file():
+        return earlier
+    try:
+        return files.download(url, dest)
+    except files.DownloadError as e:
+        raise DetectorError(f"{e}; without internet, download {url} elsewhere and copy it to {dest} "
+                            "(or give the path of the file)") from None
+
+
+def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> str:
+    """Local path of detector weights: the given file or URL (downloaded once into the cache), or with None the
+    published file at `url` (see default_weights_path); raises DetectorError if absent."""
+    path = _default_weights(url) if path_or_url is None else files.cached_path(path_or_url)
     if not path.is_file():
         raise DetectorError(f"detector weights not found: {path_or_url}")
     return str(path)
@@ -42,8 +69,8 @@ def _local_weights(path_or_url: str | os.PathLike) -> str:
 class InceptionV3:
     """FID features: 2048-d pool3 of the TF Inception-v3 (2015-12-05) graph, in its published TorchScript form."""
 
-    def __init__(self, path_or_url: str | os.PathLike = INCEPTION_URL, device: torch.device | str = "cpu"):
-        path = _local_weights(path_or_url)
+    def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
+        path = _local_weights(path_or_url, INCEPTION_URL)
         try:
             self.model = safe_torchscript.load_torchscript(path, map_location=device).eval()
         except safe_torchscript.UnsafeTorchScript as e:
@@ -193,8 +220,8 @@ class DINOv2ViT(nn.Module):
 class DINOv2:
     """FD_DINOv2 features: DINOv2 ViT class token after 224x224 bicubic antialiased resize and ImageNet normalization."""
 
-    def __init__(self, path_or_url: str | os.PathLike = DINOV2_URL, device: torch.device | str = "cpu"):
-        path = _local_weights(path_or_url)
+    def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
+        path = _local_weights(path_or_url, DINOV2_URL)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
@@ -219,7 +246,7 @@ class DINOv2:
         return self.model(x).to(torch.float32)
 
 
-# Metric name -> (detector class, default weights).
+# Metric name -> (detector class, URL of its published weights).
 DETECTORS: dict[str, tuple[Callable[..., object], str]] = {
     "fid": (InceptionV3, INCEPTION_URL),
     "fd_dinov2": (DINOv2, DINOV2_URL),
@@ -228,6 +255,7 @@ DETECTORS: dict[str, tuple[Callable[..., object], str]] = {
 
 def load_detector(metric: str, path_or_url: str | os.PathLike | None = None,
                   device: torch.device | str = "cpu") -> InceptionV3 | DINOv2:
-    """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published weights or the given file."""
-    detector_class, default = DETECTORS[metric]
-    return detector_class(default if path_or_url is None else path_or_url, device=device)
+    """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published weights (None; see
+    default_weights_path) or the given file or URL."""
+    detector_class, _ = DETECTORS[metric]
+    return detector_class(path_or_url, device=device)

@@ -141,19 +141,16 @@ def is_url(path_or_url: str | os.PathLike) -> bool:
     return str(path_or_url).split("://", 1)[0] in ("http", "https", "file") and "://" in str(path_or_url)
 
 
-def cached_path(path_or_url: str | os.PathLike, timeout_s: float = 60) -> Path:
-    """Local path of a file or URL; a URL is downloaded once into the cache and reused."""
-    if not is_url(path_or_url):
-        return Path(path_or_url)
-    url = str(path_or_url)
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file":
-        return Path(urllib.parse.unquote(parsed.path))
-    name = os.path.basename(parsed.path) or "download"
+def download_cache_path(url: str) -> Path:
+    """Where cached_path keeps the download of `url`: a name unique to the URL under the cache's downloads/."""
+    name = os.path.basename(urllib.parse.urlparse(url).path) or "download"
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    dest = cache_dir() / "downloads" / f"{digest}-{name}"
-    if dest.is_file():
-        return dest
+    return cache_dir() / "downloads" / f"{digest}-{name}"
+
+
+def download(url: str, dest: str | os.PathLike, timeout_s: float = 60) -> Path:
+    """Fetch `url` into the file `dest` (atomically: a failed download leaves nothing); return dest."""
+    dest = Path(dest)
     try:
         with requests.get(url, stream=True, timeout=timeout_s) as response:
             response.raise_for_status()
@@ -163,3 +160,15 @@ def cached_path(path_or_url: str | os.PathLike, timeout_s: float = 60) -> Path:
     except (requests.RequestException, OSError) as e:
         raise DownloadError(f"cannot download {url} into {dest}: {e.__class__.__name__}: {e}") from None
     return dest
+
+
+def cached_path(path_or_url: str | os.PathLike, timeout_s: float = 60) -> Path:
+    """Local path of a file or URL; a URL is downloaded once into the cache and reused."""
+    if not is_url(path_or_url):
+        return Path(path_or_url)
+    url = str(path_or_url)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        return Path(urllib.parse.unquote(parsed.path))
+    dest = download_cache_path(url)
+    return dest if dest.is_file() else download(url, dest, timeout_s)

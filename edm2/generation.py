@@ -7,19 +7,26 @@ The seeds are held as ranges (SeedRanges), each process takes its share of them 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
+import json
+import os
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import tqdm
 
-from edm2 import distributed
+from edm2 import distributed, files
+from edm2.dataset import DatasetError, parse_labels
 from edm2.errors import EDM2Error
 from edm2.sampler import edm_sampler
 
 # Seeds lie in [0, 2**32): the release seeds each image's generator with seed % 2**32
 # (StackedRandomGenerator in its generate_images.py), so only these seeds give the release's images.
 MAX_SEED = 2**32
+# The class of every image generate.py writes, in the release's dataset.json format.
+LABELS_FILE = "labels.json"
 
 
 class GenerationError(EDM2Error):
@@ -157,7 +164,18 @@ def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
         raise GenerationError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
 
 
-def generate_images(
+def generate_images(*args, **kwargs) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
+
+    The arguments are generate_labeled_images's, which this is without the classes.
+    """
+    labeled = generate_labeled_images(*args, **kwargs)
+    with contextlib.closing(labeled):  # closing this generator ends the progress bar at once
+        for batch_seeds, images, _ in labeled:
+            yield batch_seeds, images
+
+
+def generate_labeled_images(
     net: torch.nn.Module,
     encoder,
     seeds: Sequence[int],
@@ -167,10 +185,12 @@ def generate_images(
     batch_size: int = 32,
     device: torch.device | str | None = None,
     **sampler_kwargs,
-) -> Iterator[tuple[list[int], torch.Tensor]]:
-    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
+) -> Iterator[tuple[list[int], torch.Tensor, list[int] | None]]:
+    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
+    of every image or None for an unconditional network).
 
-    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list.
+    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. sampler_kwargs go to
+    edm_sampler (num_steps, sigma_min, ..., guidance_interval).
     """
     device = torch.device(device) if device is not None else distributed.device()
     if class_idx is not None and not 0 <= class_idx < net.label_dim:
@@ -189,4 +209,26 @@ def generate_images(
                 latents = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, randn_like=randn_like,
                                       **sampler_kwargs)
                 images = encoder.decode(latents)
-            yield batch_seeds, images
+            yield batch_seeds, images, None if labels is None else labels.argmax(dim=1).tolist()
+
+
+def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:
+    """{image name: class} of an existing labels file ({} when there is none); GenerationError if it is not one."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        labels = parse_labels(path.read_bytes(), path) or {}
+    except (OSError, DatasetError) as e:
+        raise GenerationError(f"{path} exists but is not a readable labels file ({e}); move it away") from None
+    wrong = [v for v in labels.values() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if wrong:
+        raise GenerationError(f"{path} exists but holds the label {json.dumps(wrong[0])}, not a class; move it away")
+    return labels
+
+
+def save_generated_labels(path: str | os.PathLike, labels: dict[str, int]) -> None:
+    """Write {"labels": [[image name, class], ...]} sorted by name, atomically (the release's dataset.json format)."""
+    rows = ",\n".join(json.dumps([name, labels[name]]) for name in sorted(labels))
+    with files.atomic_path(path) as tmp:
+        tmp.write_text(f'{{"labels": [\n{rows}\n]}}\n')

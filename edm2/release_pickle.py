@@ -4,7 +4,9 @@ The release pickles its classes through `torch_utils.persistence`, which stores 
 `_reconstruct_persistent_obj(meta)` carrying the defining module's source. A plain `pickle.load` would
 execute that source; here a restricted unpickler maps every allowed global to a safe stand-in, keeps
 each persistent object as a record of its class name and state, and rebuilds our own objects from the
-records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings.
+records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings
+(pickles without them, older and third-party ones, get the RGB encoder and no loss), and the toy example's
+`ToyModel` snapshots as our ToyDenoiser.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from edm2 import safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.errors import SnapshotError
+from edm2.errors import SnapshotError, one_line
 from edm2.networks import Precond
+from edm2.toy_model import ToyDenoiser
 
 
 class ReleasePickleError(SnapshotError):
@@ -103,6 +106,7 @@ _ALLOWED_GLOBALS = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch.storage", "_load_from_bytes"): _load_storage,
     ("torch.nn.modules.container", "ModuleDict"): ModuleRecord,
+    ("torch.nn.modules.container", "Sequential"): ModuleRecord,  # the toy example's layers
 }
 
 
@@ -130,24 +134,29 @@ def _expect(record, class_names: tuple[str, ...], what: str) -> PersistentRecord
     return record
 
 
-def _network(record: PersistentRecord) -> Precond:
-    """Our Precond built from the release Precond's recorded constructor arguments, weights loaded strictly."""
-    args, kwargs = record.state.get("_init_args", ()), record.state.get("_init_kwargs", {})
+def _rebuild(record: PersistentRecord, module_class: type, what: str) -> torch.nn.Module:
+    """Our module_class built from the recorded constructor arguments, weights loaded strictly; float32, eval."""
+    args, kwargs = record.state.get("_init_args") or (), dict(record.state.get("_init_kwargs") or {})
+    name = module_class.__name__
     try:
-        net = Precond(*args, **dict(kwargs))
+        net = module_class(*args, **kwargs)
     except TypeError as e:
-        raise ReleasePickleError(f"the release network's constructor arguments {dict(kwargs)} do not fit Precond: {e}") from None
+        raise ReleasePickleError(f"{what}'s constructor arguments {kwargs} do not fit {name}: {e}") from None
     tensors: dict[str, torch.Tensor] = {}
     _module_tensors(record.state, "", tensors)
     try:
         net.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
-        raise ReleasePickleError(f"the release network's weights do not match Precond: {e}") from None
+        raise ReleasePickleError(f"{what}'s weights do not match {name}: {one_line(e)}") from None
     return net.float().eval().requires_grad_(False)
 
 
-def _encoder_config(record: PersistentRecord) -> dict:
-    """Encoder settings as the config dict of edm2.encoders."""
+def _encoder_config(record: PersistentRecord | None) -> dict:
+    """Encoder settings as the config dict of edm2.encoders; without an entry, RGB pixels, as the release assumes
+    (generate_images.py falls back to StandardRGBEncoder for pickles that predate the encoder entry)."""
+    if record is None:
+        return StandardRGBEncoder().config()
+    record = _expect(record, ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
     if record.class_name == "StandardRGBEncoder":
         return StandardRGBEncoder().config()
     state = record.state
@@ -168,30 +177,46 @@ def _plain(value):
     raise ReleasePickleError(f"unexpected {type(value).__name__} in dataset_kwargs")
 
 
-def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
-    """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
+def _restricted_load(path: str | os.PathLike) -> object:
+    """The release pickle's contents, persistent objects as records; nothing in it runs."""
     with open(path, "rb") as f:
         try:
-            data = safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
+            return safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
         except (ReleasePickleError, safe_pickle.RefusedGlobal) as e:
             raise ReleasePickleError(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
             raise ReleasePickleError(f"{path}: not a readable release pickle ({e.__class__.__name__}: {e})") from None
+
+
+def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
+    """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
+    data = _restricted_load(path)
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
     try:
-        net = _network(_expect(data["ema"], ("Precond",), "ema"))
-        encoder = _expect(data.get("encoder"), ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
-        loss = _expect(data.get("loss_fn"), ("EDM2Loss",), "loss_fn").state
+        net = _rebuild(_expect(data["ema"], ("Precond",), "ema"), Precond, "the release network")
         metadata = {
             "source": "release-pickle",
             "network_kwargs": net.init_kwargs,
-            "encoder": _encoder_config(encoder),
+            "encoder": _encoder_config(data.get("encoder")),
             "dataset_kwargs": _plain(data.get("dataset_kwargs") or {}),
-            "loss": {k: float(loss[k]) for k in ("P_mean", "P_std", "sigma_data")},
         }
+        # Older and third-party pickles carry no loss; the network and encoder are all that sampling needs.
+        if data.get("loss_fn") is not None:
+            loss = _expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state
+            metadata["loss"] = {k: float(loss[k]) for k in ("P_mean", "P_std", "sigma_data")}
     except ReleasePickleError as e:
         raise ReleasePickleError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {e})") from None
     return net, metadata
+
+
+def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
+    """Read one of the release's toy-example snapshots (toy_example.py's iterNNNN.pkl: a pickled ToyModel) into
+    our ToyDenoiser in eval mode, float32, without running its code."""
+    record = _restricted_load(path)
+    try:
+        return _rebuild(_expect(record, ("ToyModel",), "toy example snapshot"), ToyDenoiser, "the toy model")
+    except ReleasePickleError as e:
+        raise ReleasePickleError(f"{path}: {e}") from None

@@ -1,4 +1,5 @@
-"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn, and the guidance blend (paper Eq. 152)."""
+"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn, and the guidance blend (paper Eq. 152),
+optionally limited to an interval of noise levels (Kynkaanniemi et al., NeurIPS 2024)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,26 @@ def check_settings(
                            f"{num_steps} steps are not decreasing levels whose squares are finite and above 0 in {dtype}")
 
 
+def check_guidance_interval(interval: tuple[float, float] | None) -> None:
+    """Raise SamplerError unless interval is None or (sigma_lo, sigma_hi) with 0 <= sigma_lo < sigma_hi <= inf."""
+    if interval is None:
+        return
+    lo, hi = interval
+    if not 0 <= lo < hi:  # also refuses NaN, which fails every comparison
+        raise SamplerError(f"guidance interval ({lo:g}, {hi:g}]: needs 0 <= sigma_lo < sigma_hi (sigma_hi may be inf)")
+
+
+def guided_step(t_cur: float, interval: tuple[float, float] | None) -> bool:
+    """Whether the step from noise level t_cur uses guidance: always without an interval, else when
+    sigma_lo < t_cur <= sigma_hi.
+
+    The limited interval of Kynkaanniemi et al. (NeurIPS 2024) is decided per step, as in their code (which
+    picks steps by index): both of a Heun step's evaluations, at t_hat and at t_next, follow the step's own
+    noise level t_cur (t_hat before churn raises it), so a step never averages a guided and an unguided slope.
+    """
+    return interval is None or interval[0] < t_cur <= interval[1]
+
+
 def edm_sampler(
     net: Callable,
     noise: torch.Tensor,
@@ -71,13 +92,18 @@ def edm_sampler(
     S_noise: float = 1,
     randn_like: Callable[[torch.Tensor], torch.Tensor] = torch.randn_like,
     dtype: torch.dtype = torch.float32,
+    guidance_interval: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t)."""
+    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t).
 
-    def denoise(x: torch.Tensor, t: float) -> torch.Tensor:
+    With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
+    in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1.
+    """
+
+    def denoise(x: torch.Tensor, t: float, guided: bool) -> torch.Tensor:
         sigma = torch.full([x.shape[0]], t, dtype=dtype, device=x.device)
         d = net(x, sigma, labels).to(dtype)
-        if guidance == 1:
+        if guidance == 1 or not guided:
             return d
         # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
         return torch.lerp(gnet(x, sigma, labels).to(dtype), d, guidance)
@@ -86,6 +112,7 @@ def edm_sampler(
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype)
     if guidance != 1 and gnet is None:
         raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
+    check_guidance_interval(guidance_interval)
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
@@ -95,13 +122,14 @@ def edm_sampler(
         gamma = gamma_max if S_min <= t_cur <= S_max else 0
         t_hat = t_cur + gamma * t_cur
         x_hat = x_cur
+        guided = guided_step(t_cur, guidance_interval)
         if gamma > 0:
             x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur)
         # Euler step along dx/dsigma = (x - D(x; sigma)) / sigma (paper Eq. 153) ...
-        d_cur = (x_hat - denoise(x_hat, t_hat)) / t_hat
+        d_cur = (x_hat - denoise(x_hat, t_hat, guided)) / t_hat
         x_next = x_hat + (t_next - t_hat) * d_cur
         # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
         if i < num_steps - 1:
-            d_prime = (x_next - denoise(x_next, t_next)) / t_next
+            d_prime = (x_next - denoise(x_next, t_next, guided)) / t_next
             x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
     return x_next

@@ -83,20 +83,21 @@ def check_readable(path: str | os.PathLike) -> None:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    """The JSON metadata of one of our snapshot files, without reading its weights."""
+def read_metadata(path: str | os.PathLike, key: str = METADATA_KEY, kind: str = "an EDM2 snapshot") -> dict:
+    """The JSON metadata of one of our snapshot files, without reading its weights; `key` and `kind` name
+    another kind of our safetensors files (the toy example's)."""
     check_readable(path)
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(METADATA_KEY)
+            raw = (f.metadata() or {}).get(key)
     except (OSError, safetensors.SafetensorError) as e:
         raise SnapshotError(f"{path}: cannot read snapshot: {e}") from None
     if raw is None:
-        raise SnapshotError(f"{path}: not an EDM2 snapshot (no '{METADATA_KEY}' metadata)")
+        raise SnapshotError(f"{path}: not {kind} (no '{key}' metadata)")
     try:
         metadata = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; absurd nesting recurses
-        raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is not valid JSON ({e})") from None
+        raise SnapshotError(f"{path}: its '{key}' metadata is not valid JSON ({e})") from None
     if not isinstance(metadata, dict):
         raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is a JSON {type(metadata).__name__}, not an object")
     version = metadata.get("format_version")
@@ -130,10 +131,9 @@ def _build_network(path: Path, network_kwargs: object) -> Precond:
         raise SnapshotError(f"{path}: unsupported network arguments {network_kwargs}: {one_line(e)}") from None
 
 
-def _load_safetensors(path: Path) -> tuple[Precond, dict]:
-    """(net, metadata) from one of our snapshot files; the weights are assigned to a network built on 'meta'."""
-    metadata = read_metadata(path)
-    net = _build_network(path, metadata.get("network_kwargs"))
+def load_weights(path: str | os.PathLike, net: torch.nn.Module) -> None:
+    """Assign the weights of one of our safetensors files, as float32, to net (built as its metadata says, also on
+    'meta'); SnapshotError unless every tensor's name and shape fits."""
     try:
         state = safetensors.torch.load_file(str(path))
     except (OSError, safetensors.SafetensorError) as e:
@@ -143,6 +143,13 @@ def _load_safetensors(path: Path) -> tuple[Precond, dict]:
         raise SnapshotError(f"{path}: weights do not match the stored architecture (tensor {difference!r})")
     state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
     net.load_state_dict(state, strict=True, assign=True)
+
+
+def _load_safetensors(path: Path) -> tuple[Precond, dict]:
+    """(net, metadata) from one of our snapshot files; the weights are assigned to a network built on 'meta'."""
+    metadata = read_metadata(path)
+    net = _build_network(path, metadata.get("network_kwargs"))
+    load_weights(path, net)
     return net, metadata
 
 

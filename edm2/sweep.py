@@ -73,18 +73,19 @@ class Measure:
 
     def __init__(self, metrics: Sequence[str], encoder, seeds: Sequence[int], batch_size: int,
                  device: torch.device, detectors: dict | None = None, reference: dict | None = None,
-                 samples: ValidationSamples | None = None, gnet: torch.nn.Module | None = None, guidance: float = 1.0):
+                 samples: ValidationSamples | None = None, gnet: torch.nn.Module | None = None,
+                 guidance: dict | None = None):
         self.metrics, self.encoder, self.seeds, self.batch_size, self.device = metrics, encoder, seeds, batch_size, device
         self.detectors, self.reference, self.samples = detectors or {}, reference or {}, samples
-        self.gnet, self.guidance = gnet, guidance
+        self.gnet, self.guidance = gnet, guidance or {}  # generate_images' guidance and guidance_interval
 
     def __call__(self, net: torch.nn.Module) -> dict[str, float]:
         """{metric: value} of net, in the order of self.metrics."""
         results = {}
         if self.detectors:
             images = (batch for _, batch in generate_images(net, self.encoder, self.seeds, gnet=self.gnet,
-                                                            guidance=self.guidance, batch_size=self.batch_size,
-                                                            device=self.device))
+                                                            batch_size=self.batch_size, device=self.device,
+                                                            **self.guidance))
             stats, _ = calculate_stats(images, self.detectors, self.device, progress=False)
             for metric, detector_stats in stats.items():
                 ref = self.reference[metric]

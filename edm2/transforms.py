@@ -1,4 +1,5 @@
-"""Crop and resize of HWC uint8 images for dataset preparation (release transforms; ADM's for ImageNet)."""
+"""Crop and resize of HWC (or HW grayscale) uint8 images for dataset preparation (release transforms; ADM's for
+ImageNet)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def center_crop_wide(image: np.ndarray, width: int, height: int) -> np.ndarray:
     else:
         crop_w, crop_h = max(1, round(h * width / height)), h
     top, left = (h - crop_h) // 2, (w - crop_w) // 2
-    canvas = np.zeros((width, width, 3), dtype=np.uint8)
+    canvas = np.zeros((width, width, *image.shape[2:]), dtype=np.uint8)  # HW grayscale or HWC
     row = (width - height) // 2
     canvas[row:row + height] = resize(image[top:top + crop_h, left:left + crop_w], width, height)
     return canvas

@@ -274,22 +274,33 @@ def forget_release_standins() -> None:
     importlib.invalidate_caches()
 
 
-def release_module(module: torch.nn.Module, persistence):
-    """Mirror a module as the release pickles it: float16 tensors, module tree in _parameters/_buffers/_modules."""
+def release_module(module: torch.nn.Module, persistence, dtype=torch.float16, names: dict | None = None):
+    """Mirror a module as the release pickles it: tensors in dtype (its EDM2 networks float16, its toy models
+    float32), the module tree in _parameters/_buffers/_modules; `names` maps our class names to the release's."""
     plain = (bool, int, float, str, type(None))
     state = {k: v for k, v in vars(module).items() if isinstance(v, plain)}
     state["_parameters"] = collections.OrderedDict(
-        (n, torch.nn.Parameter(p.detach().half(), requires_grad=False)) for n, p in module._parameters.items()
+        (n, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)) for n, p in module._parameters.items()
     )
-    state["_buffers"] = collections.OrderedDict((n, b.half()) for n, b in module._buffers.items())
+    state["_buffers"] = collections.OrderedDict((n, b.to(dtype)) for n, b in module._buffers.items())
     state["_non_persistent_buffers_set"] = set()
-    state["_modules"] = collections.OrderedDict((n, release_module(c, persistence)) for n, c in module._modules.items())
-    if isinstance(module, torch.nn.ModuleDict):
-        # The release's enc/dec are plain torch ModuleDicts holding persistent blocks.
-        container = torch.nn.ModuleDict.__new__(torch.nn.ModuleDict)
+    state["_modules"] = collections.OrderedDict((n, release_module(c, persistence, dtype, names))
+                                                for n, c in module._modules.items())
+    if isinstance(module, (torch.nn.ModuleDict, torch.nn.Sequential)):
+        # The release's enc/dec and the toy model's layers are plain torch containers holding persistent modules.
+        container = type(module).__new__(type(module))
         container.__dict__.update(state)
         return container
-    return persistence.Persistent(type(module).__name__, state)
+    name = type(module).__name__
+    return persistence.Persistent((names or {}).get(name, name), state)
+
+
+def write_release_toy_pickle(path: Path, net: torch.nn.Module, persistence) -> None:
+    """Write a toy denoiser as the release's toy_example.py saves its snapshots: the pickled ToyModel itself."""
+    model = release_module(net, persistence, dtype=torch.float32, names={"ToyDenoiser": "ToyModel"})
+    model.meta["state"].update(_init_args=(), _init_kwargs={k: v for k, v in net.init_kwargs.items() if k != "in_dim"})
+    with open(path, "wb") as f:
+        pickle.dump(model, f)
 
 
 def random_release_tiny_net(seed=0) -> Precond:
@@ -298,24 +309,25 @@ def random_release_tiny_net(seed=0) -> Precond:
     return randomized(Precond(**RELEASE_TINY), seed).eval()
 
 
-def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: str = "vae") -> None:
-    """Write net (built with RELEASE_TINY) as the release pickles a network, its encoder and loss."""
+def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: str | None = "vae",
+                         loss: bool = True, replace: dict | None = None) -> None:
+    """Write net (built with RELEASE_TINY) as the release pickles a network, its encoder ('vae', 'rgb', or None
+    for no entry, as in older and third-party pickles) and, with `loss`, its loss; `replace` maps entries to other values."""
     ema = release_module(net, persistence)
     ema.meta["state"].update(_init_args=(), _init_kwargs=dict(RELEASE_TINY, dropout=0.0, use_fp16=True))
+    data = dict(ema=ema, dataset_kwargs=util.EasyDict(class_name="training.dataset.ImageFolderDataset",
+                                                      path="img512-sd.zip", use_labels=True))
     if encoder == "vae":
         scale = np.float32(0.5) / np.float32([4.17, 4.62, 3.71, 3.28])
         bias = np.float32(0) - np.float32([5.81, 3.25, 0.12, -2.15]) * scale
         state = dict(vae_name="stabilityai/sd-vae-ft-mse", scale=scale, bias=bias, batch_size=8, _vae=None)
-        encoder = persistence.Persistent("StabilityVAEEncoder", dict(state, _init_args=(), _init_kwargs={}))
-    else:
-        encoder = persistence.Persistent("StandardRGBEncoder", dict(_init_args=(), _init_kwargs={}))
-    loss = dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
-    data = dict(
-        ema=ema,
-        encoder=encoder,
-        dataset_kwargs=util.EasyDict(class_name="training.dataset.ImageFolderDataset", path="img512-sd.zip", use_labels=True),
-        loss_fn=persistence.Persistent("EDM2Loss", dict(loss, _init_args=(), _init_kwargs=dict(P_mean=-0.4, P_std=1.0))),
-    )
+        data["encoder"] = persistence.Persistent("StabilityVAEEncoder", dict(state, _init_args=(), _init_kwargs={}))
+    elif encoder == "rgb":
+        data["encoder"] = persistence.Persistent("StandardRGBEncoder", dict(_init_args=(), _init_kwargs={}))
+    if loss:
+        state = dict(P_mean=-0.4, P_std=1.0, sigma_data=0.5, _init_args=(), _init_kwargs=dict(P_mean=-0.4, P_std=1.0))
+        data["loss_fn"] = persistence.Persistent("EDM2Loss", state)
+    data.update(replace or {})
     with open(path, "wb") as f:
         pickle.dump(data, f)
 

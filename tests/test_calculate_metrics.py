@@ -214,6 +214,28 @@ def test_calc_skips_the_grid_that_generate_writes(setup, tmp_path):
     assert_one_error_line(run("calc", "--images", images, *common[:3], 11, *setup["weights"]), "found 10 images")
 
 
+def test_calc_reads_every_format_pil_reads_in_folders_and_zips(setup, tmp_path):
+    # WebP, JPEG, BMP, TIFF, GIF (palette), a grayscale JPEG and a CMYK JPEG in one folder: each is measured as
+    # the RGB pixels PIL decodes from it (grayscale repeated to RGB, as metrics do with gray).
+    mixed, decoded = tmp_path / "mixed", tmp_path / "decoded"
+    mixed.mkdir(), decoded.mkdir()
+    kinds = [("webp", "RGB", dict(lossless=True)), ("jpg", "RGB", {}), ("bmp", "RGB", {}), ("tiff", "RGB", {}),
+             ("gif", "RGB", {}), ("jpeg", "L", {}), ("jpg", "CMYK", {})]
+    for i, path in enumerate(sorted(setup["b"].glob("*.png"))):
+        suffix, mode, options = kinds[i % len(kinds)]
+        PIL.Image.open(path).convert(mode).save(mixed / f"{i:06d}.{suffix}", **options)
+        with PIL.Image.open(mixed / f"{i:06d}.{suffix}") as image:
+            assert image.mode == ("P" if suffix == "gif" else mode)
+            image.convert("RGB").save(decoded / f"{i:06d}.png")
+    zipped = dataset_zip(tmp_path / "mixed.zip", mixed)
+    ref, _ = direct_stats(setup, setup["a"])
+    stats_files.save_stats(tmp_path / "a.npz", ref)
+    common = ["--ref", tmp_path / "a.npz", "--num", 10, *setup["weights"]]
+    expected = results_of(run("calc", "--images", decoded, *common))
+    for images in (mixed, zipped):
+        assert results_of(run("calc", "--images", images, *common)) == {**expected, "images": str(images)}
+
+
 def test_two_processes_give_the_statistics_of_one(setup, tmp_path):
     one = tmp_path / "one.npz"
     results_of(run("ref", "--data", setup["a"], "--dest", one, "--batch", 2, "--workers", 0, *setup["weights"]))
@@ -252,6 +274,26 @@ def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path):
     features = features_of(setup, torch.cat([batch for _, batch in batches]))
     stats = {m: {"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)} for m, f in features.items()}
     assert_distances_close(out["results"], expected_distances(stats, ref), fd_rounding(stats, ref, n=4))
+
+
+def test_gen_guidance_interval_is_passed_to_the_sampler(setup, tmp_path, monkeypatch):
+    net_path = tiny_snapshot(tmp_path / "net.safetensors", label_dim=4, seed=1)
+    gnet_path = tiny_snapshot(tmp_path / "gnet.safetensors", label_dim=0, seed=2)
+    ref, _ = direct_stats(setup, setup["a"])
+    stats_files.save_stats(tmp_path / "a.npz", ref)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["guidance_interval"])
+        return generate_images(*args, **kwargs)
+
+    monkeypatch.setattr(calculate_metrics, "generate_images", spy)
+    common = ["--ref", tmp_path / "a.npz", "--num", 2, "--batch", 2, *setup["weights"]]
+    # An interval above sigma_max guides no step: the metrics of unguided sampling, exactly.
+    unguided = results_of(run("gen", "--net", net_path, *common))
+    empty = results_of(run("gen", "--net", net_path, "--gnet", gnet_path, "--guidance", 2, "--guidance-interval",
+                           "100,200", *common))
+    assert empty == unguided and calls == [None, (100.0, 200.0)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -372,6 +414,15 @@ BAD_INPUT = {
                                     ["--ref", "5-dimensional fid statistics"]),
     "gen num": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r, "--num", 1],
                 ["--num"]),
+    "gen interval without guidance": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1),
+                                                       "--ref", r, "--guidance-interval", "0.28,5.42"],
+                                      ["--guidance-interval", "--guidance other than 1"]),
+    "gen interval reversed": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
+                                               "--guidance", 2, "--gnet", t / "n.safetensors",
+                                               "--guidance-interval", "5,1"], ["--guidance-interval", "'5,1'"]),
+    "gen interval garbage": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
+                                              "--guidance", 2, "--gnet", t / "n.safetensors",
+                                              "--guidance-interval", "low,high"], ["--guidance-interval", "two numbers"]),
 }
 
 

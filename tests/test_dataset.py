@@ -288,3 +288,24 @@ def test_release_file_names():
         assert image_fname(idx) == release_name(idx) and latent_fname(idx) == release_name(idx, latent=True)
 
 
+
+
+def test_gray_and_colour_pngs_in_one_dataset_are_named_as_such(tmp_path):
+    path = write_members(tmp_path / "d", {image_fname(0): png_file(np.zeros((8, 8), np.uint8)),
+                                          image_fname(1): png_file(np.zeros((8, 8, 3), np.uint8)),
+                                          "dataset.json": b'{"labels": null}'})
+    dataset = ImageFolderDataset(path)
+    assert dataset.num_channels == 1
+    with pytest.raises(DatasetError, match=r"has shape 3x8x8 but the first image has 1x8x8; mixed channel counts"):
+        dataset[1]
+
+
+def test_any_format_reads_what_pil_reads_and_only_then(tmp_path):
+    jpeg = io.BytesIO()
+    PIL.Image.fromarray(np.full((8, 8), 90, np.uint8)).save(jpeg, format="jpeg")
+    path = write_members(tmp_path / "d", {"a.jpg": jpeg.getvalue(), "b.png": png_file(np.zeros((8, 8, 3), np.uint8))})
+    with pytest.raises(DatasetError, match=r"holds \.jpg images beside the \.png/\.npy ones"):
+        ImageFolderDataset(path)
+    dataset = ImageFolderDataset(path, any_format=True)
+    assert dataset.fnames == ["a.jpg", "b.png"] and dataset.image_shape == [3, 8, 8]
+    assert (dataset[0][0] == 90).all()  # a flat gray JPEG decodes exactly, repeated to RGB

@@ -111,6 +111,46 @@ def test_convert_honours_release_dataset_json(tmp_path, class_folders):
     assert all(np.array_equal(copy[i][0], original[i][0]) for i in range(4))
 
 
+def gray_and_colour_sources(tmp_path):
+    """Two sources of 6x6 images: all grayscale (PIL modes L, 1 and LA), and the same plus one RGB image."""
+    rng = np.random.default_rng(0)
+    gray = rng.integers(0, 256, size=(3, 6, 6), dtype=np.uint8)
+    members = {"a.png": png_file(gray[0]), "b.png": png_file(gray[1] > 127),
+               "c.png": png_file(np.stack([gray[2], gray[0]], axis=-1))}
+    colour = rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8)
+    return (write_members(tmp_path / "gray", members),
+            write_members(tmp_path / "mixed", {**members, "d.png": png_file(colour)}), gray, colour)
+
+
+@pytest.mark.parametrize("channels", ["auto", "1", "3"])
+def test_convert_keeps_grayscale_one_channel_unless_told_or_mixed(tmp_path, channels):
+    gray_source, mixed_source, gray, colour = gray_and_colour_sources(tmp_path)
+    for source in (gray_source, mixed_source):
+        dest = tmp_path / f"{source.name}-{channels}.zip"
+        result = run("convert", "--source", source, "--dest", dest, "--channels", channels, "--workers", 0)
+        assert_ok(result)
+        one = channels == "1" or (channels == "auto" and source == gray_source)
+        assert ("grayscale (1 channel) images" if one else "RGB images") in result.output
+        dataset = ImageFolderDataset(dest)
+        assert dataset.num_channels == (1 if one else 3) and len(dataset) == len(list(source.iterdir()))
+        # PIL's own conversions: bilevel -> 0/255, LA -> its L channel, gray -> RGB repeats it, RGB -> L is luma.
+        expected = [gray[0], np.where(gray[1] > 127, 255, 0).astype(np.uint8), gray[2]]
+        if source == mixed_source:
+            expected.append(np.asarray(PIL.Image.fromarray(colour).convert("L")) if one else colour)
+        for i, pixels in enumerate(expected):
+            pixels = pixels if pixels.ndim == 3 else (pixels[:, :, None] if one else np.repeat(pixels[:, :, None], 3, 2))
+            assert np.array_equal(dataset[i][0], pixels.transpose(2, 0, 1)), (source.name, i)
+        assert "labels from the class folders" not in result.output  # no class folders, no labels
+
+
+def test_convert_center_crop_wide_pads_grayscale_too(tmp_path):
+    source = write_members(tmp_path / "wide", {"a.png": png_file(np.full((4, 8), 200, np.uint8))})
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "o", "--resolution", "8x4",
+                  "--transform", "center-crop-wide", "--workers", 0))
+    image = ImageFolderDataset(tmp_path / "o")[0][0]
+    assert image.shape == (1, 8, 8) and (image[0, 2:6] == 200).all() and (image[0, [0, 1, 6, 7]] == 0).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # encode equals the encoder, resumes to the same result, and 2 processes equal 1; decode.
 
@@ -329,6 +369,9 @@ BAD_INPUT = {
             "a.png": png_file(np.zeros((8, 8, 3), np.uint8)), "b.png": png_file(np.zeros((8, 8, 3), np.uint8)),
             "dataset.json": b'{"labels": [["a.png", 0]]}'}), "--dest", t / "o.zip"],
         ["--source", "no label for b.png"], None),
+    "convert: channels 2": (
+        lambda t, s, c: ["convert", "--source", c, "--dest", t / "o.zip", "--channels", 2],
+        ["--channels", "'2' is not one of 'auto', '1', '3'"], None),
     "convert: dest exists": (
         lambda t, s, c: ["convert", "--source", c, "--dest", a_file(t), "--resolution", 8], ["--dest", "already exists"],
         None),
@@ -557,3 +600,13 @@ def test_every_command_help_shows_an_example():
         result = run(command, "--help")
         assert_ok(result)
         assert f"dataset_tool.py {command} --" in result.output
+
+
+def test_convert_scales_16_bit_grayscale_to_8_bits(tmp_path):
+    values = np.array([[0, 128, 129, 32767], [32768, 65406, 65407, 65535]], np.uint16)  # round-half boundaries
+    source = write_members(tmp_path / "src", {"a.png": png_file(np.tile(values, (2, 1)))})
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "o", "--workers", 0))
+    image = ImageFolderDataset(tmp_path / "o")[0][0]
+    # v * 255 / 65535 = v / 257, rounded to nearest: 128 -> 0.498, 129 -> 0.502, 32767 -> 127.498, 32768 -> 127.502.
+    assert image.shape == (1, 4, 4) and PIL.Image.open(tmp_path / "src" / "a.png").mode == "I;16"
+    assert image[0, :2].tolist() == [[0, 0, 1, 127], [128, 254, 255, 255]]

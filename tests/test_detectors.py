@@ -2,12 +2,17 @@
 
 import math
 import pathlib
+import socket
 
+import PIL.Image
 import pytest
 import torch
+from click.testing import CliRunner
 
-from edm2 import detectors
-from tests.helpers import TinyInceptionStandIn, official_dinov2_shapes, random_dinov2_state_dict
+import calculate_metrics
+from edm2 import detectors, files
+from tests.helpers import (TinyInceptionStandIn, assert_one_error_line, official_dinov2_shapes,
+                           random_dinov2_state_dict)
 
 
 # A tiny DINOv2 (2 heads of 64 channels) with the official names; grid 5 forces position-embedding resampling.
@@ -137,3 +142,51 @@ def test_inception_rejects_missing_or_non_torchscript_files(tmp_path):
     torch.save({"w": torch.zeros(1)}, tmp_path / "plain.pt")
     with pytest.raises(detectors.DetectorError, match="plain.pt.*TorchScript"):
         detectors.InceptionV3(tmp_path / "plain.pt")
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """A private cache folder and no network: every name lookup and connection fails at once."""
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
+
+    def unreachable(*args, **kwargs):
+        raise OSError("network unreachable (blocked by the test)")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable)
+    monkeypatch.setattr(socket.socket, "connect", unreachable)
+    return tmp_path / "cache"
+
+
+def test_offline_detectors_load_from_the_cache_folder(offline):
+    # What the README tells clusters without internet: put the published files under $EDM2_CACHE_DIR/detectors/.
+    folder = offline / "detectors"
+    folder.mkdir(parents=True)
+    assert detectors.default_weights_path(detectors.INCEPTION_URL) == folder / "inception-2015-12-05.pt"
+    assert detectors.default_weights_path(detectors.DINOV2_URL) == folder / "dinov2_vitl14_pretrain.pth"
+    torch.jit.save(torch.jit.script(TinyInceptionStandIn()), folder / "inception-2015-12-05.pt")
+    torch.save(random_dinov2_state_dict(**TINY), folder / "dinov2_vitl14_pretrain.pth")
+    assert detectors.load_detector("fid").feature_dim == 12
+    assert detectors.load_detector("fd_dinov2").feature_dim == TINY["width"]
+
+
+def test_offline_detector_found_where_earlier_versions_downloaded_it(offline):
+    earlier = files.download_cache_path(detectors.INCEPTION_URL)
+    earlier.parent.mkdir(parents=True)
+    torch.jit.save(torch.jit.script(TinyInceptionStandIn()), earlier)
+    assert detectors.load_detector("fid").feature_dim == 12
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("metric, option, url, name", [
+    ("fid", "--inception", detectors.INCEPTION_URL, "inception-2015-12-05.pt"),
+    ("fd_dinov2", "--dinov2", detectors.DINOV2_URL, "dinov2_vitl14_pretrain.pth"),
+])
+def test_offline_without_the_file_the_error_says_where_to_put_it(offline, tmp_path, metric, option, url, name):
+    (tmp_path / "images").mkdir()
+    for i in range(2):
+        PIL.Image.new("RGB", (8, 8)).save(tmp_path / "images" / f"img{i}.png")
+    result = CliRunner().invoke(calculate_metrics.main, ["ref", "--data", str(tmp_path / "images"), "--dest",
+                                                         str(tmp_path / "ref.npz"), "--metrics", metric])
+    assert_one_error_line(result, option, url, f"copy it to {offline / 'detectors' / name}")
+    assert not (offline / "detectors").exists() or not list((offline / "detectors").iterdir())
+    assert not (tmp_path / "ref.npz").exists()

@@ -1,6 +1,7 @@
 """generate.py and generate_images: per-seed reproducibility across batch sizes and processes, the default
 preset, bad input, full and read-only disks, and what killed runs left behind."""
 
+import json
 import os
 import shutil
 import socket
@@ -21,7 +22,7 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.files import TMP_SUFFIX
 from edm2.generation import MAX_SEED, generate_images
-from tests.helpers import REPO, assert_one_error_line, free_port, tiny_precond, tree
+from tests.helpers import REPO, assert_one_error_line, free_port, randomized, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
 
@@ -88,11 +89,16 @@ def test_one_and_two_processes_write_the_same_images(nets, tmp_path):
     tiles = two_images.pop("grid.png")
     assert sorted(two_images) == sorted(images)
     assert all(np.array_equal(images[k], two_images[k]) for k in images)
-    # --grid gathers every rank's images, in seed order, into one PNG.
-    assert tiles.shape == (3 * 8, 3 * 8, 3)
+    # --grid gathers every rank's images, in seed order, into one PNG, a one-pixel white gap between them.
+    assert tiles.shape == (3 * 8 + 2, 3 * 8 + 2, 3)
     for i, key in enumerate(sorted(images, key=lambda k: int(Path(k).stem))):
         row, col = divmod(i, 3)
-        assert np.array_equal(tiles[row * 8 : row * 8 + 8, col * 8 : col * 8 + 8], images[key])
+        assert np.array_equal(tiles[row * 9 : row * 9 + 8, col * 9 : col * 9 + 8], images[key])
+    assert (tiles[[8, 17]] == 255).all() and (tiles[:, [8, 17]] == 255).all()
+    # Both write the class of every image, gathered from every rank, under the same names.
+    labels = json.loads((tmp_path / "one" / "labels.json").read_text())["labels"]
+    assert labels == json.loads((tmp_path / "two" / "labels.json").read_text())["labels"]
+    assert [name for name, _ in labels] == sorted(images)
 
 
 def test_default_command_uses_the_s_guid_fid_preset(nets, tmp_path, monkeypatch):
@@ -120,6 +126,63 @@ def test_default_command_uses_the_s_guid_fid_preset(nets, tmp_path, monkeypatch)
 ])
 def test_seeds_option_parses_lists_and_ranges(text, expected):
     assert list(SeedList().convert(text, None, None)) == expected
+
+
+def test_guidance_interval_empty_is_unguided_and_zero_to_inf_is_plain_guidance_bitwise(tmp_path):
+    # Random weights: a fresh net's zero output gain would make every denoiser, guided or not, the same.
+    paths = {}
+    for name, label_dim, seed in (("net", 5, 0), ("gnet", 0, 1)):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        snapshot.save_network(paths[name], randomized(tiny_net(label_dim), seed), {"encoder": StandardRGBEncoder().config()})
+    guided = ["--net", paths["net"], "--gnet", paths["gnet"], "--guidance=2.5", "--seeds=0-2", *FAST]
+    runs = {
+        "unguided": ["--net", paths["net"], "--seeds=0-2", *FAST],
+        "above sigma_max": [*guided, "--guidance-interval=100,200"],
+        "guided": guided,
+        "zero to inf": [*guided, "--guidance-interval=0,inf"],
+        "middle": [*guided, "--guidance-interval=1,20"],  # the second of the 4 steps (levels 80, 9.72, 0.47, 0.002)
+    }
+    images = {}
+    for name, args in runs.items():
+        result = run_cli([*args, "--outdir", tmp_path / name])
+        assert result.exit_code == 0, result.output
+        images[name] = read_pngs(tmp_path / name)
+    assert "guided by" in result.output and "for sigma in (1, 20]" in result.output
+    for a, b in (("unguided", "above sigma_max"), ("guided", "zero to inf")):
+        assert {k: v.tobytes() for k, v in images[a].items()} == {k: v.tobytes() for k, v in images[b].items()}
+    # Guiding only the middle steps gives images that are neither.
+    assert all(not np.array_equal(images["middle"][k], images[other][k]) for k in images["middle"]
+               for other in ("unguided", "guided"))
+
+
+def test_labels_json_holds_each_images_class_across_runs(nets, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(["--net", nets["net"], "--seeds=0-3", "--subdirs", *FAST, "--outdir", out]).exit_code == 0
+    assert run_cli(["--net", nets["net"], "--seeds=1004,3", "--class=2", "--subdirs", *FAST,
+                    "--outdir", out]).exit_code == 0
+    labels = dict(json.loads((out / "labels.json").read_text())["labels"])
+    # The classes each seed's own generator draws (after its noise), as generate_images draws them.
+    drawn = {}
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        torch.randn([3, 8, 8], generator=generator)
+        drawn[f"000000/{seed:06d}.png"] = int(torch.randint(5, (1,), generator=generator))
+    assert labels == {**drawn, "000000/000003.png": 2, "001000/001004.png": 2}
+    assert sorted(labels) == sorted(read_pngs(out))
+    # An unconditional network's images have no classes: no labels file.
+    assert run_cli(["--net", nets["gnet"], "--seeds=0", *FAST, "--outdir", tmp_path / "uncond"]).exit_code == 0
+    assert tree(tmp_path / "uncond") == ["000000.png"]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("content", ["not json", '{"labels": [["000000.png", "cat"]]}', '{"images": []}'])
+def test_a_labels_json_that_is_not_ours_is_refused_before_loading(nets, tmp_path, content):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "labels.json").write_text(content)
+    before = tree(tmp_path)
+    result = run_cli(["--net", tmp_path / "missing.safetensors", *FAST, "--outdir", tmp_path / "out"])
+    assert_one_error_line(result, "--outdir", f"{tmp_path}/out/labels.json exists but")
+    assert tree(tmp_path) == before and (tmp_path / "out" / "labels.json").read_text() == content
 
 
 URL = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
@@ -164,6 +227,24 @@ BAD_INPUT = {
     "S_noise inf": (["--net", "{net}", "--S_noise=inf"], ["--S_noise", "not a finite number"]),
     "guidance nan": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=nan"], ["--guidance", "not a finite number"]),
     "guidance inf": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=inf"], ["--guidance", "not a finite number"]),
+    "interval without guidance": (["--net", "{net}", "--guidance-interval=0.28,5.42"],
+                                  ["--guidance-interval", "--guidance other than 1"]),
+    "interval at guidance 1": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=1", "--guidance-interval=0,inf"],
+                               ["--guidance-interval", "--guidance other than 1"]),
+    "interval reversed": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=5,0.28"],
+                          ["--guidance-interval", "'5,0.28'", "SIGMA_LO < SIGMA_HI"]),
+    "interval empty": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=1,1"],
+                       ["--guidance-interval", "'1,1'"]),
+    "interval negative": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=-1,5"],
+                          ["--guidance-interval", "'-1,5'"]),
+    "interval nan": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=nan,5"],
+                     ["--guidance-interval", "'nan,5'"]),
+    "interval one number": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=5"],
+                            ["--guidance-interval", "two numbers"]),
+    "interval three numbers": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=0,1,2"],
+                               ["--guidance-interval", "two numbers"]),
+    "interval words": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=2", "--guidance-interval=low,high"],
+                       ["--guidance-interval", "two numbers"]),
     "outdir is a file": (["--net", "{net}", "--outdir", "{tmp}/file"], ["--outdir", "is a file"]),
     # Refused before the network loads: the missing network would give another error.
     "outdir under a file": (["--net", "{tmp}/missing.safetensors", "--outdir", "{tmp}/file/out"], ["{tmp}/file", "is a file"]),

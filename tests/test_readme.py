@@ -81,7 +81,7 @@ def test_demo_runs_end_to_end(tmp_path):
                                               "samples-ema0.150-autoguided"]
     for grid in grids:
         with Image.open(grid) as image:
-            assert image.size == (3 * 8, 3 * 8) and image.mode == "RGB"
+            assert image.size == (3 * 8 + 2, 3 * 8 + 2) and image.mode == "RGB"  # one-pixel gaps between 3x3
         assert str(grid) in result.stdout  # the summary says where everything is
     # Issue 11: the dashboard, the magnitudes and a sweep of the validation loss over 13 EMA lengths at the
     # middle and the end of the training (toy-tiny: snapshots at kimg 1 and 2).

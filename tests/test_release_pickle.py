@@ -70,6 +70,31 @@ def test_rgb_release_pickle_keeps_its_encoder(tmp_path, release_standins):
     assert release_pickle.load_release_pickle(path)[1]["encoder"] == {"class": "StandardRGBEncoder"}
 
 
+def test_pickle_without_encoder_or_loss_loads_with_the_rgb_encoder(tmp_path, release_standins):
+    # Older and third-party pickles hold only the network (and dataset_kwargs); the release's generate_images.py
+    # then decodes with StandardRGBEncoder, and nothing in sampling needs the loss.
+    net = random_release_tiny_net()
+    path = tmp_path / "old.pkl"
+    write_release_pickle(path, net, *release_standins, encoder=None, loss=False)
+    forget_release_standins()
+    loaded, encoder, metadata = snapshot.load_generator(path)
+    assert isinstance(encoder, encoders.StandardRGBEncoder) and metadata["encoder"] == {"class": "StandardRGBEncoder"}
+    assert "loss" not in metadata
+    assert all(torch.equal(loaded.state_dict()[k], v.half().float()) for k, v in net.state_dict().items())
+    assert not (tmp_path / "ran").exists()
+
+
+def test_pickle_with_a_foreign_encoder_or_loss_is_refused(tmp_path, release_standins):
+    persistence, util = release_standins
+    for entry, found in (("encoder", "expected StabilityVAEEncoder or StandardRGBEncoder, found Evil"),
+                         ("loss_fn", "expected EDM2Loss, found Evil")):
+        path = tmp_path / f"{entry}.pkl"
+        write_release_pickle(path, random_release_tiny_net(), persistence, util,
+                             replace={entry: persistence.Persistent("Evil", {})})
+        with pytest.raises(release_pickle.ReleasePickleError, match=found):
+            release_pickle.load_release_pickle(path)
+
+
 class Attack:
     """Unpickles as a call fn(*args)."""
 

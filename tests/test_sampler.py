@@ -186,3 +186,82 @@ def test_settings_that_cannot_work_are_refused(settings, message):
 
 def test_float64_sampling_accepts_levels_float32_cannot_hold():
     sampler.check_settings(**{**DEFAULTS, "sigma_max": 1e20}, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The guidance interval (Kynkaanniemi et al., NeurIPS 2024): guidance only for steps with sigma in (lo, hi].
+
+def recording(denoiser, calls):
+    """denoiser, appending the noise level of every call to calls."""
+
+    def denoise(x, sigma, labels=None):
+        calls.append(sigma[0].item())
+        return denoiser(x, sigma, labels)
+
+    return denoise
+
+
+def interval_inputs():
+    noise = torch.randn([2, 3, 4, 4], generator=torch.Generator().manual_seed(0))
+    return smooth_denoiser(0.7, 0.1), smooth_denoiser(0.4, 0.05), noise, torch.eye(3)[[0, 2]]
+
+
+def test_an_interval_holding_no_step_is_unguided_sampling_bitwise():
+    net, _, noise, labels = interval_inputs()
+
+    def gnet(*args):
+        raise AssertionError("the guiding net must not run outside the interval")
+
+    unguided = sampler.edm_sampler(net, noise, labels, num_steps=8)
+    # Above sigma_max = 80, and between two levels: no step's level lies in either interval.
+    t = sampler.sigma_steps(8, 0.002, 80, 7).tolist()
+    for interval in [(80, 1e6), (t[4], (t[4] + t[3]) / 2)]:
+        out = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, guidance_interval=interval)
+        assert torch.equal(out, unguided)
+
+
+def test_the_interval_from_zero_to_infinity_is_plain_guidance_bitwise():
+    net, gnet, noise, labels = interval_inputs()
+    for churn in ({}, dict(S_churn=10, S_min=0.01, S_max=1)):
+        plain = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, **churn,
+                                    randn_like=lambda x: torch.ones_like(x))
+        out = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, **churn,
+                                  randn_like=lambda x: torch.ones_like(x), guidance_interval=(0, math.inf))
+        assert torch.equal(out, plain)
+
+
+def test_guidance_covers_both_evaluations_of_the_steps_whose_level_lies_in_the_interval():
+    net, gnet, noise, labels = interval_inputs()
+    t = sampler.sigma_steps(8, 0.002, 80, 7).tolist()
+    # (t[5], t[2]]: steps 2, 3 and 4 (t[5] itself is left out, t[2] is in); with churn up to sigma 20, the
+    # steps from t[2] ~ 15.6 and t[3] ~ 5.4 evaluate at t_hat = 1.41 t above t[2]: their level t decides.
+    assert t[2] < 20 < t[1]
+    for churn in ({}, dict(S_churn=100, S_max=20)):
+        gnet_calls, net_calls = [], []
+        sampler.edm_sampler(recording(net, net_calls), noise, labels, gnet=recording(gnet, gnet_calls), guidance=2.5,
+                            num_steps=8, guidance_interval=(t[5], t[2]), randn_like=torch.zeros_like, **churn)
+        # net runs twice per step (Euler at t_hat, Heun at t_next) but once in the last; gnet alongside it
+        # in steps 2, 3 and 4 only.
+        assert len(net_calls) == 15 and gnet_calls == net_calls[4:10]
+        t_hat = [level * (1 + min(churn.get("S_churn", 0) / 8, math.sqrt(2) - 1) * (level <= 20)) for level in t]
+        expected = [t_hat[2], t[3], t_hat[3], t[4], t_hat[4], t[5]]
+        np.testing.assert_allclose(gnet_calls, expected, rtol=1e-6)  # float32 sigmas of float64 levels
+
+
+def test_the_papers_edm2_xxl_interval_guides_steps_13_to_22_of_32():
+    # (0.28, 5.42] at the default 32 steps; the paper's code picks steps by index, 13..22 for these levels.
+    net, gnet, noise, labels = interval_inputs()
+    gnet_calls, net_calls = [], []
+    sampler.edm_sampler(recording(net, net_calls), noise[:1], labels[:1], gnet=recording(gnet, gnet_calls),
+                        guidance=2.0, guidance_interval=(0.28, 5.42))
+    t = sampler.sigma_steps(32, 0.002, 80, 7).tolist()
+    assert t[12] > 5.42 >= t[13] and t[22] > 0.28 >= t[23]
+    assert gnet_calls == net_calls[2 * 13 : 2 * 23]
+
+
+@pytest.mark.parametrize("interval", [(1.0, 1.0), (2.0, 1.0), (-0.1, 1.0), (math.nan, 1.0), (0.0, math.nan),
+                                      (math.inf, math.inf)])
+def test_an_interval_that_holds_no_levels_by_construction_is_refused(interval):
+    net, gnet, noise, labels = interval_inputs()
+    with pytest.raises(sampler.SamplerError, match="guidance interval"):
+        sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2, num_steps=2, guidance_interval=interval)

@@ -96,7 +96,7 @@ def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, tra
     assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
                                         inception], standalone_mode=False) is None
     common = ["--metrics=fid", f"--ref={tmp_path / 'ref.npz'}", inception, "--num=4", "--batch=4", "--seed=7",
-              f"--gnet={gnet}", "--guidance=2"]
+              f"--gnet={gnet}", "--guidance=2", "--guidance-interval=0.3,5"]
     result = sweep(f"--indir={reference_run}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
                    *common)
     assert result.exit_code == 0, result.output
@@ -164,12 +164,15 @@ BAD_INPUT = {
     "snapshots without an encoder": ({"--indir": "fake"}, ["--indir", "not an encoder config"], encoderless_run),
     "no such kimg": ({"--kimg": "7"}, ["--kimg", "no snapshot at kimg 7"], None),
     "kimg not numbers": ({"--kimg": "1,x"}, ["--kimg", "not a comma-separated list"], None),
-    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "not negative"], None),
+    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must be at least 0"], None),
     "std too large": ({"--std": "0.3"}, ["--std", "outside (0, 0.2887)"], None),
     "unknown metric": ({"--metrics": "loss,kid"}, ["--metrics", "unknown metric 'kid'", "loss"], None),
     "loss without data": ({"--data": None}, ["--data", "--metrics=loss needs the dataset"], None),
     "fid without ref": ({"--metrics": "fid,loss"}, ["--ref", "--metrics=fid needs reference statistics"], None),
     "guidance without gnet": ({"--guidance": "2"}, ["--gnet", "--guidance=2 needs a guiding network"], None),
+    "guidance interval without guidance": ({"--guidance-interval": "0.3,5"}, ["--guidance-interval", "only with guidance"],
+                                           None),
+    "guidance interval reversed": ({"--guidance-interval": "5,0.3"}, ["--guidance-interval", "SIGMA_LO < SIGMA_HI"], None),
     "seeds past 2**32": ({"--seed": str(2**32 - 2)}, ["--seed", "go past"], None),
     "data of another resolution": ({"--data": "big"}, ["--data", "takes 3 channels at 8x8"],
                                    lambda tmp, run: write_image_dataset(tmp / "big", num=2, resolution=16)),

@@ -224,18 +224,24 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
         ("missing", "data: no such"),
         ("unlabeled", "--cond=True but"),
         ("mixed", "mixed resolutions"),
-        ("gray", "PNG images have 1 channel(s); training needs RGB (3)"),
-        ("rgba", "PNG images have 4 channel(s)"),
     ],
 )
 def test_bad_data(case, message, tmp_path):
     data = tmp_path / "data"
     if case != "missing":
-        write_image_dataset(data, num=16, labels=case != "unlabeled", sizes=[8, 16] if case == "mixed" else None,
-                            mode={"gray": "L", "rgba": "RGBA"}.get(case, "RGB"))
+        write_image_dataset(data, num=16, labels=case != "unlabeled", sizes=[8, 16] if case == "mixed" else None)
     before = tree(tmp_path)
     assert_one_error_line(cli([f"--data={data}"], tmp_path / "run"), message)
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("mode, channels", [("L", 1), ("RGBA", 4)])
+def test_png_data_of_any_channel_count_trains_with_that_many_channels(mode, channels, tmp_path):
+    data = write_image_dataset(tmp_path / "data", num=16, mode=mode)
+    result = cli([f"--data={data}", "--dry-run"], tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    options = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert options["dataset"]["num_channels"] == channels and options["encoder"] == {"class": "StandardRGBEncoder"}
 
 
 # Every option is refused by its type or a check before any work; each message names the option.
@@ -269,6 +275,13 @@ BAD_OPTIONS = [
     (["--preset=toy-nope"], "--preset", "'toy-nope' is not one of"),
     (["--batch-gpu=5"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 5"),
     (["--batch-gpu=64"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 64"),
+    (["--channel-mult=1,0"], "--channel-mult", "'1,0': every number must be at least 1"),
+    (["--channel-mult="], "--channel-mult", "needs at least one number"),
+    (["--channel-mult=1;2"], "--channel-mult", "'1;2' is not a comma-separated list of integers"),
+    (["--channel-mult=1.5"], "--channel-mult", "is not a comma-separated list of integers"),
+    (["--num-blocks=0"], "--num-blocks", "0 is not in the range x>=1"),
+    (["--attn-resolutions=x"], "--attn-resolutions", "'x' is not a comma-separated list of integers"),
+    (["--attn-resolutions=4,-4"], "--attn-resolutions", "every number must be at least 1"),
 ]
 
 
@@ -277,6 +290,37 @@ BAD_OPTIONS = [
 def test_bad_option(args, option, message, train_data, tmp_path):
     assert_one_error_line(cli([f"--data={train_data}", *args], tmp_path / "run"), f"Invalid value for '{option}", message)
     assert tree(tmp_path) == []
+
+
+# Architectures the 8x8 training data cannot have (toy-tiny: levels 8 and 4, 16 channels, heads of 16): one line
+# naming the option, before anything is written.
+BAD_ARCHITECTURES = [
+    (["--channel-mult=1,2,2,2,2"], "--channel-mult=1,2,2,2,2 has 5 levels: the resolution 8 must be divisible by "
+                                   "2^4 = 16 (data 8x8)"),
+    (["--attn-resolutions=16"], "attention at 16x16, but the U-Net's levels are 8x8, 4x4: choose --attn-resolutions "
+                                "among them"),
+    (["--channel-mult=1,2,4", "--attn-resolutions=4,1"], "attention at 1x1, but the U-Net's levels are 8x8, 4x4, 2x2"),
+    (["--channel-mult=1"], "attention at 4x4, but the U-Net's levels are 8x8:"),  # the preset's attention at 4x4
+    (["--attn-resolutions=8", "--channels=8"], "attention at 8x8 splits --channels=8 x 1 = 8 channels into heads "
+                                               "of 16"),
+    (["--channels=35"], "attention at 4x4 splits --channels=35 x 2 = 70 channels into heads of 16"),
+]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("args, message", BAD_ARCHITECTURES, ids=[" ".join(a) for a, _ in BAD_ARCHITECTURES])
+def test_impossible_architecture(args, message, train_data, tmp_path):
+    assert_one_error_line(cli([f"--data={train_data}", *args], tmp_path / "run"), message)
+    assert tree(tmp_path) == []
+
+
+def test_architecture_options_are_the_networks(train_data, tmp_path):
+    result = cli([f"--data={train_data}", "--dry-run", "--channel-mult=1,1,2", "--num-blocks=2",
+                  "--attn-resolutions="], tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    network = json.loads(result.output[: result.output.rindex("}") + 1])["network"]
+    # The preset's other U-Net arguments stay.
+    assert network == dict(channel_mult=[1, 1, 2], num_blocks=2, attn_resolutions=[], channels_per_head=16)
 
 
 def lock_held_by(run_dir: Path, holder: Holder) -> None:

@@ -16,7 +16,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # where and for how long training runs and how much memory it uses, not what it computes.
 HYPERPARAMETERS = (
     "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
-    "ema_stds", "network", "precision", "ls", "seed", "dataset",
+    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init",
 )
 
 
@@ -57,6 +57,7 @@ class TrainingOptions:
     ls: float = 1.0
     seed: int = 0
     workers: int = 2
+    init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
 
     @classmethod
     def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:

@@ -10,6 +10,7 @@ import torch
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from training import checkpoint
+from training.architecture import init_weights
 from training.options import TrainingOptions
 
 ADAM_BETAS = (0.9, 0.99)
@@ -42,9 +43,18 @@ class TrainingState:
 
     @classmethod
     def create(cls, opts: TrainingOptions, img_channels: int, device: torch.device) -> TrainingState:
-        """A new state: weights from opts.seed (identical on every rank), Adam at learning rate 0, fresh EMAs."""
+        """A new state: weights from opts.seed (identical on every rank) or the opts.init snapshot, Adam at
+        learning rate 0, EMA tracks equal to the weights.
+
+        A run started from a snapshot is a new run: it counts its own images from 0, so the learning rate ramps up
+        and decays (Eq. 67) and the EMA profiles (Eq. 127) span the new run's images as for any run; the snapshot
+        enters the EMA only through the network's weights (the first update's beta is 0).
+        """
         torch.manual_seed(opts.seed)
-        net = init_network(opts, img_channels).to(device).train()
+        net = init_network(opts, img_channels)
+        if opts.init is not None:
+            net.load_state_dict(init_weights(opts.init))
+        net = net.to(device).train()
         optimizer = torch.optim.Adam(net.parameters(), lr=0, betas=ADAM_BETAS, eps=ADAM_EPS)
         return cls(net, optimizer, PowerFunctionEMA(net, opts.ema_stds))
 

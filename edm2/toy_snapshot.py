@@ -1,0 +1,50 @@
+"""Toy-example snapshot files: the denoiser's safetensors weights plus JSON metadata; the release's toy pickles
+through the restricted importer.
+
+The metadata sits under its own key ('edm2-toy'), so an EDM2 command given a toy file, or the toy example given an
+EDM2 snapshot, refuses it in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import safetensors
+import safetensors.torch
+import torch
+
+from edm2 import files
+from edm2.errors import SnapshotError, one_line
+from edm2.release_pickle import load_release_toy_pickle
+from edm2.snapshot import FORMAT_VERSION, check_readable, load_weights, read_metadata
+from edm2.toy_gmm import ToyError
+from edm2.toy_model import ToyDenoiser
+
+METADATA_KEY = "edm2-toy"
+
+
+def save_toy(path: str | os.PathLike, net: ToyDenoiser, metadata: dict) -> None:
+    """Write the denoiser's float32 weights and metadata atomically to a .safetensors file."""
+    meta = dict(metadata, format_version=FORMAT_VERSION, network_kwargs=net.init_kwargs)
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in net.state_dict().items()}
+    with files.atomic_path(path) as tmp:
+        try:
+            safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+        except safetensors.SafetensorError as e:  # a full disk reads 'I/O error: No space left on device'
+            raise SnapshotError(f"{path}: cannot write: {e}") from None
+
+
+def load_toy(path_or_url: str | os.PathLike) -> tuple[ToyDenoiser, dict]:
+    """(denoiser in eval mode, metadata) from our .safetensors toy snapshot or the release's toy .pkl (path or URL)."""
+    path = files.cached_path(path_or_url)
+    check_readable(path)
+    if path.suffix == ".pkl":
+        return load_release_toy_pickle(path), {"source": "release-pickle"}
+    metadata = read_metadata(path, METADATA_KEY, "a toy-example snapshot")
+    try:
+        net = ToyDenoiser(**metadata.get("network_kwargs", {}))
+    except Exception as e:  # arguments from a file can fail in any way (TypeError, ValueError, RuntimeError...)
+        raise ToyError(f"{path}: unsupported toy network arguments: {one_line(e)}") from None
+    load_weights(path, net)
+    return net.eval().requires_grad_(False), metadata

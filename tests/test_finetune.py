@@ -1,0 +1,175 @@
+"""train_edm2.py --init: a new run whose network and EMA tracks start from a snapshot of ours or a release
+pickle, its architecture and encoder taken from the snapshot; resuming it; and what contradicts the snapshot."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+
+import train_edm2
+from edm2.encoders import StandardRGBEncoder
+from edm2.snapshot import load_network, save_network
+from training import checkpoint
+from tests.helpers import (RELEASE_TINY, TRAIN_ARGS, assert_one_error_line, random_release_tiny_net, randomized,
+                           tiny_precond, tree, write_release_pickle)
+
+# One step of 16 images: the learning rate of step 1 is 0 (Eq. 67's ramp-up starts at 0 images), and the first EMA
+# update has beta = 0 (Eq. 127 with t_delta = t_next), so the first snapshot holds the network as it entered the
+# step: the init weights after the forced weight normalization (Eq. 66) of the step's forward pass.
+ONE_STEP = ["--duration=16", "--batch=16", "--workers=0"]
+# A U-Net unlike the toy-tiny preset's: eight channels, one level of two blocks, no attention resolutions.
+INIT_UNET = dict(model_channels=8, channel_mult=(1,), num_blocks=2, attn_resolutions=(), channels_per_head=8)
+
+
+def cli(*args):
+    return CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, *map(str, args)])
+
+
+def init_snapshot(path, seed=0, **overrides):
+    """Our snapshot of a randomly weighted 8x8 RGB net of 4 classes (INIT_UNET unless overridden)."""
+    net = randomized(tiny_precond(8, 3, 4, **{**INIT_UNET, **overrides}), seed)
+    save_network(path, net, {"encoder": StandardRGBEncoder().config()})
+    return path
+
+
+def forced_normalization(weights: dict) -> dict:
+    """Each MPConv weight's rows scaled to norm sqrt(fan_in) as Eq. 66 (eps 1e-4 on the RMS), in float64; the other
+    tensors (gains, Fourier buffers) as they are."""
+    expected = {}
+    for name, w in weights.items():
+        w = w.double()
+        if name.endswith(".weight") and w.ndim >= 2:
+            rms = w.flatten(1).norm(dim=1) / math.sqrt(w[0].numel())
+            w = w / (1e-4 + rms).reshape(-1, *[1] * (w.ndim - 1))
+        expected[name] = w
+    return expected
+
+
+def assert_first_snapshot_is_the_init(snapshot_path, init_weights):
+    # float16 storage rounds to nearest: <= 2^-11 relative (2^-25 absolute below float16's normal range); the
+    # float32 normalization adds <= sqrt(fan_in <= 128 * 9) x 6e-8 relative: 1e-5 covers it.
+    saved = safetensors.torch.load_file(str(snapshot_path))
+    expected = forced_normalization(init_weights)
+    assert sorted(saved) == sorted(expected)
+    for name, value in saved.items():
+        torch.testing.assert_close(value.double(), expected[name], rtol=2**-11 + 1e-5, atol=2**-25)
+        if not name.endswith(".weight"):
+            assert torch.equal(value, init_weights[name].to(value.dtype)), name
+
+
+def test_init_from_our_snapshot_takes_its_architecture_and_weights(train_data, tmp_path):
+    init = init_snapshot(tmp_path / "init.safetensors")
+    result = cli(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--init={init}", *ONE_STEP)
+    assert result.exit_code == 0, result.output
+    net, meta = load_network(tmp_path / "run" / "network-snapshot-0000000-16-0.100.safetensors")
+    init_net, init_meta = load_network(init)
+    # The snapshot's architecture; dropout is the run's (--dropout or the preset's), not an architecture.
+    assert {k: v for k, v in net.init_kwargs.items() if k != "dropout"} == init_net.init_kwargs
+    assert meta["training_options"]["init"] == str(init) and meta["training_options"]["channels"] == 8
+    for std in ("0.050", "0.100"):  # both EMA tracks
+        assert_first_snapshot_is_the_init(tmp_path / "run" / f"network-snapshot-0000000-16-{std}.safetensors",
+                                          safetensors.torch.load_file(str(init)))
+    state = checkpoint.load_state(tmp_path / "run" / "training-state-0000000-16.pt")
+    assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {1}  # a fresh Adam, one step in
+    assert json.loads((tmp_path / "run" / "training_options.json").read_text())["init"] == str(init)
+
+
+def test_a_run_started_from_a_snapshot_resumes_from_its_own_states(train_data, tmp_path):
+    init = init_snapshot(tmp_path / "init.safetensors")
+    common = [f"--data={train_data}", f"--init={init}", "--batch=16", "--workers=0"]
+    assert cli(*common, f"--outdir={tmp_path / 'straight'}", "--duration=48").exit_code == 0
+    result = cli(*common, f"--outdir={tmp_path / 'resumed'}", "--duration=32")
+    assert result.exit_code == 0, result.output
+    init_snapshot(init, seed=5)  # other weights in the same file: a resume must not read them
+    result = cli(*common, f"--outdir={tmp_path / 'resumed'}", "--duration=48")
+    assert result.exit_code == 0 and "Resuming from training-state-0000000-32.pt at 32 images" in result.output
+    for std in ("0.050", "0.100"):
+        name = f"network-snapshot-0000000-48-{std}.safetensors"
+        straight, resumed = (safetensors.torch.load_file(str(tmp_path / run / name)) for run in ("straight", "resumed"))
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # The same --init must be given again: it is one of the run's hyperparameters.
+    result = cli(f"--data={train_data}", "--batch=16", "--workers=0", f"--outdir={tmp_path / 'resumed'}",
+                 "--duration=64")
+    assert_one_error_line(result, "cannot resume with different hyperparameters", "init: run has")
+
+
+def write_latent_dataset(path, num=8, classes=5):
+    """8x8 mean/std latents of 4 VAE channels (8 stored), labeled, in the release's layout."""
+    rng = np.random.default_rng(0)
+    (path / "00000").mkdir(parents=True)
+    names = []
+    for i in range(num):
+        name = f"00000/img-mean-std-{i:08d}.npy"
+        np.save(path / name, np.abs(rng.normal(size=(8, 8, 8))).astype(np.float32))
+        names.append([name, i % classes])
+    (path / "dataset.json").write_text(json.dumps({"labels": names}))
+    return path
+
+
+def test_init_from_a_release_pickle_takes_its_weights_and_encoder(release_standins, tmp_path):
+    net = random_release_tiny_net()
+    write_release_pickle(tmp_path / "release.pkl", net, *release_standins)
+    data = write_latent_dataset(tmp_path / "latents")
+    result = cli(f"--data={data}", f"--outdir={tmp_path / 'run'}", f"--init={tmp_path / 'release.pkl'}", *ONE_STEP)
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "ran").exists()  # nothing of the pickle's code ran
+    weights = {k: v.half() for k, v in net.state_dict().items()}  # the release stores float16
+    assert_first_snapshot_is_the_init(tmp_path / "run" / "network-snapshot-0000000-16-0.050.safetensors", weights)
+    _, meta = load_network(tmp_path / "run" / "network-snapshot-0000000-16-0.050.safetensors")
+    assert meta["encoder"]["class"] == "StabilityVAEEncoder" and meta["dataset"]["label_dim"] == RELEASE_TINY["label_dim"]
+
+
+# id -> (options beside --data/--outdir/--init, fragments of the one error line). {init} is an 8x8 RGB snapshot of
+# 4 classes (the training data's), made by init_snapshot with the overrides of INIT_CASES.
+INIT_BAD = {
+    "missing file": (["--init={tmp}/missing.safetensors"], ["--init", "missing.safetensors: no such file"]),
+    "not a snapshot": (["--init={tmp}/garbage.safetensors"], ["--init", "garbage.safetensors"]),
+    "unreachable url": (["--init=http://127.0.0.1:9/edm2-img512-s-2147483-0.130.pkl"], ["--init", "127.0.0.1:9"]),
+    "other resolution": (["--init={tmp}/res16.safetensors"], ["--init", "16x16 network with 3 channels",
+                                                              "the data gives 8x8 with 3"]),
+    "other channels": (["--init={tmp}/gray.safetensors"], ["--init", "with 1 channels", "the data gives 8x8 with 3"]),
+    "other classes": (["--init={tmp}/cls5.safetensors"], ["--init", "a network of 5 classes", "the data has 4"]),
+    "conditional, --cond=False": (["--init={tmp}/init.safetensors", "--cond=False"],
+                                  ["--init", "a network of 4 classes", "(--cond=False)"]),
+    "unconditional, --cond=True": (["--init={tmp}/uncond.safetensors"], ["--init", "an unconditional network",
+                                                                        "--cond=False"]),
+    "latent net, pixel data": (["--init={tmp}/release.pkl"], ["--init", "StabilityVAEEncoder data",
+                                                              "StandardRGBEncoder"]),
+    "no encoder": (["--init={tmp}/no-encoder.safetensors"], ["--init", "no usable encoder settings"]),
+    "channels contradict": (["--init={tmp}/init.safetensors", "--channels=16"],
+                            ["--init", "--channels=16 contradicts init.safetensors", "has 8"]),
+    "channel-mult contradicts": (["--init={tmp}/init.safetensors", "--channel-mult=1,2"],
+                                 ["--init", "--channel-mult=1,2 contradicts", "has 1"]),
+    "attention contradicts": (["--init={tmp}/init.safetensors", "--attn-resolutions=4"],
+                              ["--init", "--attn-resolutions=4 contradicts", "has none"]),
+}
+
+
+@pytest.fixture
+def init_files(tmp_path, release_standins):
+    init_snapshot(tmp_path / "init.safetensors")
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a snapshot")
+    for name, overrides in (("res16", dict(img_resolution=16)), ("gray", dict(img_channels=1)),
+                            ("cls5", dict(label_dim=5)), ("uncond", dict(label_dim=0))):
+        net = tiny_precond(**{**dict(img_resolution=8, img_channels=3, label_dim=4), **INIT_UNET, **overrides})
+        save_network(tmp_path / f"{name}.safetensors", net, {"encoder": StandardRGBEncoder().config()})
+    save_network(tmp_path / "no-encoder.safetensors", tiny_precond(8, 3, 4, **INIT_UNET), {})
+    write_release_pickle(tmp_path / "release.pkl", random_release_tiny_net(), *release_standins)
+    return tmp_path
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", INIT_BAD)
+def test_what_contradicts_the_init_snapshot_is_one_line_before_any_work(case, train_data, init_files, monkeypatch):
+    tmp_path = init_files
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(train_edm2, "train", lambda *args: pytest.fail("training started"))
+    args, fragments = INIT_BAD[case]
+    before = tree(tmp_path)
+    result = cli(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", *(a.format(tmp=tmp_path) for a in args))
+    assert_one_error_line(result, *fragments)
+    assert tree(tmp_path) == before

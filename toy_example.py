@@ -1,0 +1,120 @@
+"""2-D toy example of the autoguidance paper ("Guiding a Diffusion Model with a Bad Version of Itself", Figure 1).
+
+The ground truth is edm2.toy_gmm's, the denoiser edm2.toy_model's, the training training.toy's and the figure
+edm2.plots.toy's; this command line checks the options, wires them and reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import click
+import torch
+
+from cli.command import Group
+from cli.types import Number
+from edm2 import files, plots
+from edm2.errors import EDM2Error, one_line
+from edm2.plots.toy import progress_figure, toy_figure
+from edm2.toy_snapshot import load_toy, save_toy
+from training.toy import ToyTraining, train_toy
+
+RELEASE_URL = "https://nvlabs-fi-cdn.nvidia.com/edm2/toy-example/"
+DEFAULT_NET = RELEASE_URL + "clsA-layers04-dim64/iter4096.pkl"  # the main model of the paper's Figure 1
+DEFAULT_GNET = RELEASE_URL + "clsA-layers04-dim32/iter0512.pkl"  # its guiding model: smaller, trained shorter
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@click.group(cls=Group, epilog="""\b
+Examples:
+  # The paper's figure from the release's published toy models (downloaded once)
+  python toy_example.py plot --save=toy.png
+\b
+  # Train a main model and a guiding model (smaller, shorter), then plot autoguidance
+  python toy_example.py train --outdir=toy/clsA-layers04-dim64 --cls=A --layers=4 --dim=64
+  python toy_example.py train --outdir=toy/clsA-layers04-dim32 --cls=A --layers=4 --dim=32 --iters=512
+  python toy_example.py plot --net=toy/clsA-layers04-dim64/iter4096.safetensors \\
+      --gnet=toy/clsA-layers04-dim32/iter0512.safetensors --guidance=3 --save=toy.png
+\b
+  # Classifier-free guidance instead: guide by a model of both classes
+  python toy_example.py train --outdir=toy/clsAB-layers04-dim32 --cls=AB --layers=4 --dim=32 --iters=512
+\b
+  # A quick look on a CPU (about two minutes)
+  python toy_example.py train --outdir=toy/quick-main --iters=512
+  python toy_example.py train --outdir=toy/quick-guide --dim=32 --iters=64
+  python toy_example.py plot --net=toy/quick-main/iter0512.safetensors --gnet=toy/quick-guide/iter0064.safetensors
+""")
+def main() -> None:
+    """2-D toy example from the paper "Guiding a Diffusion Model with a Bad Version of Itself" (Figure 1)."""
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise click.UsageError("the toy example runs in one process; start it without torchrun")
+
+
+@main.command()
+@click.option("--outdir", type=click.Path(path_type=Path), required=True,
+              help="Where the snapshots iterNNNN.safetensors go (a new or empty folder)")
+@click.option("--cls", type=click.Choice(["A", "B", "AB"]), default="A", show_default=True,
+              help="Classes of the ground truth to learn")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Number of hidden layers")
+@click.option("--dim", type=click.IntRange(min=1), default=64, show_default=True, help="Hidden dimension")
+@click.option("--viz", type=bool, default=True, show_default=True,
+              help="Draw the samples of every snapshot into OUTDIR/progress.png")
+@click.option("--iters", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Training iterations of 4096 points (a snapshot every 256 and at the end)")
+def train(outdir: Path, cls: str, layers: int, dim: int, viz: bool, iters: int) -> None:
+    """Train a toy denoiser on the ground truth of the given classes."""
+    files.check_writable_dir(outdir)
+    files.remove_stale_temporaries(outdir)
+    earlier = sorted(outdir.glob("iter*.safetensors")) if outdir.is_dir() else []
+    if earlier:
+        raise click.BadParameter(f"{outdir} already holds snapshots ({earlier[0].name}); choose a new folder",
+                                 param_hint="--outdir")
+    opts = ToyTraining(classes=cls, num_layers=layers, hidden_dim=dim, iterations=iters)
+    where = device()
+
+    def snapshot(iteration: int, ema) -> None:
+        path = outdir / f"iter{iteration:04d}.safetensors"
+        save_toy(path, ema, {"iteration": iteration, "training": dataclasses.asdict(opts)})
+        if viz:
+            title = f"class {cls}, {layers} layers of {dim}, {iteration} iterations"
+            plots.save_png(progress_figure(ema, title, where), outdir / "progress.png", dpi=80)
+        click.echo(f"{path}")
+
+    click.echo(f"Training on {where}: class {cls}, {layers} layers of {dim}, {iters} iterations into {outdir}")
+    train_toy(opts, where, snapshot)
+    click.echo("Done.")
+
+
+@main.command()
+@click.option("--net", metavar="PATH|URL", default=DEFAULT_NET, show_default=True,
+              help="Main model: our .safetensors toy snapshot or the release's .pkl")
+@click.option("--gnet", metavar="PATH|URL", default=DEFAULT_GNET, show_default=True,
+              help="Guiding model: the main model's worse version (autoguidance) or an unconditional one")
+@click.option("--guidance", type=Number(), default=3.0, help="Guidance weight w (Eq. 152)  [default: 3]")
+@click.option("--save", type=click.Path(path_type=Path, dir_okay=False), default="toy-example.png",
+              show_default=True, help="Where to write the figure (PNG)")
+def plot(net: str, gnet: str, guidance: float, save: Path) -> None:
+    """Draw the sample distributions with and without guidance, and a close-up of densities and trajectories."""
+    if save.suffix.lower() != ".png":
+        raise click.BadParameter(f"{save} does not end in .png; the figure is written as PNG", param_hint="--save")
+    files.check_writable_dir(save.parent)
+    where = device()
+    click.echo("Loading models...")
+    models = []
+    for option, path in (("--net", net), ("--gnet", gnet)):
+        try:
+            models.append(load_toy(path)[0].to(where))
+        except (EDM2Error, OSError) as e:
+            raise click.BadParameter(one_line(e), param_hint=option) from None
+    click.echo("Drawing...")
+    plots.save_png(toy_figure(*models, guidance, where), save, dpi=80)
+    click.echo(f"Saved {save}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The U-Net of a run: the options that shape it (--channel-mult, --num-blocks, --attn-resolutions) checked
+against the data, and the architecture, encoder and weights a run takes over from a snapshot (--init)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+
+import torch
+
+from edm2 import files
+from edm2.encoders import Encoder
+from edm2.networks import Block, UNet
+from edm2.snapshot import load_generator
+from training.options import OptionsError
+
+# The U-Net arguments that train_edm2.py sets with options of the same names (dashes for underscores).
+UNET_OPTIONS = ("channel_mult", "num_blocks", "attn_resolutions")
+# Precond arguments that a run sets from its data and options, not from an --init snapshot's architecture.
+RUN_ARGUMENTS = ("img_resolution", "img_channels", "label_dim", "model_channels", "dropout", "use_fp16", "use_bf16")
+
+
+def unet_defaults() -> dict:
+    """The U-Net's defaults (the release's) for the arguments that shape it: model_channels, UNET_OPTIONS and
+    channels_per_head."""
+    unet = inspect.signature(UNet).parameters
+    defaults = {name: unet[name].default for name in ("model_channels", *UNET_OPTIONS)}
+    return dict(defaults, channels_per_head=inspect.signature(Block).parameters["channels_per_head"].default)
+
+
+def effective(network: dict, name: str) -> int | list[int]:
+    """The value of a U-Net argument for these network arguments: theirs, else the default; sequences as lists."""
+    value = network.get(name, unet_defaults()[name])
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def check_architecture(resolution: int, channels: int, network: dict, explicit: bool = True) -> None:
+    """Raise OptionsError unless a U-Net of these arguments fits images of this resolution.
+
+    Every level but the last halves the resolution, and the decoder must come back to the same sizes, so the
+    resolution must divide by 2^(levels-1). Attention splits a level's channels into heads of channels_per_head
+    channels; the level's channels must divide evenly into them. With explicit (the U-Net options were given, not
+    all the preset's), every attention resolution must be one of the levels' and hold at least one head; a preset's
+    attention resolutions that data of another size does not have are left out, as they always were.
+    """
+    mult, attention = effective(network, "channel_mult"), effective(network, "attn_resolutions")
+    per_head, levels = effective(network, "channels_per_head"), len(mult)
+    if resolution % 2 ** (levels - 1):
+        raise OptionsError(f"--channel-mult={','.join(map(str, mult))} has {levels} levels: the resolution "
+                           f"{resolution} must be divisible by 2^{levels - 1} = {2 ** (levels - 1)}")
+    sizes = [resolution >> level for level in range(levels)]
+    missing = [res for res in attention if res not in sizes]
+    if explicit and missing:
+        raise OptionsError(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
+                           f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them")
+    # The lowest level's first decoder block always has attention (UNet, as in the release).
+    for level, res in enumerate(sizes):
+        width = channels * mult[level]
+        heads = width // per_head
+        if not (res in attention or level == levels - 1):
+            continue
+        if (heads and width % heads) or (not heads and explicit and res in attention):
+            raise OptionsError(f"attention at {res}x{res} splits --channels={channels} x {mult[level]} = {width} "
+                               f"channels into heads of {per_head}: the product must be a multiple of {per_head}")
+
+
+def unet_options(preset_network: dict, given: dict) -> dict:
+    """The preset's U-Net arguments with the UNET_OPTIONS given on the command line (those not None)."""
+    network = dict(preset_network)
+    network.update({name: value for name, value in given.items() if value is not None})
+    return network
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSnapshot:
+    """What a run started with --init takes from the snapshot: its architecture and encoder (weights come later,
+    in TrainingState.create)."""
+
+    path: str  # absolute path or URL, as recorded in the run's options
+    network_kwargs: dict  # the snapshot network's Precond arguments
+    encoder: Encoder
+
+    @property
+    def channels(self) -> int:
+        """model_channels of the snapshot's U-Net."""
+        return effective(self.network_kwargs, "model_channels")
+
+    @property
+    def network(self) -> dict:
+        """The Precond/U-Net arguments that a run's options carry in `network` (all but RUN_ARGUMENTS)."""
+        return {k: v for k, v in self.network_kwargs.items() if k not in RUN_ARGUMENTS}
+
+
+def init_path(path_or_url: str) -> str:
+    """--init as a run records it: URLs as given, files as absolute paths (a rerun from elsewhere is the same)."""
+    return path_or_url if files.is_url(path_or_url) else os.path.abspath(path_or_url)
+
+
+def read_init(path_or_url: str) -> InitSnapshot:
+    """The architecture and encoder of a snapshot of ours or a release pickle (SnapshotError if it has none)."""
+    net, encoder, _ = load_generator(path_or_url)
+    return InitSnapshot(init_path(path_or_url), dict(net.init_kwargs), encoder)
+
+
+def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
+    """The float32 weights of the snapshot a run starts from (--init)."""
+    return load_generator(path_or_url)[0].state_dict()
+
+
+def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
+               given: dict) -> None:
+    """Raise OptionsError naming what contradicts the --init snapshot: data of another resolution, channel count,
+    encoder or number of classes (label_dim: the data's, 0 for --cond=False), or architecture options (given:
+    channels and UNET_OPTIONS as given on the command line, None where not given)."""
+    kwargs, name = init.network_kwargs, os.path.basename(init.path)
+    if type(encoder) is not type(init.encoder):
+        raise OptionsError(f"{name} works on {type(init.encoder).__name__} data but the data is for "
+                           f"{type(encoder).__name__}")
+    channels = encoder.out_channels(num_channels)
+    if (resolution, channels) != (kwargs["img_resolution"], kwargs["img_channels"]):
+        raise OptionsError(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
+                           f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with {channels}")
+    if label_dim != kwargs["label_dim"]:
+        what = "an unconditional network: train it with --cond=False" if not kwargs["label_dim"] else (
+            f"a network of {kwargs['label_dim']} classes: train it with --cond=True on data with as many")
+        have = "--cond=False" if not label_dim else f"the data has {label_dim} classes"
+        raise OptionsError(f"{name} is {what} ({have})")
+    for option, value in given.items():
+        theirs = effective(kwargs, "model_channels" if option == "channels" else option)
+        if value is not None and (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
+            raise OptionsError(f"--{option.replace('_', '-')}={_text(value)} contradicts {name}, whose U-Net has "
+                               f"{_text(theirs)}; leave it out to take the snapshot's")
+
+
+def _text(value) -> str:
+    """An option value as typed: lists comma-separated, 'none' for the empty list."""
+    return (",".join(map(str, value)) or "none") if isinstance(value, (list, tuple)) else str(value)
