@@ -171,6 +171,13 @@ def test_the_probe_equals_independent_computations(train_data, tmp_path):
     assert row["weights"] == pytest.approx(weights, rel=1e-12)  # float64 mean of the same float32 values
     assert all(v == pytest.approx(1.5, rel=0.2) for v in row["weights"].values())
 
+    # A run with --status=0 (or a status interval longer than the snapshot interval) has no status row yet.
+    (tmp_path / "stats.jsonl").unlink()
+    dashboard.update(net, 2048)
+    training = json.loads((tmp_path / "plots" / "training.json").read_text())
+    assert training["stats"] == {"kimg": [], "loss": [], "lr": [], "images_per_s": []}
+    assert [row["nimg"] for row in training["noise_levels"]] == [1024, 2048]
+
 
 def copy_records(run, dest):
     """What a cluster run's records are without its snapshots and dataset: stats.jsonl and plots/*.json."""

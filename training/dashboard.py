@@ -16,9 +16,9 @@ the first EMA track (the newest snapshot's network, before its float16 rounding 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -40,13 +40,19 @@ class DashboardError(EDM2Error):
     """A run directory whose records cannot be drawn: no stats.jsonl, or a record file that is not ours."""
 
 
-def read_stats(run_dir: Path) -> dict[str, list[float]]:
-    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped."""
+def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
+    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped.
+
+    Unless required, a missing or empty file gives empty columns (a run whose status interval is longer than its
+    snapshot interval has none at its first snapshot)."""
     path = run_dir / STATS_FILE
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
-        raise DashboardError(f"{run_dir} has no {STATS_FILE}: not a training run directory") from None
+        if not required:
+            lines = []
+        else:
+            raise DashboardError(f"{run_dir} has no {STATS_FILE}: not a training run directory") from None
     except OSError as e:
         raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
     columns: dict[str, list[float]] = {key: [] for key in STATS_KEYS}
@@ -58,7 +64,7 @@ def read_stats(run_dir: Path) -> dict[str, list[float]]:
             continue
         for key, value in zip(STATS_KEYS, values):
             columns[key].append(value)
-    if not columns["kimg"]:
+    if required and not columns["kimg"]:
         raise DashboardError(f"{path} holds no status rows yet")
     return columns
 
@@ -84,7 +90,7 @@ def save_json(path: Path, data: dict) -> None:
         tmp.write_text(json.dumps(data))
 
 
-def _figure(figure_fn, data: dict, source: Path):
+def _figure(figure_fn: Callable[[dict], Any], data: dict, source: Path) -> Any:
     """figure_fn(data); records that lack what the figure needs are one DashboardError naming their file."""
     try:
         return figure_fn(data)
@@ -93,10 +99,10 @@ def _figure(figure_fn, data: dict, source: Path):
 
 
 def write_dashboard(run_dir: Path, training: dict) -> Path:
-    """training.json with stats.jsonl's columns as of now, and training.png drawn from it."""
+    """training.json with stats.jsonl's columns as of now (none yet is fine), and training.png drawn from it."""
     from edm2 import plots  # matplotlib takes a second to import: only runs that reach a snapshot need it
     from edm2.plots.run import dashboard_figure
-    training = dict(training, stats=read_stats(run_dir))
+    training = dict(training, stats=read_stats(run_dir, required=False))
     folder = run_dir / PLOTS_DIR
     figure = _figure(dashboard_figure, training, folder / TRAINING_JSON)
     save_json(folder / TRAINING_JSON, training)
