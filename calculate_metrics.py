@@ -11,6 +11,7 @@ import click
 import numpy as np
 import torch
 
+from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.speed import sampling_speed_options
 from cli.types import Number, SigmaInterval
@@ -25,18 +26,20 @@ from edm2.networks import Precond
 from edm2.snapshot import SnapshotError
 from edm2.speed import SamplingSpeed
 from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
+from edm2.sweep import Measure, run_sweep
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
 WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
 
 
 def parse_metrics(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
-    """'fid,fd_dinov2' -> ['fid', 'fd_dinov2'], refusing unknown names."""
+    """'fid,fd_dinov2' -> ['fid', 'fd_dinov2'], refusing unknown names ('sweep' also knows 'loss')."""
+    choices = [*DETECTORS, *(["loss"] if ctx.info_name == "sweep" else [])]
     names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
-    unknown = [name for name in names if name not in DETECTORS]
+    unknown = [name for name in names if name not in choices]
     if unknown or not names:
         raise click.BadParameter(f"unknown metric {', '.join(map(repr, unknown)) or '(none given)'}; "
-                                 f"choose from {', '.join(DETECTORS)}")
+                                 f"choose from {', '.join(choices)}")
     return names
 
 
@@ -286,6 +289,34 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
         report(stats, reference, metrics, count, net_path, ref_path)
 
+
+@main.command(epilog=sweep_cli.EPILOG)
+@sweep_cli.options
+@metric_options(batch_default=32)
+def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
+          inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
+          seed: int, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+          dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
+    """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
+    distances = [metric for metric in metrics if metric in DETECTORS]
+    settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
+                                       guidance_interval)
+    plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
+    with distributed.session():
+        samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
+        reference = load_reference(ref_path, distances) if distances else None
+        device = distributed.device()
+        gnet = sweep_cli.guiding_network(gnet_path, plan, device) if guidance != 1 else None
+        detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
+        if reference is not None:
+            check_dimensions(reference, ref_path, detectors)
+        measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,
+                          reference, samples, gnet, dict(guidance=guidance, guidance_interval=guidance_interval))
+        main_rank = distributed.is_main()
+        run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
+                  plan.save if main_rank else None, report=click.echo)
+        if main_rank:
+            sweep_cli.finish(plan, metrics)
 
 if __name__ == "__main__":
     main(prog_name="calculate_metrics.py")

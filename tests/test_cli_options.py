@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import DATA, REPO
 
 SCRIPTS = ["train_edm2.py", "generate.py", "reconstruct_phema.py", "calculate_metrics.py", "dataset_tool.py",
-           "count_flops.py", "toy_example.py"]
+           "count_flops.py", "toy_example.py", "plot_run.py"]
 
 
 def entry_point(script: str) -> click.Command:

@@ -1,6 +1,8 @@
 """README.md stays true: every command in it parses, and the quickstart runs end to end."""
 
 import importlib.util
+import json
+import math
 import os
 import re
 import shlex
@@ -66,7 +68,8 @@ def test_readme_command_parses(command):
 def test_demo_runs_end_to_end(tmp_path):
     # scripts/demo.sh is what `make demo` runs; here on a smaller dataset and the tests' preset.
     env = dict(os.environ, PY=sys.executable, OMP_NUM_THREADS="1", DEMO_OUT=str(tmp_path / "demo"),
-               DEMO_PRESET="toy-tiny", DEMO_NUM="256", DEMO_RES="8", DEMO_CLASSES="3", DEMO_SEEDS="0-7")
+               DEMO_PRESET="toy-tiny", DEMO_NUM="256", DEMO_RES="8", DEMO_CLASSES="3", DEMO_SEEDS="0-7",
+               DEMO_SWEEP_NUM="32")
     result = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -80,3 +83,14 @@ def test_demo_runs_end_to_end(tmp_path):
         with Image.open(grid) as image:
             assert image.size == (3 * 8 + 2, 3 * 8 + 2) and image.mode == "RGB"  # one-pixel gaps between 3x3
         assert str(grid) in result.stdout  # the summary says where everything is
+    # Issue 11: the dashboard, the magnitudes and a sweep of the validation loss over 13 EMA lengths at the
+    # middle and the end of the training (toy-tiny: snapshots at kimg 1 and 2).
+    plots = out / "run" / "plots"
+    for name, size in (("training.png", (880, 520)), ("magnitudes.png", (1100, 450)), ("ema-sweep.png", (500, 400))):
+        with Image.open(plots / name) as image:
+            assert image.format == "PNG" and image.size == size
+        assert str(plots / name) in result.stdout
+    rows = json.loads((plots / "ema-sweep.json").read_text())["rows"]
+    assert [(row["kimg"], round(row["std"], 3)) for row in rows] == [
+        (kimg, round(0.01 + 0.02 * k, 3)) for kimg in (1, 2) for k in range(13)]
+    assert all(math.isfinite(row["loss"]) for row in rows)

@@ -77,10 +77,11 @@ def test_repeated_sigkill_during_writes_then_rerun_is_exact_and_clean(train_data
     # The run directory holds exactly its own files: no temporaries, no lock, no file replaced by another count.
     tags = [f"0000000-{n}" for n in range(128, 1024, 128)] + ["0000001"]
     assert sorted(p.name for p in outdir.iterdir()) == sorted(
-        ["log.txt", "stats.jsonl", "training_options.json"]
+        ["log.txt", "plots", "stats.jsonl", "training_options.json"]
         + [f"training-state-{tag}.pt" for tag in tags]
         + [f"network-snapshot-{tag}-{std}.safetensors" for tag in tags for std in ("0.050", "0.100")]
     )
+    assert sorted(p.name for p in (outdir / "plots").iterdir()) == ["magnitudes.json", "training.json", "training.png"]
     assert stats_images(outdir) == list(range(64, 1025, 64))
     assert snapshots_at(outdir, "0000001") == snapshots_at(reference_run, "0000001")
 
@@ -92,6 +93,9 @@ def test_torn_stats_line_does_not_stop_a_resume(train_data, reference_run, tmp_p
         path.unlink()
     rows = (outdir / "stats.jsonl").read_text().splitlines()
     (outdir / "stats.jsonl").write_text("\n".join(rows[:3]) + "\n" + rows[3][:25])  # killed in mid-append
+    records = json.loads((outdir / "plots" / "training.json").read_text())
+    records["noise_levels"][-1]["u"] = [0.0] * 11  # the killed run's row after the training state: not kept
+    (outdir / "plots" / "training.json").write_text(json.dumps(records))
 
     result = run_training(train_data, outdir, "--workers=0")
     assert result.returncode == 0, result.stderr
@@ -99,6 +103,10 @@ def test_torn_stats_line_does_not_stop_a_resume(train_data, reference_run, tmp_p
     assert "Dropped a torn last line" in result.stdout
     assert stats_images(outdir) == [512, 1024, 1536, 2048]
     assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")
+    # The dashboard's records: the copied row at 2048 images was dropped on resume and measured again.
+    for name, key in (("training.json", "noise_levels"), ("magnitudes.json", "rows")):
+        rows = [json.loads((run / "plots" / name).read_text())[key] for run in (outdir, reference_run)]
+        assert rows[0] == rows[1] and [row["nimg"] for row in rows[0]] == [1024, 2048]
 
 
 def test_counts_off_the_intervals_never_replace_each_other(train_data, reference_run, tmp_path):

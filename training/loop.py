@@ -14,6 +14,7 @@ from edm2 import distributed
 from edm2.errors import EDM2Error
 from edm2.networks import count_parameters
 from training import checkpoint
+from training.dashboard import Dashboard
 from training.data_order import DataOrder, data_loader
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
@@ -46,7 +47,7 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
         step = _resume(opts, dataset, encoder, run)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
-        elif _loop(step, Outputs(opts, run, step.state, step.device), stop):
+        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
         else:
             distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
@@ -106,6 +107,14 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
         device=device,
     )
+
+
+def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
+               step: TrainingStep) -> Dashboard | None:
+    """Rank 0's dashboard (RUN/plots/, redrawn at every snapshot); None on the other ranks."""
+    if run is None:
+        return None
+    return Dashboard(run.path, opts, dataset, encoder, step.state.net, step.device, step.state.cur_nimg)
 
 
 def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:

@@ -1,5 +1,5 @@
 """What a run writes as it goes, each at its interval and at the end: status lines with stats.jsonl rows,
-EMA snapshots, and training states."""
+EMA snapshots with the dashboard, and training states."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from edm2 import distributed
 from training import checkpoint
+from training.dashboard import Dashboard
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.run_dir import RunDirectory
@@ -39,8 +40,9 @@ def hms(seconds: float) -> str:
 class Outputs:
     """The writers of one run. Every rank makes the same calls (they hold collectives); rank 0 writes."""
 
-    def __init__(self, opts: TrainingOptions, run: RunDirectory | None, state: TrainingState, device: torch.device):
-        self.opts, self.run, self.state, self.device = opts, run, state, device
+    def __init__(self, opts: TrainingOptions, run: RunDirectory | None, state: TrainingState, device: torch.device,
+                 dashboard: Dashboard | None = None):
+        self.opts, self.run, self.state, self.device, self.dashboard = opts, run, state, device, dashboard
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
         self._tick_nimg = state.cur_nimg
@@ -63,6 +65,8 @@ class Outputs:
         if done or crossed(prev, cur, opts.snapshot):
             if self.run:
                 self.run.save_snapshots(self.state.ema, cur, opts)
+            if self.dashboard:
+                self.dashboard.update(self.state.ema.get()[0][0], cur)
         if done or stopping or crossed(prev, cur, opts.checkpoint):
             self.training_state()
 
@@ -82,8 +86,10 @@ class Outputs:
         if self.run is None:
             return
         print(
-            f"kimg {row['kimg']:<10.1f} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} img/s {images_per_s:<9.1f} "
-            f"sec/kimg {row['sec_per_kimg']:<8.3f} maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])}",
+            f"kimg {row['kimg']:.1f}/{opts.duration / 1000:<8.1f} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
+            f"img/s {images_per_s:<9.1f} "
+            f"sec/kimg {row['sec_per_kimg']:<8.3f} maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} "
+            f"ETA {hms(max(opts.duration - cur, 0) / max(images_per_s, 1e-9))}",
             flush=True,
         )
         self.run.append_stats(row)

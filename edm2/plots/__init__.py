@@ -16,9 +16,13 @@ import matplotlib.figure  # noqa: E402  (after the backend is chosen)
 from edm2 import files  # noqa: E402
 
 
-def new_figure(width: float = 6.4, height: float = 4.8) -> matplotlib.figure.Figure:
-    """A figure not registered with pyplot, so drawing many in a long run never accumulates state."""
-    return matplotlib.figure.Figure(figsize=(width, height), layout="constrained")
+def new_figure(width: float = 6.4, height: float = 4.8, layout: str | None = "constrained") -> matplotlib.figure.Figure:
+    """A figure not registered with pyplot, so drawing many in a long run never accumulates state.
+
+    layout=None leaves the margins to the caller (figure.subplots_adjust): several times faster to save than
+    matplotlib's constrained layout, for figures redrawn while a run trains.
+    """
+    return matplotlib.figure.Figure(figsize=(width, height), layout=layout)
 
 
 def save_png(figure: matplotlib.figure.Figure, path: str | os.PathLike, dpi: int = 100) -> None:

@@ -1,0 +1,198 @@
+"""The command-line side of `calculate_metrics.py sweep`: its --kimg list, and the checks of its inputs, each
+naming the option at fault, made before any network is loaded; then the summary and the plot at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+from pathlib import Path
+from typing import Callable
+
+import click
+import torch
+
+from cli.types import IntList, Number, SigmaInterval, StdList
+
+from edm2 import distributed, files, posthoc, sweep
+from edm2.dataset import DatasetError, ImageFolderDataset
+from edm2.encoders import Encoder, EncoderError, encoder_from_config
+from edm2.errors import SnapshotError
+from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair
+from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
+from edm2.validation import ValidationError, ValidationSamples, check_fits
+
+
+EPILOG = """\b
+Examples:
+  # The validation loss of 13 EMA lengths at two training times, offline (no detector): Figure 5c's curves
+  python calculate_metrics.py sweep --indir=training-runs/run --metrics=loss --data=datasets/toy16.zip \\
+      --std=0.010,0.030,...,0.250 --kimg=16,32 --num=1000
+\b
+  # FID of 49 EMA lengths of the newest snapshot, 8 GPUs, 50,000 images each (paper Figure 5a)
+  torchrun --standalone --nproc_per_node=8 calculate_metrics.py sweep --indir=training-runs/run \\
+      --std=0.010,0.015,...,0.250 --ref=refs/img512.npz --metrics=fid
+"""
+
+
+def options(fn: Callable) -> Callable:
+    """The sweep's own options (the metric options are calculate_metrics.metric_options')."""
+    for option in reversed([
+        click.option("--indir", help="Training run: a folder of EMA snapshots", metavar="DIR",
+                     type=click.Path(path_type=Path), required=True),
+        click.option("--std", "stds", help="EMA lengths sigma_rel, e.g. 0.010,0.015,...,0.250", type=StdList(),
+                     required=True),
+        click.option("--kimg", "kimgs", help="Training times in kimg, one curve each  [default: the newest snapshot]",
+                     type=IntList(min=0)),
+        click.option("--data", "data_path", help="Dataset for --metrics=loss (the validation loss)", metavar="PATH|ZIP"),
+        click.option("--ref", "ref_path", help="Reference statistics for fid and fd_dinov2", metavar="NPZ|PKL|URL"),
+        click.option("--num", "num_images", help="Images generated per EMA length; samples of the loss", metavar="INT",
+                     type=click.IntRange(min=2), default=50000, show_default=True),
+        click.option("--seed", help="First seed of the images and of the loss's samples", metavar="INT",
+                     type=click.IntRange(min=0), default=0, show_default=True),
+        click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL"),
+        click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance)", metavar="FLOAT",
+                     type=Number(), default=1.0, show_default=True),
+        click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], "
+                     "as in gen  [default: every step]", type=SigmaInterval()),
+        click.option("--dest", help="Folder for ema-sweep.json and ema-sweep.png  [default: INDIR/plots]",
+                     metavar="DIR", type=click.Path(path_type=Path)),
+        click.option("--save", "save_dir", help="Also save every reconstruction here, named as by reconstruct_phema.py",
+                     metavar="DIR", type=click.Path(path_type=Path)),
+        click.option("--ema-batch", help="EMA lengths built per pass over the snapshots (memory: one snapshot plus "
+                     "this many networks)", metavar="INT", type=click.IntRange(min=1), default=8, show_default=True),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
+                  gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None) -> dict:
+    """Refuse option combinations that cannot work; returns the settings a results file records (its rows record
+    the training times and EMA lengths, so a rerun may add either)."""
+    distances = [metric for metric in metrics if metric != "loss"]
+    for needed, missing, option, why in (
+            (guidance != 1, gnet_path is None, "--gnet", f"--guidance={guidance:g} needs a guiding network"),
+            ("loss" in metrics, data_path is None, "--data", "--metrics=loss needs the dataset to measure it on"),
+            (bool(distances), ref_path is None, "--ref", f"--metrics={','.join(distances)} needs reference statistics")):
+        if needed and missing:
+            raise click.BadParameter(why, param_hint=option)
+    if guidance_interval is not None and guidance == 1:
+        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
+                                 param_hint="--guidance-interval")
+    if seed + num > MAX_SEED:
+        raise click.BadParameter(f"seeds {seed}..{seed + num - 1} go past {MAX_SEED - 1}", param_hint="--seed")
+    return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
+                guidance_interval=guidance_interval)
+
+
+@dataclasses.dataclass
+class SweepPlan:
+    """What a sweep will do, all checked: inputs per training time, the run's settings, where results go."""
+
+    times: list[tuple[list[posthoc.Snapshot], int]]
+    metadata: dict  # of the newest snapshot: network_kwargs, encoder, loss
+    encoder: Encoder
+    results: sweep.SweepResults
+    dest: Path
+    save: Callable | None
+
+
+def _local(path: str | Path | None) -> str | None:
+    """A path as the results file records it: absolute when it names a local file, else as given (a URL)."""
+    return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
+
+
+def plan(indir: Path, kimgs: tuple[int, ...] | None, stds: list[float], dest: Path | None, save_dir: Path | None,
+         settings: dict) -> SweepPlan:
+    """Find the snapshots of every training time (default the newest), read the run's settings, check both output
+    folders."""
+    try:
+        snapshots = posthoc.list_snapshots(indir)
+        newest = snapshots[-1].path
+        metadata = read_metadata(newest) if newest.suffix == ".safetensors" else load_network(newest)[1]
+    except (posthoc.PosthocError, SnapshotError) as e:
+        raise click.BadParameter(str(e), param_hint="--indir") from None
+    try:
+        encoder = encoder_from_config(metadata["encoder"] if isinstance(metadata.get("encoder"), dict) else {})
+    except EncoderError as e:
+        raise click.BadParameter(f"{newest}: {e}", param_hint="--indir") from None
+    try:
+        times = [posthoc.select_inputs(snapshots, kimg) for kimg in dict.fromkeys(kimgs or [None])]
+    except posthoc.NoSuchTimeError as e:
+        raise click.BadParameter(str(e), param_hint="--kimg") from None
+    dest = dest if dest is not None else indir / "plots"
+    for folder, option in ((dest, "--dest"), (save_dir, "--save")):
+        try:
+            if folder is not None:
+                files.check_writable_dir(folder)
+        except files.OutputError as e:
+            raise click.BadParameter(str(e), param_hint=option) from None
+    settings = dict(settings, indir=_local(indir), data=_local(settings["data"]), ref=_local(settings["ref"]),
+                    gnet=_local(settings["gnet"]))
+    try:
+        results = sweep.SweepResults(dest / sweep.SWEEP_JSON, settings)
+    except sweep.SweepError as e:
+        raise click.BadParameter(str(e), param_hint="--dest") from None
+    save = _saver(save_dir, [(nimg, std) for _, nimg in times for std in stds]) if save_dir else None
+    return SweepPlan(times, metadata, encoder, results, dest, save)
+
+
+def _saver(folder: Path, outputs: list[tuple[int, float]]) -> Callable:
+    """save(std, net, metadata) into folder under reconstruct_phema.py's names, refusing to replace other files."""
+    for nimg, std in outputs:
+        path = folder / snapshot_name("phema", nimg, std)
+        if path.exists() and not posthoc.is_reconstruction(path):
+            raise click.BadParameter(f"{path} exists and is not a post-hoc reconstruction", param_hint="--save")
+    files.remove_stale_temporaries(folder)
+
+    def save(std: float, net: torch.nn.Module, metadata: dict) -> None:
+        save_network(folder / snapshot_name("phema", metadata["nimg"], std), net, metadata)
+    return save
+
+
+def network_shape(metadata: dict) -> types.SimpleNamespace:
+    """The stored network's resolution, channels and classes, as attributes (for checks before loading it)."""
+    kwargs = metadata.get("network_kwargs") or {}
+    return types.SimpleNamespace(**{k: kwargs.get(k) for k in ("img_resolution", "img_channels", "label_dim")})
+
+
+def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> ValidationSamples:
+    """The validation loss's fixed samples of --data, checked against the run's network and noise distribution."""
+    loss = plan.metadata.get("loss") or {}
+    if not all(isinstance(loss.get(k), (int, float)) for k in ("P_mean", "P_std")):
+        raise click.BadParameter("the snapshots' metadata lacks the training's noise distribution (loss P_mean, "
+                                 "P_std) that --metrics=loss needs", param_hint="--indir")
+    shape = network_shape(plan.metadata)
+    try:
+        dataset = ImageFolderDataset(data_path, use_labels=bool(shape.label_dim))
+        check_fits(dataset, plan.encoder, shape.img_channels, shape.img_resolution, shape.label_dim)
+    except (DatasetError, ValidationError, EncoderError) as e:
+        raise click.BadParameter(str(e), param_hint="--data") from None
+    return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
+
+
+def finish(plan: SweepPlan, metrics: list[str]) -> None:
+    """Draw the results as ema-sweep.png and print the best sigma_rel of every training time (rank 0)."""
+    from edm2 import plots
+    from edm2.plots.sweep import sweep_figure
+
+    png = plan.dest / sweep.SWEEP_PNG
+    plots.save_png(sweep_figure(plan.results.rows, metrics), png)
+    best = {metric: {str(nimg // 1000): row["std"] for nimg, row in sweep.best_rows(plan.results.rows, metric).items()}
+            for metric in metrics}
+    for metric, by_kimg in best.items():
+        click.echo(f"best {metric}: " + ", ".join(f"sigma_rel {std:.3f} at kimg {k}" for k, std in by_kimg.items()))
+    click.echo(f"Saved {plan.results.path} and {png}")
+    click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best}))
+
+
+def guiding_network(gnet_path: str, plan: SweepPlan, device: torch.device) -> torch.nn.Module:
+    """--gnet on device, checked to fit the run's network."""
+    try:
+        gnet, _ = distributed.main_rank_first(functools.partial(load_network, gnet_path))  # rank 0 alone downloads
+        check_guidance_pair(network_shape(plan.metadata), gnet)
+    except (SnapshotError, GenerationError, files.DownloadError) as e:
+        raise click.BadParameter(str(e), param_hint="--gnet") from None
+    return gnet.to(device)

@@ -1,0 +1,53 @@
+"""Activation and weight magnitudes of an EDM2 network (paper Figure 3, Appendix A.6), for plots over training.
+
+A magnitude here is an RMS, sqrt(mean(x^2)) over all elements: 1 for unit-normal values whatever their shape
+(Eq. 3 before the per-feature aggregation). Activations are each U-Net block's output; weights are each
+learned layer's raw stored weight, before the normalization applied on use (Eq. 47).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from edm2.layers import MPConv
+from edm2.networks import Block
+
+
+def bucket(name: str) -> str:
+    """The paper's grouping of a block or layer: 'enc 16x16', 'dec 8x8', or the name's first part elsewhere."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] in ("enc", "dec"):
+        return f"{parts[0]} {parts[1].split('_')[0]}"
+    return parts[0]
+
+
+@torch.no_grad()
+def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
+                     labels: torch.Tensor | None) -> dict[str, float]:
+    """RMS of each U-Net block's output when net denoises x at sigma, keyed 'enc.16x16_block0' etc., in order."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def record(name: str):
+        def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            sums[name] = output.detach().to(torch.float64).square().sum()
+            counts[name] = output.numel()
+        return hook
+
+    blocks = [(name.removeprefix("unet."), m) for name, m in net.named_modules() if isinstance(m, Block)]
+    hooks = [m.register_forward_hook(record(name)) for name, m in blocks]
+    try:
+        net(x, sigma, labels)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: math.sqrt(float(sums[name]) / counts[name]) for name, _ in blocks if name in sums}
+
+
+@torch.no_grad()
+def weight_rms(net: torch.nn.Module) -> dict[str, float]:
+    """RMS of each learned layer's raw weight, keyed by module name less 'unet.' ('enc.16x16_block0.conv_res0')."""
+    return {name.removeprefix("unet."): float(m.weight.detach().to(torch.float64).square().mean().sqrt())
+            for name, m in net.named_modules() if isinstance(m, MPConv)}

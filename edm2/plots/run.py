@@ -1,0 +1,100 @@
+"""The run dashboard (loss, learning rate, speed; Eq. 21's halves per noise level) and magnitudes over training
+(paper Figure 3), drawn from the plain data that training/dashboard.py records."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import matplotlib.figure
+import matplotlib.ticker
+import numpy as np
+
+from edm2 import plots
+from edm2.magnitudes import bucket
+
+# No mathtext anywhere: plain-text labels, and plain tick labels on log axes (matplotlib's default ones are
+# mathtext). Its parser (pyparsing) leaves reference cycles of exceptions and their tracebacks, which keep the
+# frames of whoever drew the figure until the garbage collector runs; in a training those frames hold the data
+# loader, whose worker processes then kept the interpreter from exiting at the end of the run.
+PLAIN = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
+    """Training curves against kimg (data['stats']) and, when recorded, the newest snapshot's loss per noise level.
+
+    data['noise_levels'] rows hold, per sigma of data['sigma'], lambda(sigma) L(D; sigma) ('weighted_error')
+    and the learned u(sigma) ('u'); the panels show Eq. 21's halves lambda/e^u L and u, and u against ln(lambda L).
+    """
+    figure = plots.new_figure(11, 6.5, layout=None)  # redrawn at every snapshot: fixed margins save time
+    axes = figure.subplot_mosaic([["loss", "loss", "lr", "lr", "speed", "speed"],
+                                  ["halves", "halves", "halves", "fit", "fit", "fit"]])
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.35, wspace=1.2)
+    stats = data["stats"]
+    for key, name, label in (("loss", "loss", "training loss (Eq. 21)"), ("lr", "lr", "learning rate (Eq. 67)"),
+                             ("speed", "images_per_s", "images/s")):
+        ax = axes[key]
+        ax.plot(stats["kimg"], stats[name], color="C0", linewidth=1)
+        ax.set(xlabel="kimg", title=label)
+        ax.grid(alpha=0.3)
+    rows = data.get("noise_levels") or []
+    if rows:
+        _noise_level_panels(axes["halves"], axes["fit"], data, rows[-1])
+    else:
+        for key in ("halves", "fit"):
+            axes[key].text(0.5, 0.5, "no noise-level records in this run", ha="center", va="center",
+                           transform=axes[key].transAxes)
+            axes[key].set_axis_off()
+    return figure
+
+
+def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
+    """Eq. 21's two halves against sigma, and u(sigma) beside ln(lambda L), for one snapshot's row."""
+    sigma, error, u = (np.asarray(v, dtype=np.float64) for v in (data["sigma"], row["weighted_error"], row["u"]))
+    scaled = error / np.exp(u)
+    halves.plot(sigma, scaled, "o-", color="C1", markersize=3, label="λ(σ) L(σ) / exp u(σ)")
+    halves.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ)")
+    halves.plot(sigma, scaled + u, "--", color="0.4", linewidth=1, label="sum: the loss at σ")
+    fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label="ln λ(σ) L(σ), measured")
+    fit.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ), learned")
+    snapshot = f"EMA σ_rel={data['ema_std']:.3f} at kimg {row['kimg']:.1f}"
+    halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9)
+    fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9)
+    low, high = math.exp(data["P_mean"] - data["P_std"]), math.exp(data["P_mean"] + data["P_std"])
+    for ax in (halves, fit):
+        ax.axvspan(low, high, color="0.9", zorder=0, label="training σ, ±1 std")
+        ax.set(xscale="log", xlabel="σ")
+        ax.xaxis.set_major_formatter(PLAIN)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
+    """RMS of each block's output and each layer's raw weight against kimg, coloured by the paper's buckets.
+
+    The y axes start at 0, so magnitudes that stay at unit scale read as flat lines and a drift stands out.
+    """
+    figure = plots.new_figure(11, 4.5)
+    rows = data["rows"]
+    kimg = [row["kimg"] for row in rows]
+    panels = (("activations", "block outputs (activations)"), ("weights", "layer weights (raw)"))
+    buckets = list(dict.fromkeys(bucket(name) for key, _ in panels for name in (rows[-1][key] if rows else {})))
+    for index, (key, title) in enumerate(panels):
+        ax = figure.add_subplot(1, 2, index + 1)
+        names = list(rows[-1][key]) if rows else []
+        top = 1.0
+        for name in names:
+            k = buckets.index(bucket(name))
+            values = [row[key].get(name, math.nan) for row in rows]
+            top = max([top, *(v for v in values if math.isfinite(v))])
+            ax.plot(kimg, values, marker="o", markersize=2, linewidth=1, color=f"C{k % 10}",
+                    linestyle="-" if k < 10 else "--")
+        for k, group in enumerate(dict.fromkeys(bucket(name) for name in names)):
+            k = buckets.index(group)
+            ax.plot([], [], color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=group)
+        ax.set(xlabel="kimg", ylabel="RMS", title=f"{title}, EMA σ_rel={data['ema_std']:.3f}")
+        ax.set_ylim(0, 1.15 * top)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="lower left")
+    return figure

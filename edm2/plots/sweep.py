@@ -1,0 +1,36 @@
+"""The EMA-length sweep (paper Figure 5a, c): each metric against sigma_rel, one curve per training time, the
+best EMA length of each curve marked."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.figure
+
+from edm2 import plots
+from edm2.sweep import best_rows
+
+LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2"}  # plain text, no mathtext
+
+
+def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
+    """One panel per metric: metric against sigma_rel for every training time in rows, the minimum starred."""
+    figure = plots.new_figure(5 * len(metrics), 4)
+    times = sorted({row["nimg"] for row in rows})
+    for index, metric in enumerate(metrics):
+        ax = figure.add_subplot(1, len(metrics), index + 1)
+        best = best_rows(rows, metric)
+        for k, nimg in enumerate(times):
+            curve = sorted((row["std"], row[metric]) for row in rows if row["nimg"] == nimg and metric in row)
+            color = f"C{k % 10}"
+            ax.plot([s for s, _ in curve], [v for _, v in curve], "o-", color=color, markersize=3,
+                    label=f"kimg {nimg // 1000}")
+            if nimg in best:
+                row = best[nimg]
+                ax.plot([row["std"]], [row[metric]], "*", color=color, markersize=14, markeredgecolor="black")
+                ax.annotate(f"{row['std']:.3f}", (row["std"], row[metric]), textcoords="offset points",
+                            xytext=(0, 9), ha="center", fontsize=8)
+        ax.set(xlabel="EMA length σ_rel", ylabel=LABELS.get(metric, metric), title=f"{metric} against EMA length")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return figure

@@ -1,0 +1,245 @@
+"""The run dashboard and the magnitude probe: what training records under RUN/plots/, checked against independent
+computations; the figures plot exactly the recorded numbers; plot_run.py redraws a run from its files alone."""
+
+import gc
+import json
+import math
+import shutil
+import weakref
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from click.testing import CliRunner
+
+import plot_run
+from edm2.dataset import ImageFolderDataset
+from edm2.encoders import StandardRGBEncoder
+from edm2.layers import MPConv
+from edm2.plots.run import dashboard_figure, magnitudes_figure
+from training.dashboard import PROBE_IMAGES, Dashboard
+from training.options import TrainingOptions
+from tests.helpers import assert_one_error_line, randomized, tiny_precond, tree
+
+TOY_TINY = dict(P_mean=-0.8, P_std=1.6)  # training/presets.py's toy-tiny row, typed in again
+
+
+def plotted_lines(figure) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """{axes title: [(x, y) of every line with data]} of a figure."""
+    return {ax.get_title(): [(np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float))
+                             for line in ax.get_lines() if len(line.get_xdata())] for ax in figure.axes}
+
+
+def stats_columns(run) -> dict[str, list[float]]:
+    rows = [json.loads(line) for line in (run / "stats.jsonl").read_text().splitlines()]
+    return {key: [row[key] for row in rows] for key in ("kimg", "loss", "lr", "images_per_s")}
+
+
+def test_training_records_and_draws_the_dashboard(reference_run):
+    plots = reference_run / "plots"
+    assert sorted(p.name for p in plots.iterdir()) == ["magnitudes.json", "training.json", "training.png"]
+    with PIL.Image.open(plots / "training.png") as image:
+        assert image.format == "PNG" and image.size == (880, 520)
+    training = json.loads((plots / "training.json").read_text())
+    assert training["stats"] == stats_columns(reference_run)
+    # Eq. 16's bulk, P_mean +- 2.5 P_std, in 11 steps even in ln(sigma).
+    expected_sigma = [math.exp(TOY_TINY["P_mean"] + TOY_TINY["P_std"] * (-2.5 + 0.5 * k)) for k in range(11)]
+    np.testing.assert_allclose(training["sigma"], expected_sigma, rtol=1e-14)  # exp of float64 grid points
+    assert [row["nimg"] for row in training["noise_levels"]] == [1024, 2048]  # one row per snapshot
+    assert training["ema_std"] == 0.05 and training["probe"]["indices"] == [i * 48 // 8 for i in range(8)]
+    newest = training["noise_levels"][-1]
+    assert all(len(newest[key]) == 11 and all(map(math.isfinite, newest[key])) for key in ("weighted_error", "u"))
+
+    # The figure plots the recorded numbers, nothing else: the curves and Eq. 21's halves of the newest row.
+    lines = plotted_lines(dashboard_figure(training))
+    stats = training["stats"]
+    for title, key in (("training loss (Eq. 21)", "loss"), ("learning rate (Eq. 67)", "lr"), ("images/s", "images_per_s")):
+        [(x, y)] = lines[title]
+        assert x.tolist() == stats["kimg"] and y.tolist() == stats[key]
+    error, u = np.array(newest["weighted_error"]), np.array(newest["u"])
+    [halves, fit] = [lines[t] for t in lines if "kimg 2.0" in t]
+    for (x, y), expected in zip(halves, (error / np.exp(u), u, error / np.exp(u) + u)):
+        assert x.tolist() == training["sigma"] and y.tolist() == expected.tolist()
+    for (x, y), expected in zip(fit, (np.log(error), u)):
+        assert y.tolist() == expected.tolist()
+
+    magnitudes = json.loads((plots / "magnitudes.json").read_text())
+    rows = magnitudes["rows"]
+    assert [row["nimg"] for row in rows] == [1024, 2048]
+    # Paper Figure 3, config G: forced weight normalization puts every raw weight back at unit RMS before each
+    # step, and one Adam step moves an element by at most about lr = 0.01; the EMA averages such weights.
+    assert all(abs(value - 1) < 0.01 for row in rows for value in row["weights"].values())
+    assert all(0.2 < value < 10 for row in rows for value in row["activations"].values())
+    lines = plotted_lines(magnitudes_figure(magnitudes))
+    for key, title in (("activations", "block outputs"), ("weights", "layer weights")):
+        [plotted] = [lines[t] for t in lines if t.startswith(title)]
+        expected = [[row[key][name] for row in rows] for name in rows[-1][key]]
+        assert [y.tolist() for _, y in plotted] == expected
+        assert all(x.tolist() == [1.024, 2.048] for x, _ in plotted)
+
+
+def test_status_lines_show_progress_and_eta(reference_run):
+    lines = [line for line in (reference_run / "log.txt").read_text().splitlines() if line.startswith("kimg ")]
+    assert [line.split()[1] for line in lines] == ["0.5/2.0", "1.0/2.0", "1.5/2.0", "2.0/2.0"]
+    assert all(" ETA " in line for line in lines) and lines[-1].endswith("ETA 0h00m00s")
+
+
+def block_outputs_by_hand(net, x, sigma, labels) -> dict[str, float]:
+    """RMS of each U-Net block's output, walking the U-Net as Figure 22 draws it (no hooks)."""
+    unet, sd = net.unet, net.sigma_data
+    c_in, c_noise = 1 / (sd**2 + sigma**2).sqrt(), sigma.flatten().log() / 4
+    emb = unet.emb_noise(unet.emb_fourier(c_noise))
+    emb = unet.emb_label(labels * math.sqrt(labels.shape[1])).lerp(emb, 0.5) / math.sqrt(0.5)  # mp_sum, t=0.5
+    emb = torch.nn.functional.silu(emb) / 0.596
+    h = torch.cat([c_in * x, torch.ones_like(x[:, :1])], dim=1)
+    rms, skips = {}, []
+    for name, block in unet.enc.items():
+        h = block(h) if name.endswith("_conv") else block(h, emb)
+        skips.append(h)
+        if not name.endswith("_conv"):
+            rms[f"enc.{name}"] = h.double().square().mean().sqrt().item()
+    for name, block in unet.dec.items():
+        if "block" in name:
+            skip = skips.pop()
+            a, b = h.shape[1], skip.shape[1]
+            h = torch.cat([h / math.sqrt(a), skip / math.sqrt(b)], dim=1) * math.sqrt((a + b) / 2)  # mp_cat, t=0.5
+        h = block(h, emb)
+        rms[f"dec.{name}"] = h.double().square().mean().sqrt().item()
+    return rms
+
+
+def update_from_a_caller(dashboard, net, nimg) -> weakref.ref:
+    """dashboard.update called from a frame with a local object; returns a weak reference to that object.
+
+    In a training, the caller's frames hold the data loader; a reference cycle through them (matplotlib's mathtext
+    parser makes them: exceptions that keep their tracebacks) kept its worker processes alive past the run, and
+    the interpreter waited for them at exit forever."""
+    local = torch.zeros(1)
+    dashboard.update(net, nimg)
+    return weakref.ref(local)
+
+
+def test_the_probe_equals_independent_computations(train_data, tmp_path):
+    torch.manual_seed(1)
+    net = randomized(tiny_precond(label_dim=4), seed=1).eval()
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, MPConv):
+                m.weight.mul_(1.5)  # raw weights away from unit RMS, as in an unnormalized network
+    dataset = ImageFolderDataset(train_data)
+    opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
+                                       StandardRGBEncoder().config(), run_dir=str(tmp_path), data=str(train_data))
+    (tmp_path / "stats.jsonl").write_text(json.dumps(dict(kimg=1.024, nimg=1024, loss=1.0, lr=0.01, images_per_s=9)))
+    dashboard = Dashboard(tmp_path, opts, dataset, StandardRGBEncoder(), net, torch.device("cpu"), cur_nimg=0)
+    gc.disable()  # what is left only in reference cycles lives until a collection, maybe past the run's end
+    try:
+        caller = update_from_a_caller(dashboard, net, 1024)
+        assert caller() is None  # freed on return, not by the garbage collector
+    finally:
+        gc.enable()
+    training = json.loads((tmp_path / "plots" / "training.json").read_text())
+    [row] = json.loads((tmp_path / "plots" / "magnitudes.json").read_text())["rows"]
+
+    # The fixed batch: images evenly spaced through the dataset; sample i's generator (seed i) draws ln(sigma), then n.
+    images = np.stack([np.asarray(PIL.Image.open(path)) for path in sorted(train_data.rglob("*.png"))])
+    labels_of = dict(json.loads((train_data / "dataset.json").read_text())["labels"])
+    names = sorted(p.relative_to(train_data).as_posix() for p in train_data.rglob("*.png"))
+    indices = [i * len(images) // PROBE_IMAGES for i in range(PROBE_IMAGES)]
+    y = torch.from_numpy(images[indices]).permute(0, 3, 1, 2).contiguous().float() / 127.5 - 1  # as the encoder
+    labels = torch.nn.functional.one_hot(torch.tensor([labels_of[names[i]] for i in indices]), 4).float()
+    draws = [torch.Generator().manual_seed(i) for i in range(PROBE_IMAGES)]
+    sigma = torch.stack([(torch.randn([], generator=g, dtype=torch.float32) * 1.6 - 0.8).exp() for g in draws])
+    noise = torch.stack([torch.randn([3, 8, 8], generator=g) for g in draws])
+    for s, error, u in zip(training["sigma"], training["noise_levels"][0]["weighted_error"],
+                           training["noise_levels"][0]["u"]):
+        with torch.no_grad():
+            denoised, logvar = net(y + s * noise, s, labels, return_logvar=True)
+        lam = (s**2 + 0.25) / (s * 0.5) ** 2  # Eq. 15, sigma_data = 0.5
+        # Same float32 network on the same batch; float64 means of 8 * 192 terms differ only in order (~1e-13).
+        assert error == pytest.approx(lam * (denoised.double() - y.double()).square().mean().item(), rel=1e-12)
+        assert u == pytest.approx(logvar[0].item(), rel=1e-12, abs=1e-12)
+    x = y + sigma.reshape(-1, 1, 1, 1) * noise
+    with torch.no_grad():
+        expected = block_outputs_by_hand(net, x, sigma.reshape(-1, 1, 1, 1), labels)
+    assert list(row["activations"]) == list(expected)
+    # float32 activations summed in float64; the hand-walked U-Net applies mp_sum/mp_cat in another order:
+    # a few float32 roundings per layer, ~1e-6 relative.
+    assert row["activations"] == pytest.approx(expected, rel=1e-5)
+    weights = {name.removeprefix("unet.").removesuffix(".weight"): np.sqrt(np.mean(np.float64(t.numpy()) ** 2))
+               for name, t in net.state_dict().items() if name.endswith("weight")}
+    assert row["weights"] == pytest.approx(weights, rel=1e-12)  # float64 mean of the same float32 values
+    assert all(v == pytest.approx(1.5, rel=0.2) for v in row["weights"].values())
+
+    # A run with --status=0 (or a status interval longer than the snapshot interval) has no status row yet.
+    (tmp_path / "stats.jsonl").unlink()
+    dashboard.update(net, 2048)
+    training = json.loads((tmp_path / "plots" / "training.json").read_text())
+    assert training["stats"] == {"kimg": [], "loss": [], "lr": [], "images_per_s": []}
+    assert [row["nimg"] for row in training["noise_levels"]] == [1024, 2048]
+
+
+def copy_records(run, dest):
+    """What a cluster run's records are without its snapshots and dataset: stats.jsonl and plots/*.json."""
+    (dest / "plots").mkdir(parents=True)
+    shutil.copy(run / "stats.jsonl", dest)
+    for name in ("training.json", "magnitudes.json"):
+        shutil.copy(run / "plots" / name, dest / "plots")
+    return dest
+
+
+def test_plot_run_redraws_from_the_records_alone(reference_run, tmp_path):
+    run = copy_records(reference_run, tmp_path / "copied")
+    before = json.loads((run / "plots" / "training.json").read_text())
+    result = CliRunner().invoke(plot_run.main, [str(run)])
+    assert result.exit_code == 0, result.output
+    assert f"Saved {run / 'plots' / 'training.png'}" in result.output
+    assert f"Saved {run / 'plots' / 'magnitudes.png'}" in result.output
+    for name, size in (("training.png", (880, 520)), ("magnitudes.png", (1100, 450))):
+        with PIL.Image.open(run / "plots" / name) as image:
+            assert image.size == size
+    assert json.loads((run / "plots" / "training.json").read_text()) == before
+    assert sorted(p.name for p in (run / "plots").iterdir()) == [
+        "magnitudes.json", "magnitudes.png", "training.json", "training.png"]
+
+
+def test_plot_run_on_a_run_without_records_draws_the_curves(reference_run, tmp_path):
+    # A run from before the dashboard, or one whose plots/ was not copied: stats.jsonl alone.
+    (tmp_path / "old").mkdir()
+    shutil.copy(reference_run / "stats.jsonl", tmp_path / "old")
+    result = CliRunner().invoke(plot_run.main, [str(tmp_path / "old")])
+    assert result.exit_code == 0, result.output
+    assert "training.json does not exist" in result.output and "no magnitudes to draw" in result.output
+    assert sorted(p.name for p in (tmp_path / "old" / "plots").iterdir()) == ["training.json", "training.png"]
+
+
+def break_json(name, text):
+    return lambda run: (run / "plots" / name).write_text(text)
+
+
+BAD_INPUT = {
+    "missing run": ("missing", lambda run: None, ["RUN", "not there, not a run directory"]),
+    "run is a file": ("file", lambda run: None, ["RUN", "is a file, not a run directory"]),
+    "no stats.jsonl": ("run", lambda run: (run / "stats.jsonl").unlink(), ["no stats.jsonl: not a training run"]),
+    "empty stats.jsonl": ("run", lambda run: (run / "stats.jsonl").write_text("torn{\n"), ["holds no status rows"]),
+    "training.json not json": ("run", break_json("training.json", "{"), ["training.json: not valid JSON"]),
+    "training.json a list": ("run", break_json("training.json", "[]"), ["training.json: a JSON list, not an object"]),
+    "training.json lacks sigma": ("run", break_json("training.json", '{"noise_levels": [{"kimg": 1}]}'),
+                                  ["training.json: malformed records (KeyError"]),
+    "magnitudes.json malformed": ("run", break_json("magnitudes.json", '{"rows": 3}'),
+                                  ["magnitudes.json: malformed records"]),
+    "plots is a file": ("run", lambda run: shutil.rmtree(run / "plots") or (run / "plots").write_text("x"),
+                        ["plots is a file, not a folder"]),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_plot_run_bad_input_is_one_line_and_writes_nothing(reference_run, tmp_path, case):
+    name, prepare, fragments = BAD_INPUT[case]
+    run = copy_records(reference_run, tmp_path / "run")
+    (tmp_path / "file").write_text("not a run")
+    prepare(tmp_path / name) if name != "run" else prepare(run)
+    before = tree(tmp_path)
+    assert_one_error_line(CliRunner().invoke(plot_run.main, [str(tmp_path / name)]), *fragments)
+    assert tree(tmp_path) == before

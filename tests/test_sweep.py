@@ -1,0 +1,224 @@
+"""calculate_metrics.py sweep: the validation loss across EMA lengths equals an independent computation, the
+in-memory reconstructions are reconstruct_phema.py's files bit for bit, an interrupted sweep resumes, bad input."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+
+import calculate_metrics
+from edm2 import posthoc
+from edm2.plots.sweep import sweep_figure
+from edm2.snapshot import load_network
+from edm2.sweep import SweepResults, run_sweep
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, fake_training_run, tree,
+                           write_image_dataset)
+
+NUM = 24  # samples of the loss; one batch of them, as the reference below
+
+
+def sweep(*args):
+    return CliRunner().invoke(calculate_metrics.main, ["sweep", *args])
+
+
+def validation_loss_by_hand(net, data, num, seed, P_mean, P_std) -> float:
+    """Eq. 14 per element in float64, written from the paper: images evenly spaced through the dataset, sample i's
+    generator (seed + i) draws ln(sigma) ~ N(P_mean, P_std^2) and then n ~ N(0, I); lambda of Eq. 15."""
+    names = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
+    labels = dict(json.loads((data / "dataset.json").read_text())["labels"])
+    picked = [names[i * len(names) // num] for i in range(num)]
+    pixels = torch.from_numpy(np.stack([np.asarray(PIL.Image.open(data / name)) for name in picked]))
+    y = pixels.permute(0, 3, 1, 2).contiguous().float() / 127.5 - 1
+    draws = [torch.Generator().manual_seed(seed + i) for i in range(num)]
+    sigma = torch.stack([(torch.randn([], generator=g) * P_std + P_mean).exp() for g in draws]).reshape(-1, 1, 1, 1)
+    noise = torch.stack([torch.randn(y.shape[1:], generator=g) for g in draws])
+    onehot = torch.nn.functional.one_hot(torch.tensor([labels[name] for name in picked]), net.label_dim).float()
+    with torch.no_grad():
+        denoised = net(y + sigma * noise, sigma, onehot).double()
+    s = sigma.double().flatten()
+    lam = (s**2 + 0.25) / (s * 0.5) ** 2
+    return float((lam * (denoised - y.double()).square().flatten(1).mean(1)).mean())
+
+
+def test_sweep_loss_and_reconstructions_equal_independent_ones(reference_run, train_data, tmp_path):
+    # Issue 11, Must show 1: the loss metric against an independent computation, the reconstruction against
+    # reconstruct_phema.py's file; two training times give two curves, each with its best EMA length marked.
+    result = sweep(f"--indir={reference_run}", "--std=0.05,0.13,0.2", "--kimg=1,2", "--metrics=loss",
+                   f"--data={train_data}", f"--num={NUM}", f"--batch={NUM}", "--seed=5", f"--dest={tmp_path / 'out'}",
+                   f"--save={tmp_path / 'saved'}")
+    assert result.exit_code == 0, result.output
+    stored = json.loads((tmp_path / "out" / "ema-sweep.json").read_text())
+    rows = stored["rows"]
+    assert [(row["kimg"], row["std"]) for row in rows] == [(k, s) for k in (1, 2) for s in (0.05, 0.13, 0.2)]
+    # A length the run tracks (0.05) is that track itself at every snapshot time: no profile error (Eq. 134).
+    assert all(row["profile_error"] < 1e-9 for row in rows if row["std"] == 0.05)
+    with PIL.Image.open(tmp_path / "out" / "ema-sweep.png") as image:
+        assert image.format == "PNG"
+    best = json.loads(result.output.strip().splitlines()[-1])["best"]["loss"]
+    for kimg in ("1", "2"):
+        curve = [row for row in rows if row["kimg"] == int(kimg)]
+        assert best[kimg] == min(curve, key=lambda row: row["loss"])["std"]
+    ax = sweep_figure(rows, ["loss"]).axes[0]
+    curves = [line.get_ydata().tolist() for line in ax.get_lines() if len(line.get_xdata()) > 1]
+    assert curves == [[row["loss"] for row in rows if row["kimg"] == k] for k in (1, 2)]
+
+    assert subprocess.run([sys.executable, "reconstruct_phema.py", f"--indir={reference_run}", "--std=0.13",
+                           f"--outdir={tmp_path / 'phema'}"], cwd=REPO, capture_output=True).returncode == 0
+    [reference_file] = (tmp_path / "phema").glob("phema-0000002-0.130.safetensors")
+    ours = safetensors.torch.load_file(str(tmp_path / "saved" / reference_file.name))
+    theirs = safetensors.torch.load_file(str(reference_file))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].reshape(-1).view(torch.uint8).equal(theirs[k].reshape(-1).view(torch.uint8)) for k in ours)
+
+    net, meta = load_network(reference_file)
+    expected = validation_loss_by_hand(net, train_data, NUM, 5, meta["loss"]["P_mean"], meta["loss"]["P_std"])
+    [row] = [row for row in rows if row["kimg"] == 2 and row["std"] == 0.13]
+    # The same float32 network outputs on the same batch (the sweep measures the float16-rounded weights the file
+    # holds); only the float64 sums of 24 x 192 terms differ in order: ~1e-13 relative.
+    assert row["loss"] == pytest.approx(expected, rel=1e-10)
+    assert 0.2 < expected < 5  # lambda(sigma) makes Eq. 14 about 1 for a weak denoiser
+
+
+def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path):
+    # FID through the sweep equals `calculate_metrics.py gen` on reconstruct_phema.py's file for that length, with
+    # the guidance options of gen (here autoguidance by the run's early snapshot): the same seeds, the same images.
+    torch.manual_seed(0)
+    torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
+    inception, gnet = f"--inception={tmp_path / 'inception.pt'}", reference_run / "network-snapshot-0000001-0.050.safetensors"
+    assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
+                                        inception], standalone_mode=False) is None
+    common = ["--metrics=fid", f"--ref={tmp_path / 'ref.npz'}", inception, "--num=4", "--batch=4", "--seed=7",
+              f"--gnet={gnet}", "--guidance=2", "--guidance-interval=0.3,5"]
+    result = sweep(f"--indir={reference_run}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
+                   *common)
+    assert result.exit_code == 0, result.output
+    [row] = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    result = CliRunner().invoke(calculate_metrics.main, ["gen", f"--net={tmp_path / 'saved' / 'phema-0000002-0.130.safetensors'}",
+                                                         *common])
+    assert result.exit_code == 0, result.output
+    assert row["fid"] == json.loads(result.output.strip().splitlines()[-1])["results"]["fid"]  # bit for bit
+
+
+def test_an_interrupted_sweep_resumes_without_remeasuring(reference_run, tmp_path):
+    # Issue 11, Must show 1: rows already measured are kept and never recomputed.
+    snapshots = posthoc.list_snapshots(reference_run)
+    times = [posthoc.select_inputs(snapshots, kimg) for kimg in (1, 2)]
+    stds = [0.05, 0.08, 0.11]
+    calls = []
+
+    def measure(net):
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # Ctrl-C during the fifth network
+        calls.append(next(net.parameters()).sum().item())
+        return {"loss": float(len(calls))}
+
+    path, settings = tmp_path / "ema-sweep.json", {"metrics": ["loss"]}
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(times, stds, measure, SweepResults(path, settings), batch=2)
+    first = json.loads(path.read_text())["rows"]
+    assert [(row["nimg"], row["std"], row["loss"]) for row in first] == [
+        (1024, 0.05, 1.0), (1024, 0.08, 2.0), (1024, 0.11, 3.0), (2048, 0.05, 4.0)]
+    assert [p.name for p in tmp_path.iterdir()] == ["ema-sweep.json"]  # no temporary left by the interruption
+
+    calls.clear()
+    run_sweep(times, stds, lambda net: calls.append(1) or {"loss": 10.0 + len(calls)}, SweepResults(path, settings),
+              batch=2)
+    assert len(calls) == 2  # only the two missing rows were built and measured
+    rows = json.loads(path.read_text())["rows"]
+    assert rows[:4] == first and [(row["nimg"], row["std"], row["loss"]) for row in rows[4:]] == [
+        (2048, 0.08, 11.0), (2048, 0.11, 12.0)]
+    run_sweep(times, stds, lambda net: pytest.fail("measured again"), SweepResults(path, settings))
+
+
+def other_sweep(tmp_path, reference_run):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ema-sweep.json").write_text(json.dumps({"settings": {"metrics": ["fid"]}, "rows": []}))
+
+
+def unlabeled_data(tmp_path, _):
+    write_image_dataset(tmp_path / "unlabeled", num=4, labels=False)
+
+
+def encoderless_run(tmp_path, _):
+    fake_training_run(tmp_path / "fake", num_snapshots=1, label_dim=4)
+
+
+def replace_with_snapshot(tmp_path, run):
+    (tmp_path / "saved").mkdir()
+    shutil.copy(run / "network-snapshot-0000002-0.050.safetensors", tmp_path / "saved" / "phema-0000002-0.100.safetensors")
+
+
+# case: ({option: value, None to leave it out}, fragments of the error line, what to prepare in tmp_path)
+BAD_INPUT = {
+    "missing indir": ({"--indir": "missing"}, ["--indir", "is not a directory"], None),
+    "indir without snapshots": ({"--indir": "out"}, ["--indir", "no matching snapshot files"],
+                                lambda tmp, run: (tmp / "out").mkdir()),
+    "snapshots without an encoder": ({"--indir": "fake"}, ["--indir", "not an encoder config"], encoderless_run),
+    "no such kimg": ({"--kimg": "7"}, ["--kimg", "no snapshot at kimg 7"], None),
+    "kimg not numbers": ({"--kimg": "1,x"}, ["--kimg", "not a comma-separated list"], None),
+    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must be at least 0"], None),
+    "std too large": ({"--std": "0.3"}, ["--std", "outside (0, 0.2887)"], None),
+    "unknown metric": ({"--metrics": "loss,kid"}, ["--metrics", "unknown metric 'kid'", "loss"], None),
+    "loss without data": ({"--data": None}, ["--data", "--metrics=loss needs the dataset"], None),
+    "fid without ref": ({"--metrics": "fid,loss"}, ["--ref", "--metrics=fid needs reference statistics"], None),
+    "guidance without gnet": ({"--guidance": "2"}, ["--gnet", "--guidance=2 needs a guiding network"], None),
+    "guidance interval without guidance": ({"--guidance-interval": "0.3,5"}, ["--guidance-interval", "only with guidance"],
+                                           None),
+    "guidance interval reversed": ({"--guidance-interval": "5,0.3"}, ["--guidance-interval", "SIGMA_LO < SIGMA_HI"], None),
+    "seeds past 2**32": ({"--seed": str(2**32 - 2)}, ["--seed", "go past"], None),
+    "data of another resolution": ({"--data": "big"}, ["--data", "takes 3 channels at 8x8"],
+                                   lambda tmp, run: write_image_dataset(tmp / "big", num=2, resolution=16)),
+    "data without labels": ({"--data": "unlabeled"}, ["--data", "has no labels"], unlabeled_data),
+    "dest is a file": ({"--dest": "file"}, ["--dest", "is a file, not a folder"],
+                       lambda tmp, run: (tmp / "file").write_text("x")),
+    "dest holds another sweep": ({"--dest": "out"}, ["--dest", "other settings (data, guidance, indir, metrics"],
+                                 other_sweep),
+    "dest holds a foreign file": ({"--dest": "out"}, ["--dest", "not a sweep's results file"],
+                                  lambda tmp, run: (tmp / "out").mkdir() or (tmp / "out" / "ema-sweep.json").write_text("[")),
+    "save is a file": ({"--save": "file"}, ["--save", "is a file, not a folder"],
+                       lambda tmp, run: (tmp / "file").write_text("x")),
+    "save would replace a snapshot": ({"--save": "saved"}, ["--save", "exists and is not a post-hoc reconstruction"],
+                                      replace_with_snapshot),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_sweep_bad_input_is_one_line_before_any_network_is_loaded(reference_run, train_data, tmp_path,
+                                                                  monkeypatch, case):
+    overrides, fragments, prepare = BAD_INPUT[case]
+    if prepare is not None:
+        prepare(tmp_path, reference_run)
+    monkeypatch.setattr(posthoc, "load_network", lambda path: pytest.fail(f"loaded {path} for bad input"))
+    monkeypatch.chdir(tmp_path)
+    options = {"--indir": str(reference_run), "--std": "0.1", "--metrics": "loss", "--data": str(train_data),
+               "--dest": "dest", "--num": "4", **overrides}
+    before, run_before = tree(tmp_path), tree(reference_run)
+    assert_one_error_line(sweep(*[f"{k}={v}" for k, v in options.items() if v is not None]), *fragments)
+    assert tree(tmp_path) == before and tree(reference_run) == run_before
+
+
+def test_a_sweep_grows_by_the_rows_it_lacks_and_a_finished_one_loads_no_network(reference_run, train_data, tmp_path,
+                                                                                  monkeypatch):
+    common = ["--metrics=loss", f"--data={train_data}", "--num=4", f"--indir={reference_run}", f"--dest={tmp_path}"]
+    assert sweep("--std=0.1", *common).exit_code == 0
+    first = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    result = sweep("--std=0.1,0.12", *common)  # one more EMA length: only that one is measured
+    assert result.exit_code == 0 and "kimg 2 sigma_rel 0.120" in result.output
+    assert "kimg 2 sigma_rel 0.100" not in result.output
+    rows = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    assert rows[0] == first[0] and [row["std"] for row in rows] == [0.1, 0.12]
+    (tmp_path / "ema-sweep.png").unlink()
+    monkeypatch.setattr(posthoc, "load_network", lambda path: pytest.fail(f"loaded {path} again"))
+    result = sweep("--std=0.12,0.1", *common)
+    assert result.exit_code == 0 and "kimg 2 sigma_rel" not in result.output, result.output
+    assert (tmp_path / "ema-sweep.png").is_file()  # drawn again from the rows alone
+    assert math.isfinite(json.loads((tmp_path / "ema-sweep.json").read_text())["rows"][1]["loss"])

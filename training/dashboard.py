@@ -1,0 +1,178 @@
+"""The run dashboard under RUN/plots/: at every snapshot, rank 0 measures the EMA network on a fixed batch and
+redraws training.png; redraw() draws the dashboard and the magnitudes again from the run's files alone.
+
+Files, each written atomically:
+  plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
+                         and per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma'
+  plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
+  plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
+  plots/magnitudes.png   drawn by redraw() (plot_run.py), not during training
+The fixed batch is PROBE_IMAGES dataset images evenly spaced through the dataset with the draws of seeds
+0..PROBE_IMAGES-1 (edm2.validation.ValidationSamples): the same at every snapshot and on every resume. They are
+training images, as EDM2 trains on the whole dataset; what is fixed is the batch and its draws. The network is
+the first EMA track (the newest snapshot's network, before its float16 rounding in the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from edm2 import files
+from edm2.errors import EDM2Error, one_line
+from edm2.magnitudes import block_output_rms, weight_rms
+from edm2.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from training.run_dir import STATS_FILE
+
+PLOTS_DIR = "plots"
+TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
+MAGNITUDES_JSON, MAGNITUDES_PNG = "magnitudes.json", "magnitudes.png"
+PROBE_IMAGES = 8
+DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
+STATS_KEYS = ("kimg", "loss", "lr", "images_per_s")
+
+
+class DashboardError(EDM2Error):
+    """A run directory whose records cannot be drawn: no stats.jsonl, or a record file that is not ours."""
+
+
+def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
+    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped.
+
+    Unless required, a missing or empty file gives empty columns (a run whose status interval is longer than its
+    snapshot interval has none at its first snapshot)."""
+    path = run_dir / STATS_FILE
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        if not required:
+            lines = []
+        else:
+            raise DashboardError(f"{run_dir} has no {STATS_FILE}: not a training run directory") from None
+    except OSError as e:
+        raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
+    columns: dict[str, list[float]] = {key: [] for key in STATS_KEYS}
+    for line in lines:
+        try:
+            row = json.loads(line)
+            values = [float(row[key]) for key in STATS_KEYS]
+        except (ValueError, TypeError, KeyError):
+            continue
+        for key, value in zip(STATS_KEYS, values):
+            columns[key].append(value)
+    if required and not columns["kimg"]:
+        raise DashboardError(f"{path} holds no status rows yet")
+    return columns
+
+
+def load_records(path: Path) -> dict | None:
+    """A record file of ours (a JSON object), or None when there is none."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise DashboardError(f"{path}: not valid JSON ({one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise DashboardError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def save_json(path: Path, data: dict) -> None:
+    """Write data as JSON atomically."""
+    with files.atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data))
+
+
+def _figure(figure_fn: Callable[[dict], Any], data: dict, source: Path) -> Any:
+    """figure_fn(data); records that lack what the figure needs are one DashboardError naming their file."""
+    try:
+        return figure_fn(data)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise DashboardError(f"{source}: malformed records ({type(e).__name__}: {one_line(e)})") from None
+
+
+def write_dashboard(run_dir: Path, training: dict) -> Path:
+    """training.json with stats.jsonl's columns as of now (none yet is fine), and training.png drawn from it."""
+    from edm2 import plots  # matplotlib takes a second to import: only runs that reach a snapshot need it
+    from edm2.plots.run import dashboard_figure
+    training = dict(training, stats=read_stats(run_dir, required=False))
+    folder = run_dir / PLOTS_DIR
+    figure = _figure(dashboard_figure, training, folder / TRAINING_JSON)
+    save_json(folder / TRAINING_JSON, training)
+    plots.save_png(figure, folder / TRAINING_PNG, dpi=DASHBOARD_DPI)
+    return folder / TRAINING_PNG
+
+
+def redraw(run_dir: str | os.PathLike) -> tuple[list[Path], list[str]]:
+    """Draw training.png and magnitudes.png of a run directory from its files; returns (PNGs written, notes).
+
+    Every file is read and every figure drawn before anything is written.
+    """
+    from edm2 import plots
+    from edm2.plots.run import dashboard_figure, magnitudes_figure
+    run_dir = Path(run_dir)
+    folder = run_dir / PLOTS_DIR
+    stats = read_stats(run_dir)
+    training, magnitudes = load_records(folder / TRAINING_JSON), load_records(folder / MAGNITUDES_JSON)
+    notes = [] if training else [f"{folder / TRAINING_JSON} does not exist: the dashboard shows stats.jsonl only"]
+    training = dict(training or {}, stats=stats)
+    outputs = [(TRAINING_PNG, _figure(dashboard_figure, training, folder / TRAINING_JSON), DASHBOARD_DPI)]
+    if magnitudes:
+        outputs.append((MAGNITUDES_PNG, _figure(magnitudes_figure, magnitudes, folder / MAGNITUDES_JSON), 100))
+    else:
+        notes.append(f"{folder / MAGNITUDES_JSON} does not exist: no magnitudes to draw")
+    files.remove_stale_temporaries(folder)
+    save_json(folder / TRAINING_JSON, training)
+    for name, figure, dpi in outputs:
+        plots.save_png(figure, folder / name, dpi=dpi)
+    return [folder / name for name, _, _ in outputs], notes
+
+
+class Dashboard:
+    """Rank 0's dashboard of a training run: the fixed batch, the records so far, and the update at a snapshot."""
+
+    def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
+                 cur_nimg: int):
+        self.run_dir = run_dir
+        samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, opts.P_mean, opts.P_std)
+        self.batch = samples.batch(range(PROBE_IMAGES), device)
+        probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
+        self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, ema_std=opts.ema_stds[0], probe=probe,
+                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[])
+        self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
+        files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
+        self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, "noise_levels", cur_nimg)
+        self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, "rows", cur_nimg)
+
+    def _earlier_rows(self, name: str, key: str, cur_nimg: int) -> list[dict]:
+        """The rows up to cur_nimg of an earlier invocation's record file, if it recorded the same measurement."""
+        path = self.run_dir / PLOTS_DIR / name
+        mine = self.training if name == TRAINING_JSON else self.magnitudes
+        try:
+            stored = load_records(path)
+        except DashboardError as e:
+            print(f"{e}; its records start afresh.", flush=True)
+            return []
+        same = stored and all(stored.get(k) == v for k, v in mine.items() if k != key)
+        if not same or not isinstance(stored.get(key), list):
+            return []
+        return [row for row in stored[key] if isinstance(row, dict) and isinstance(row.get("nimg"), int)
+                and row["nimg"] <= cur_nimg]
+
+    def update(self, net: torch.nn.Module, nimg: int) -> None:
+        """Measure the EMA network at nimg images, record the numbers, and redraw training.png."""
+        y, sigma, noise, labels = self.batch
+        errors, logvars = loss_per_sigma(net, y, noise, labels, self.training["sigma"])
+        activations = block_output_rms(net, y + sigma * noise, sigma, labels)
+        for key, records, row in (("noise_levels", self.training, dict(weighted_error=errors, u=logvars)),
+                                  ("rows", self.magnitudes, dict(activations=activations, weights=weight_rms(net)))):
+            records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
+        save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
+        write_dashboard(self.run_dir, self.training)
