@@ -37,12 +37,13 @@ def compile_network(net: torch.nn.Module, backend: str = "inductor") -> torch.nn
     The backend 'aot_eager' captures the same graphs but runs them with eager kernels (quick to compile: tests).
     In training mode the forced weight normalization runs eagerly before the graph, which cannot write weights.
     """
-    net.register_forward_pre_hook(_normalize_before_graph)
+    # Disabled for the compiler here, not by a decorator: that would import torch._dynamo (over a second) with
+    # this module, in every command line, compiling or not.
+    net.register_forward_pre_hook(torch.compiler.disable(_normalize_before_graph))
     net.compile(dynamic=False, backend=backend)
     return net
 
 
-@torch.compiler.disable
 def _normalize_before_graph(module: torch.nn.Module, args: tuple) -> None:
     """A forward pre-hook: Eq. 66 for a training-mode network, outside (before) its compiled graph."""
     if module.training:
