@@ -109,7 +109,7 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
 @click.option("--batch-gpu", type=click.IntRange(min=0), default=0, show_default=True,
               help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
-              help="U-Net activations on CUDA (float32 on the CPU whatever is chosen)")
+              help="U-Net activations on CUDA (on the CPU float32 unless --cpu-16bit)")
 @click.option("--ls", type=Number(min=0, min_open=True), default=1, show_default=True, help="Loss scaling")
 @click.option("--status", type=ImageCount(), help="Status line interval, 0 = none  [default: preset]")
 @click.option("--snapshot", type=ImageCount(), help="Snapshot interval, 0 = only at the end  [default: preset]")

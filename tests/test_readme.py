@@ -1,6 +1,8 @@
 """README.md stays true: every command in it parses, and the quickstart runs end to end."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -94,3 +96,18 @@ def test_demo_runs_end_to_end(tmp_path):
     assert [(row["kimg"], round(row["std"], 3)) for row in rows] == [
         (kimg, round(0.01 + 0.02 * k, 3)) for kimg in (1, 2) for k in range(13)]
     assert all(math.isfinite(row["loss"]) for row in rows)
+
+
+def test_readme_python_api_runs_on_a_training_run(reference_run, tmp_path, monkeypatch):
+    # The README's Python block, run as written in a folder whose training-runs/toy-small is a real (toy-tiny) run.
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    assert len(blocks) == 1
+    (tmp_path / "training-runs").mkdir()
+    (tmp_path / "training-runs" / "toy-small").symlink_to(reference_run, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
+    lines = printed.getvalue().splitlines()
+    assert [line.split()[:2] for line in lines] == [["0.03", "2048"], ["0.15", "2048"]]
+    assert all(line.endswith("torch.Size([8, 3, 8, 8])") for line in lines)
