@@ -3,7 +3,6 @@ replace (bitwise), channels-last and activation checkpointing against the plain 
 against fp32, and a training step that never waits for the device."""
 
 import copy
-import dataclasses
 import math
 
 import pytest
