@@ -63,20 +63,32 @@ def write_run(folder: Path, channels: int) -> int:
 @click.option("--channels", type=click.IntRange(min=16), default=128, show_default=True, help="model_channels")
 @click.option("--ema-batch", type=click.IntRange(min=1), default=4, show_default=True, help="sweep --ema-batch")
 def main(channels: int, ema_batch: int) -> None:
-    """Report the sweep's peak memory for 1, 4 and 16 EMA lengths."""
+    """Report the sweep's peak memory for 1, 4 and 16 EMA lengths, in networks above the process's own."""
     with tempfile.TemporaryDirectory() as tmp:
         net_bytes = write_run(Path(tmp), channels)
-        print(f"network: {net_bytes / 2**20:.0f} MiB in float32; --ema-batch={ema_batch}", flush=True)
+        # The same process with nothing loaded (the command's --help): Python, torch and the command's imports.
+        base = peak_rss(["--help"])
+        print(f"network: {net_bytes / 2**20:.0f} MiB in float32; --ema-batch={ema_batch}; the process alone: "
+              f"{base / 2**30:.2f} GiB", flush=True)
+        rows = []
         for count in (1, 4, 16):
             stds = ",".join(f"{s:.3f}" for s in np.linspace(0.02, 0.2, count))
-            out = subprocess.run([sys.executable, "-c", CHILD, f"--indir={tmp}/run", f"--std={stds}",
-                                  "--metrics=loss", f"--data={tmp}/data", "--num=2", f"--dest={tmp}/out{count}",
-                                  f"--ema-batch={ema_batch}"], cwd=REPO, capture_output=True, text=True)
-            if out.returncode:
-                raise click.ClickException(out.stdout[-2000:] + out.stderr[-2000:])
-            peak = int(out.stdout.split("PEAK_KB")[-1]) * 1024
-            print(f"{count:2d} EMA lengths: peak RSS {peak / 2**30:.2f} GiB = {peak / net_bytes:.1f} networks",
-                  flush=True)
+            peak = peak_rss([f"--indir={tmp}/run", f"--std={stds}", "--metrics=loss", f"--data={tmp}/data",
+                             "--num=2", f"--dest={tmp}/out{count}", f"--ema-batch={ema_batch}"])
+            above = (peak - base) / net_bytes
+            print(f"{count:2d} EMA lengths: peak RSS {peak / 2**30:.2f} GiB, {above:.1f} networks above the process "
+                  f"alone", flush=True)
+            rows.append(dict(stds=count, peak_rss_gb=peak / 2**30, networks=above))
+        print(json.dumps(dict(network_mb=net_bytes / 2**20, ema_batch=ema_batch, base_rss_gb=base / 2**30,
+                              sweeps=rows)))
+
+
+def peak_rss(args: list[str]) -> int:
+    """Peak resident bytes of `calculate_metrics.py sweep ARGS` run in its own process."""
+    out = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise click.ClickException(out.stdout[-2000:] + out.stderr[-2000:])
+    return int(out.stdout.split("PEAK_KB")[-1]) * 1024
 
 
 if __name__ == "__main__":

@@ -14,6 +14,19 @@ from tests.helpers import (
 TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """torch.compile's cache in a folder of this session (subprocesses inherit it), not the shared one in /tmp:
+    torch 2.13 reused code from that cache built under another ATEN_CPU_CAPABILITY and crashed (segfault)."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchinductor"))
+    yield
+    if previous is None:
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
 @pytest.fixture(autouse=True)
 def test_threads():
     """Run on TEST_THREADS CPU threads (default 1: tiny tensors are faster without OpenMP synchronization,

@@ -24,11 +24,11 @@ from tests.helpers import randomized, tiny_precond
 CPU = torch.device("cpu")
 
 
-def tiniest(seed=0):
+def tiniest(seed=0, resolution=4, channels=8):
     """The smallest U-Net with every kind of block: one level, one block, attention in the decoder's first."""
     torch.manual_seed(seed)
-    net = Precond(4, 2, 2, model_channels=8, channel_mult=[1], num_blocks=1, attn_resolutions=[], channels_per_head=8,
-                  logvar_channels=8)
+    net = Precond(resolution, 2, 2, model_channels=channels, channel_mult=[1], num_blocks=1, attn_resolutions=[],
+                  channels_per_head=8, logvar_channels=8)
     return randomized(net, seed).train()
 
 
@@ -36,7 +36,8 @@ def loss_step(net, loss_fn, seed):
     """Loss, gradients and the parameters after one Adam step (lr 0.01) of the summed loss on a fixed batch."""
     optimizer = adam(net.parameters(), CPU)
     optimizer.param_groups[0]["lr"] = 0.01
-    images, labels = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(7)), torch.eye(2)[[0, 1, 1]]
+    shape = (3, net.img_channels, net.img_resolution, net.img_resolution)
+    images, labels = torch.randn(shape, generator=torch.Generator().manual_seed(7)), torch.eye(2)[[0, 1, 1]]
     torch.manual_seed(seed)  # the loss draws its noise levels and noise from the global generator
     loss = loss_fn(net, images, labels)
     loss.sum().backward()
@@ -58,9 +59,11 @@ def inductor_vector_width() -> dict:
 
 @pytest.fixture(scope="module")
 def inductor_vs_eager():
-    eager = loss_step(tiniest(), EDM2Loss(), seed=3)
+    # 8x8 with 16 channels, not the tiniest 4x4 with 8: torch 2.13's AVX2 code for the latter's 16-pixel,
+    # one-head attention tiles computes NaN in the fused loss (ATEN_CPU_CAPABILITY=avx2; AVX-512 is right).
+    eager = loss_step(tiniest(resolution=8, channels=16), EDM2Loss(), seed=3)
     with torch._inductor.config.patch(inductor_vector_width()):
-        compiled = loss_step(tiniest(), speed.compile_loss(EDM2Loss()), seed=3)
+        compiled = loss_step(tiniest(resolution=8, channels=16), speed.compile_loss(EDM2Loss()), seed=3)
     return eager, compiled
 
 
