@@ -35,7 +35,12 @@ try:
 except SystemExit as e:
     if e.code:
         raise
-print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# VmHWM is this program's own peak; ru_maxrss would start at the parent's, which Linux carries across exec.
+try:
+    with open("/proc/self/status") as status:
+        print("PEAK_KB", next(line.split()[1] for line in status if line.startswith("VmHWM:")))
+except OSError:
+    print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
