@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from edm2 import benchmark
 from edm2.networks import Precond
 from edm2.speed import PRECISIONS, SamplingSpeed
-from training.presets import PRESETS
+from training.benchmark import preset_network
 
 SIZES = ("xs", "s", "m", "l", "xl", "xxl")
 
@@ -25,8 +25,7 @@ def networks(size: str | None, resolution: int, img_channels: int, channels: int
     the small custom U-Net of the other options."""
     torch.manual_seed(0)
     if size is not None:
-        width = lambda s: PRESETS[f"edm2-img512-{s}"].channels  # noqa: E731
-        return Precond(64, 4, 1000, model_channels=width(size)), Precond(64, 4, 0, model_channels=width("xs"))
+        return preset_network(f"edm2-img512-{size}"), preset_network("edm2-img512-xs", label_dim=0)
     arch = dict(channel_mult=[1, 2, 2], num_blocks=2, attn_resolutions=[resolution // 4], channels_per_head=16)
     net = Precond(resolution, img_channels, classes, model_channels=channels, **arch)
     return net, Precond(resolution, img_channels, 0, model_channels=gnet_channels or channels, **arch)

@@ -25,8 +25,7 @@ from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.speed import SamplingSpeed, set_precision
 from edm2.toy_shapes import SHAPES, toy_image
-from training.benchmark import synthetic_step, training_flops_per_image
-from training.presets import PRESETS
+from training.benchmark import preset_network, synthetic_step, training_flops_per_image, with_unit_gains
 from training.step import training_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,24 +84,6 @@ class Probe:
     def is_out_of_memory(self, error: BaseException) -> bool:
         """Whether an error is CUDA running out of memory."""
         return isinstance(error, torch.cuda.OutOfMemoryError)
-
-
-def preset_network(preset: str, label_dim: int | None = None) -> Precond:
-    """A fresh network of a preset for its data (see training.benchmark.SyntheticData); label_dim overrides."""
-    recipe = PRESETS[preset]
-    release, latents = preset.startswith("edm2-"), preset.startswith("edm2-img512")
-    resolution, channels = (64, 4 if latents else 3) if release else (16, 3)
-    label_dim = (1000 if release else 6) if label_dim is None else label_dim
-    return Precond(resolution, channels, label_dim, model_channels=recipe.channels, **recipe.network)
-
-
-def with_unit_gains(net: Precond) -> Precond:
-    """net with every gain at 1, as in a trained network (a fresh one's zero gains make the U-Net output 0)."""
-    with torch.no_grad():
-        for name, param in net.named_parameters():
-            if name.endswith("gain"):
-                param.fill_(1)
-    return net
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:

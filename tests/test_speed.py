@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.speed import to_channels_last
-from training.benchmark import synthetic_step
+from training.benchmark import synthetic_step, with_unit_gains
 from training.options import TrainingOptions, check_same_hyperparameters
 from training.state import adam
 from training.step import training_step, zero_nonfinite_
@@ -184,10 +184,7 @@ def test_bf16_training_on_the_cpu_follows_fp32():
     for precision in ("fp32", "bf16"):
         step = synthetic_step("toy-tiny", 16, CPU, resolution=8, precision=precision, cpu_16bit=True, seed=1)
         assert step.state.net.compute_dtype(CPU) == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-        with torch.no_grad():  # gains of 1, as a trained net has: a fresh net's zero gains hide the U-Net's output
-            for name, p in step.state.net.named_parameters():
-                if name.endswith("gain"):
-                    p.fill_(1)
+        with_unit_gains(step.state.net)  # as a trained net has: a fresh net's zero gains hide the U-Net's output
         runs[precision] = torch.stack([training_step(step) for _ in range(40)])
     fp32, bf16 = runs["fp32"], runs["bf16"]
     # bf16 keeps 8 significant bits (unit round-off u = 2^-9). Rounding the input and the weight of each of the

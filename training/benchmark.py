@@ -1,5 +1,5 @@
-"""The loop's own training step on synthetic data shaped like a preset's dataset, for measuring speed and memory
-(scripts/bench_train.py, scripts/gpu_check.py)."""
+"""The loop's own training step on synthetic data shaped like a preset's dataset, and a preset's network for such
+data, for measuring speed and memory (scripts/bench_train.py, scripts/bench_sampler.py, scripts/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.networks import Precond, count_macs
 from training.options import TrainingOptions
+from training.presets import PRESETS
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss
 
@@ -63,6 +64,23 @@ def synthetic_step(preset: str, batch_gpu: int, device: torch.device, rounds: in
     state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
     return TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
                         batches=data.batches(batch_gpu), opts=opts, rounds=rounds, device=device)
+
+
+def preset_network(preset: str, label_dim: int | None = None) -> Precond:
+    """A fresh network of a preset for its synthetic data (no dropout, 32-bit); label_dim overrides the data's."""
+    data, recipe = SyntheticData.of_preset(preset), PRESETS[preset]
+    label_dim = data.label_dim if label_dim is None else label_dim
+    return Precond(data.resolution, data.encoder().out_channels(data.channels), label_dim,
+                   model_channels=recipe.channels, **recipe.network)
+
+
+def with_unit_gains(net: Precond) -> Precond:
+    """net with every gain at 1, as in a trained network (a fresh one's zero gains make the U-Net output 0)."""
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if name.endswith("gain"):
+                param.fill_(1)
+    return net
 
 
 def training_flops_per_image(net: Precond) -> float:
