@@ -118,7 +118,7 @@ class MPConv(torch.nn.Module):
     def effective_weight(self, dtype: torch.dtype, gain: float | torch.Tensor = 1) -> torch.Tensor:
         """The weight the layer applies, in dtype; in training mode first forces the stored rows to norm
         sqrt(fan_in). Normalized in float32 (float64 for a float64 weight, a reference computation)."""
-        w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        w = self._normalization_weight()
         # A replayed pass finds the weights normalized already; a compiled graph cannot write them (inductor drops
         # the write), so compiled training applies Eq. 66 before the graph (force_weight_normalization).
         if self.training and not getattr(_recomputing, "active", False) and not torch.compiler.is_compiling():
@@ -128,9 +128,13 @@ class MPConv(torch.nn.Module):
         w = w * (gain / math.sqrt(w[0].numel()))
         return w.to(dtype)
 
+    def _normalization_weight(self) -> torch.Tensor:
+        """The raw weight in the dtype it is normalized in: float32, or float64 for a float64 weight."""
+        return self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+
     def _force_normalization(self, w: torch.Tensor) -> None:
-        """Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in); w is the weight
-        in its normalization dtype."""
+        """Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in); w is
+        _normalization_weight()."""
         with torch.no_grad():
             self.weight.copy_(normalize(w))
 
@@ -172,7 +176,7 @@ def force_weight_normalization(module: torch.nn.Module) -> None:
     training, whose graph leaves the weights alone (see MPConv.effective_weight)."""
     for layer in module.modules():
         if isinstance(layer, MPConv) and layer.training:
-            layer._force_normalization(layer.weight.to(torch.promote_types(layer.weight.dtype, torch.float32)))
+            layer._force_normalization(layer._normalization_weight())
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
