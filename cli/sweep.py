@@ -21,7 +21,7 @@ from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
 from edm2.generation import GenerationError, check_guidance_pair
 from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
-from edm2.validation import ValidationError, ValidationSamples, check_fits
+from edm2.validation import ValidationError, ValidationSamples
 
 
 EPILOG = """\b
@@ -161,10 +161,9 @@ def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> 
     shape = network_shape(plan.metadata)
     try:
         dataset = ImageFolderDataset(data_path, use_labels=bool(shape.label_dim))
-        check_fits(dataset, plan.encoder, shape.img_channels, shape.img_resolution, shape.label_dim)
+        return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
     except (DatasetError, ValidationError, EncoderError) as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
-    return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
 
 
 def finish(plan: SweepPlan, metrics: list[str]) -> None:
