@@ -142,6 +142,20 @@ def network_for_option(path: str, option: str, device: torch.device) -> tuple[Pr
     return net.to(device), encoder
 
 
+def check_generation_options(gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+                             seed: int, num_images: int) -> None:
+    """Refuse, before any work, guidance without a guiding network, an interval without guidance, and seeds past
+    2**32 (gen and sweep generate alike)."""
+    if guidance != 1 and gnet_path is None:
+        raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
+    if guidance_interval is not None and guidance == 1:
+        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
+                                 param_hint="--guidance-interval")
+    if seed + num_images > MAX_SEED:  # checked now, not at the first batch past the limit hours later
+        raise click.BadParameter(f"seeds {seed}..{seed + num_images - 1} go past {MAX_SEED - 1}; every seed must be "
+                                 "below 2**32", param_hint="--seed")
+
+
 def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: str, ref_path: str) -> None:
     """Print one human line and one JSON line with each metric's Frechet distance (rank 0)."""
     if not distributed.is_main():
@@ -260,14 +274,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
         seed: int, speed: SamplingSpeed) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
-    if guidance != 1 and gnet_path is None:
-        raise click.BadParameter(f"--guidance={guidance:g} needs a guiding network", param_hint="--gnet")
-    if guidance_interval is not None and guidance == 1:
-        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
-                                 param_hint="--guidance-interval")
-    if seed + num_images > MAX_SEED:  # checked now, not at the first batch past the limit hours later
-        raise click.BadParameter(f"seeds {seed}..{seed + num_images - 1} go past {MAX_SEED - 1}; every seed must be "
-                                 "below 2**32", param_hint="--seed")
+    check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
     with distributed.session():
         reference = load_reference(ref_path, metrics)
         device = distributed.device()
@@ -299,6 +306,7 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
           dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
     """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
     distances = [metric for metric in metrics if metric in DETECTORS]
+    check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
                                        guidance_interval)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)

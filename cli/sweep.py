@@ -19,9 +19,9 @@ from edm2 import distributed, files, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
-from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair
+from edm2.generation import GenerationError, check_guidance_pair
 from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
-from edm2.validation import ValidationError, ValidationSamples, check_fits
+from edm2.validation import ValidationError, ValidationSamples
 
 
 EPILOG = """\b
@@ -69,20 +69,14 @@ def options(fn: Callable) -> Callable:
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
                   gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None) -> dict:
-    """Refuse option combinations that cannot work; returns the settings a results file records (its rows record
-    the training times and EMA lengths, so a rerun may add either)."""
+    """Refuse metrics without their input (the generation options are calculate_metrics.check_generation_options');
+    returns the settings a results file records (its rows record the training times and EMA lengths, so a rerun
+    may add either)."""
     distances = [metric for metric in metrics if metric != "loss"]
-    for needed, missing, option, why in (
-            (guidance != 1, gnet_path is None, "--gnet", f"--guidance={guidance:g} needs a guiding network"),
-            ("loss" in metrics, data_path is None, "--data", "--metrics=loss needs the dataset to measure it on"),
-            (bool(distances), ref_path is None, "--ref", f"--metrics={','.join(distances)} needs reference statistics")):
-        if needed and missing:
-            raise click.BadParameter(why, param_hint=option)
-    if guidance_interval is not None and guidance == 1:
-        raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet",
-                                 param_hint="--guidance-interval")
-    if seed + num > MAX_SEED:
-        raise click.BadParameter(f"seeds {seed}..{seed + num - 1} go past {MAX_SEED - 1}", param_hint="--seed")
+    if "loss" in metrics and data_path is None:
+        raise click.BadParameter("--metrics=loss needs the dataset to measure it on", param_hint="--data")
+    if distances and ref_path is None:
+        raise click.BadParameter(f"--metrics={','.join(distances)} needs reference statistics", param_hint="--ref")
     return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
                 guidance_interval=guidance_interval)
 
@@ -167,10 +161,9 @@ def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> 
     shape = network_shape(plan.metadata)
     try:
         dataset = ImageFolderDataset(data_path, use_labels=bool(shape.label_dim))
-        check_fits(dataset, plan.encoder, shape.img_channels, shape.img_resolution, shape.label_dim)
+        return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
     except (DatasetError, ValidationError, EncoderError) as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
-    return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
 
 
 def finish(plan: SweepPlan, metrics: list[str]) -> None:

@@ -148,13 +148,13 @@ class Dashboard:
                              sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[])
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
-        self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, "noise_levels", cur_nimg)
-        self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, "rows", cur_nimg)
+        self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, self.training, "noise_levels", cur_nimg)
+        self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, self.magnitudes, "rows", cur_nimg)
 
-    def _earlier_rows(self, name: str, key: str, cur_nimg: int) -> list[dict]:
-        """The rows up to cur_nimg of an earlier invocation's record file, if it recorded the same measurement."""
+    def _earlier_rows(self, name: str, mine: dict, key: str, cur_nimg: int) -> list[dict]:
+        """The rows up to cur_nimg of an earlier invocation's record file, if it recorded the same measurement
+        (every entry of mine but key equal)."""
         path = self.run_dir / PLOTS_DIR / name
-        mine = self.training if name == TRAINING_JSON else self.magnitudes
         try:
             stored = load_records(path)
         except DashboardError as e:

@@ -90,7 +90,7 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
             top = max([top, *(v for v in values if math.isfinite(v))])
             ax.plot(kimg, values, marker="o", markersize=2, linewidth=1, color=f"C{k % 10}",
                     linestyle="-" if k < 10 else "--")
-        for k, group in enumerate(dict.fromkeys(bucket(name) for name in names)):
+        for group in dict.fromkeys(bucket(name) for name in names):
             k = buckets.index(group)
             ax.plot([], [], color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=group)
         ax.set(xlabel="kimg", ylabel="RMS", title=f"{title}, EMA σ_rel={data['ema_std']:.3f}")
