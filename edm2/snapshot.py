@@ -101,7 +101,7 @@ def read_metadata(path: str | os.PathLike, key: str = METADATA_KEY, kind: str = 
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; absurd nesting recurses
         raise SnapshotError(f"{path}: its '{key}' metadata is not valid JSON ({e})") from None
     if not isinstance(metadata, dict):
-        raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is a JSON {type(metadata).__name__}, not an object")
+        raise SnapshotError(f"{path}: its '{key}' metadata is a JSON {type(metadata).__name__}, not an object")
     version = metadata.get("format_version")
     if type(version) is not int or version < 1:
         raise SnapshotError(f"{path}: metadata has no valid format_version (found {version!r})")
