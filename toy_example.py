@@ -7,15 +7,13 @@ edm2.plots.toy's; this command line checks the options, wires them and reports.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import click
-import torch
 
 from cli.command import Group
 from cli.types import Number
-from edm2 import files, plots
+from edm2 import distributed, files, plots
 from edm2.errors import EDM2Error, one_line
 from edm2.plots.toy import progress_figure, toy_figure
 from edm2.toy_snapshot import load_toy, save_toy
@@ -24,10 +22,6 @@ from training.toy import ToyTraining, train_toy
 RELEASE_URL = "https://nvlabs-fi-cdn.nvidia.com/edm2/toy-example/"
 DEFAULT_NET = RELEASE_URL + "clsA-layers04-dim64/iter4096.pkl"  # the main model of the paper's Figure 1
 DEFAULT_GNET = RELEASE_URL + "clsA-layers04-dim32/iter0512.pkl"  # its guiding model: smaller, trained shorter
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @click.group(cls=Group, epilog="""\b
@@ -51,7 +45,7 @@ Examples:
 """)
 def main() -> None:
     """2-D toy example from the paper "Guiding a Diffusion Model with a Bad Version of Itself" (Figure 1)."""
-    if os.environ.get("WORLD_SIZE", "1") != "1":
+    if distributed.launched_world_size() > 1:
         raise click.UsageError("the toy example runs in one process; start it without torchrun")
 
 
@@ -75,7 +69,7 @@ def train(outdir: Path, cls: str, layers: int, dim: int, viz: bool, iters: int) 
         raise click.BadParameter(f"{outdir} already holds snapshots ({earlier[0].name}); choose a new folder",
                                  param_hint="--outdir")
     opts = ToyTraining(classes=cls, num_layers=layers, hidden_dim=dim, iterations=iters)
-    where = device()
+    where = distributed.device()
 
     def snapshot(iteration: int, ema) -> None:
         path = outdir / f"iter{iteration:04d}.safetensors"
@@ -103,7 +97,7 @@ def plot(net: str, gnet: str, guidance: float, save: Path) -> None:
     if save.suffix.lower() != ".png":
         raise click.BadParameter(f"{save} does not end in .png; the figure is written as PNG", param_hint="--save")
     files.check_writable_dir(save.parent)
-    where = device()
+    where = distributed.device()
     click.echo("Loading models...")
     models = []
     for option, path in (("--net", net), ("--gnet", gnet)):

@@ -50,18 +50,20 @@ def snapshot_name(prefix: str, nimg: int, std: float) -> str:
     return f"{prefix}-{images_tag(nimg)}-{std:.3f}.safetensors"
 
 
-def save_network(path: str | os.PathLike, net: Precond, metadata: dict) -> None:
-    """Write net's weights (float16, like the release) and metadata atomically to a .safetensors file."""
+def save_network(path: str | os.PathLike, net: torch.nn.Module, metadata: dict, key: str = METADATA_KEY,
+                 dtype: torch.dtype = torch.float16) -> None:
+    """Write net's weights (floating-point ones as dtype: float16, like the release) and metadata atomically to a
+    .safetensors file; `key` and `dtype` serve another kind of our files (the toy example's, float32)."""
     meta = dict(metadata, format_version=FORMAT_VERSION, network_kwargs=net.init_kwargs)
     tensors = {}
     for name, tensor in net.state_dict().items():
         tensor = tensor.detach()
         if tensor.is_floating_point():
-            tensor = tensor.to(torch.float16)
+            tensor = tensor.to(dtype)
         tensors[name] = tensor.to("cpu").contiguous()
     with files.atomic_path(path) as tmp:
         try:
-            safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+            safetensors.torch.save_file(tensors, str(tmp), metadata={key: json.dumps(meta)})
         except safetensors.SafetensorError as e:  # a full disk reads 'I/O error: No space left on device'
             raise SnapshotError(f"{path}: cannot write: {e}") from None
 
@@ -99,7 +101,7 @@ def read_metadata(path: str | os.PathLike, key: str = METADATA_KEY, kind: str = 
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; absurd nesting recurses
         raise SnapshotError(f"{path}: its '{key}' metadata is not valid JSON ({e})") from None
     if not isinstance(metadata, dict):
-        raise SnapshotError(f"{path}: its '{METADATA_KEY}' metadata is a JSON {type(metadata).__name__}, not an object")
+        raise SnapshotError(f"{path}: its '{key}' metadata is a JSON {type(metadata).__name__}, not an object")
     version = metadata.get("format_version")
     if type(version) is not int or version < 1:
         raise SnapshotError(f"{path}: metadata has no valid format_version (found {version!r})")

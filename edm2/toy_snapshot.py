@@ -7,17 +7,14 @@ EDM2 snapshot, refuses it in one line.
 
 from __future__ import annotations
 
-import json
 import os
 
-import safetensors
-import safetensors.torch
 import torch
 
 from edm2 import files
-from edm2.errors import SnapshotError, one_line
+from edm2.errors import one_line
 from edm2.release_pickle import load_release_toy_pickle
-from edm2.snapshot import FORMAT_VERSION, check_readable, load_weights, read_metadata
+from edm2.snapshot import check_readable, load_weights, read_metadata, save_network
 from edm2.toy_gmm import ToyError
 from edm2.toy_model import ToyDenoiser
 
@@ -26,13 +23,7 @@ METADATA_KEY = "edm2-toy"
 
 def save_toy(path: str | os.PathLike, net: ToyDenoiser, metadata: dict) -> None:
     """Write the denoiser's float32 weights and metadata atomically to a .safetensors file."""
-    meta = dict(metadata, format_version=FORMAT_VERSION, network_kwargs=net.init_kwargs)
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in net.state_dict().items()}
-    with files.atomic_path(path) as tmp:
-        try:
-            safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
-        except safetensors.SafetensorError as e:  # a full disk reads 'I/O error: No space left on device'
-            raise SnapshotError(f"{path}: cannot write: {e}") from None
+    save_network(path, net, metadata, METADATA_KEY, torch.float32)
 
 
 def load_toy(path_or_url: str | os.PathLike) -> tuple[ToyDenoiser, dict]:

@@ -8,16 +8,16 @@ and a power-function EMA of sigma_rel 0.010 (paper Eq. 127) whose snapshots are 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Callable
 
-import numpy as np
 import torch
 
-from edm2.phema import power_function_beta
+from edm2.phema import PowerFunctionEMA
 from edm2.toy_gmm import ground_truth
 from edm2.toy_model import ToyDenoiser
+from training.lr_schedule import learning_rate_schedule
+from training.state import adam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,20 +51,20 @@ def train_toy(opts: ToyTraining, device: torch.device,
     target = ground_truth(opts.classes, device)
     net = ToyDenoiser(num_layers=opts.num_layers, hidden_dim=opts.hidden_dim, sigma_data=opts.sigma_data)
     net = net.to(device).train().requires_grad_(True)
-    ema = copy.deepcopy(net).eval().requires_grad_(False)
-    optimizer = torch.optim.Adam(net.parameters(), betas=(0.9, 0.99))
+    # Time is counted in iterations here: one "image" per iteration for the EMA (Eq. 127 with t_delta 1).
+    ema = PowerFunctionEMA(net, stds=(opts.ema_std,))
+    optimizer = adam(net.parameters(), device)
     for iteration in range(opts.iterations):
-        optimizer.param_groups[0]["lr"] = opts.lr_ref / np.sqrt(max(iteration / opts.lr_iter, 1))
+        # Eq. 67 without ramp-up; learning_rate_schedule counts images, iteration x batch of them.
+        optimizer.param_groups[0]["lr"] = learning_rate_schedule(iteration * opts.batch_size, opts.batch_size,
+                                                                 opts.lr_ref, opts.lr_iter, rampup_Mimg=0)
         sigma = (torch.randn(opts.batch_size, device=device, generator=generator) * opts.P_std + opts.P_mean).exp()
         x = target.sample(opts.batch_size, sigma, generator=generator)
         loss = sigma**2 * (target.score(x, sigma) - net.score(x, sigma, graph=True)).square().mean(-1)
         optimizer.zero_grad(set_to_none=True)
         loss.mean().backward()
         optimizer.step()
-        beta = power_function_beta(std=opts.ema_std, t_next=iteration + 1, t_delta=1)
-        with torch.no_grad():
-            for p_net, p_ema in zip(net.parameters(), ema.parameters()):
-                p_ema.lerp_(p_net.detach(), 1 - beta)
+        ema.update(cur_nimg=iteration + 1, batch_size=1)
         if opts.snapshot_due(iteration + 1):
-            on_snapshot(iteration + 1, ema)
-    return ema
+            on_snapshot(iteration + 1, ema.emas[0])
+    return ema.emas[0]
