@@ -27,6 +27,8 @@ from edm2.sampler import edm_sampler
 MAX_SEED = 2**32
 # The class of every image generate.py writes, in the release's dataset.json format.
 LABELS_FILE = "labels.json"
+# The overview image generate.py --grid writes beside its samples; it is not a sample.
+GRID_FILE = "grid.png"
 
 
 class GenerationError(EDM2Error):
