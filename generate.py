@@ -18,7 +18,7 @@ from cli.speed import sampling_speed_options
 from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import (LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
+from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
                              read_generated_labels, save_generated_labels)
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
@@ -202,9 +202,9 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
         if grid:
             tiles = gather_grid(seeds, generated)
             if tiles is not None:
-                save_png(outdir / "grid.png", tiles)
+                save_png(outdir / GRID_FILE, tiles)
         distributed.barrier()
-        extras = [name for name, made in ((LABELS_FILE, net.label_dim), ("grid.png", grid)) if made]
+        extras = [name for name, made in ((LABELS_FILE, net.label_dim), (GRID_FILE, grid)) if made]
         listed = ", ".join([f"{len(seeds)} images", *extras[:-1]]) + "".join(f" and {name}" for name in extras[-1:])
         distributed.print0(f"Saved {listed} in {outdir}")
 

@@ -131,11 +131,16 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
         raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {missing[0]} "
                            f"({len(missing)} images unlabeled)")
     values = [labels[name] for name in names]
-    wrong = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    wrong = [v for v in values if not is_class(v)]
     if wrong:
         raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers, "
                            f"found {json.dumps(wrong[0])}")
     return values
+
+
+def is_class(label: object) -> bool:
+    """Whether a dataset.json label is a class: a non-negative integer (JSON's true and false are not)."""
+    return isinstance(label, int) and not isinstance(label, bool) and label >= 0
 
 
 def parse_labels(text: bytes, path: str | os.PathLike) -> dict[str, object] | None:

@@ -246,16 +246,12 @@ class DINOv2:
         return self.model(x).to(torch.float32)
 
 
-# Metric name -> (detector class, URL of its published weights).
-DETECTORS: dict[str, tuple[Callable[..., object], str]] = {
-    "fid": (InceptionV3, INCEPTION_URL),
-    "fd_dinov2": (DINOv2, DINOV2_URL),
-}
+# Metric name -> detector class (each knows the URL of its published weights).
+DETECTORS: dict[str, Callable[..., InceptionV3 | DINOv2]] = {"fid": InceptionV3, "fd_dinov2": DINOv2}
 
 
 def load_detector(metric: str, path_or_url: str | os.PathLike | None = None,
                   device: torch.device | str = "cpu") -> InceptionV3 | DINOv2:
     """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published weights (None; see
     default_weights_path) or the given file or URL."""
-    detector_class, _ = DETECTORS[metric]
-    return detector_class(path_or_url, device=device)
+    return DETECTORS[metric](path_or_url, device=device)

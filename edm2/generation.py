@@ -18,7 +18,7 @@ import torch
 import tqdm
 
 from edm2 import distributed, files
-from edm2.dataset import DatasetError, parse_labels
+from edm2.dataset import DatasetError, is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.sampler import edm_sampler
 
@@ -27,6 +27,8 @@ from edm2.sampler import edm_sampler
 MAX_SEED = 2**32
 # The class of every image generate.py writes, in the release's dataset.json format.
 LABELS_FILE = "labels.json"
+# The overview image generate.py --grid writes beside its samples; it is not a sample.
+GRID_FILE = "grid.png"
 
 
 class GenerationError(EDM2Error):
@@ -221,7 +223,7 @@ def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:
         labels = parse_labels(path.read_bytes(), path) or {}
     except (OSError, DatasetError) as e:
         raise GenerationError(f"{path} exists but is not a readable labels file ({e}); move it away") from None
-    wrong = [v for v in labels.values() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    wrong = [v for v in labels.values() if not is_class(v)]
     if wrong:
         raise GenerationError(f"{path} exists but holds the label {json.dumps(wrong[0])}, not a class; move it away")
     return labels

@@ -7,9 +7,7 @@ import torch
 import torch.utils.data
 
 from edm2 import distributed
-
-# The overview image `generate.py --grid` writes beside its samples; it is not a sample.
-GRID_FILE = "grid.png"
+from edm2.generation import GRID_FILE
 
 
 def sample_indices(fnames: list[str]) -> np.ndarray:

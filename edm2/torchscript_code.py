@@ -18,6 +18,8 @@ from edm2.errors import EDM2Error
 # Roots of qualified names: TorchScript's operator namespaces, the archive's own code, its tensor constants.
 _ROOTS = ("torch", "ops", "__torch__", "CONSTANTS")
 _RESERVED = frozenset(_ROOTS) | allow.BUILTIN_CALLS | allow.TYPE_NAMES | allow.GENERIC_TYPES
+# ops.NAMESPACE.NAME(...): the operators each namespace may call.
+_OPS_NAMESPACES = {"aten": allow.ATEN_OPS, "prim": allow.PRIM_OPS}
 _SIMPLE_STRING = re.compile(r"""("[^"\\\n]*(\\.[^"\\\n]*)*"|'[^'\\\n]*(\\.[^'\\\n]*)*')""")
 
 
@@ -215,8 +217,7 @@ class _CodeChecker:
         root, rest = parts[0], parts[1:]
         if root == "torch" and len(rest) == 1 and rest[0] in allow.ATEN_OPS:
             return
-        if root == "ops" and len(rest) == 2 and (rest[0], rest[1]) in {("aten", op) for op in allow.ATEN_OPS} | {
-                ("prim", op) for op in allow.PRIM_OPS}:
+        if root == "ops" and len(rest) == 2 and rest[1] in _OPS_NAMESPACES.get(rest[0], ()):
             return
         if root == "__torch__" and dotted in self.defs.classes | self.defs.functions:
             return
