@@ -16,6 +16,7 @@ import textwrap
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import PIL.Image
@@ -137,6 +138,16 @@ def assert_one_error_line(result, *fragments: str) -> str:
 def tree(path: Path) -> list[str]:
     """Every file and folder below path, relative and sorted: to check that a command left nothing behind."""
     return sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+
+
+def assert_refused(roots: Path | Sequence[Path], invoke: Callable[[], object], *fragments: str) -> str:
+    """The bad-input promise: invoke() (running a command) fails with one error line holding every fragment
+    (assert_one_error_line) and leaves every file and folder under roots as it was. Returns that line."""
+    roots = [roots] if isinstance(roots, Path) else list(roots)
+    before = [tree(root) for root in roots]
+    line = assert_one_error_line(invoke(), *fragments)
+    assert [tree(root) for root in roots] == before
+    return line
 
 
 # ---------------------------------------------------------------------------------------------------

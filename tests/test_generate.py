@@ -22,7 +22,7 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.files import TMP_SUFFIX
 from edm2.generation import MAX_SEED, generate_images
-from tests.helpers import REPO, assert_one_error_line, free_port, randomized, tiny_precond, tree
+from tests.helpers import REPO, assert_one_error_line, assert_refused, free_port, randomized, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
 
@@ -179,10 +179,9 @@ def test_labels_json_holds_each_images_class_across_runs(nets, tmp_path):
 def test_a_labels_json_that_is_not_ours_is_refused_before_loading(nets, tmp_path, content):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "labels.json").write_text(content)
-    before = tree(tmp_path)
-    result = run_cli(["--net", tmp_path / "missing.safetensors", *FAST, "--outdir", tmp_path / "out"])
-    assert_one_error_line(result, "--outdir", f"{tmp_path}/out/labels.json exists but")
-    assert tree(tmp_path) == before and (tmp_path / "out" / "labels.json").read_text() == content
+    args = ["--net", tmp_path / "missing.safetensors", *FAST, "--outdir", tmp_path / "out"]
+    assert_refused(tmp_path, lambda: run_cli(args), "--outdir", f"{tmp_path}/out/labels.json exists but")
+    assert (tmp_path / "out" / "labels.json").read_text() == content
 
 
 URL = "http://127.0.0.1:9/edm2-img512-s-2147483-0.025.pkl"
@@ -256,13 +255,11 @@ BAD_INPUT = {
 def test_bad_input_gets_one_clear_line(case, nets, tmp_path, monkeypatch):
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "file").write_text("a file, not a folder")
-    before = tree(tmp_path)
     args, fragments = BAD_INPUT[case]
     names = {name: str(path) for name, path in nets.items()}
     fill = [text.format(tmp=tmp_path, **names) for text in args]
-    result = run_cli([*FAST, "--outdir", tmp_path / "out", *fill])
-    assert_one_error_line(result, *(text.format(tmp=tmp_path, **names) for text in fragments))
-    assert tree(tmp_path) == before
+    assert_refused(tmp_path, lambda: run_cli([*FAST, "--outdir", tmp_path / "out", *fill]),
+                   *(text.format(tmp=tmp_path, **names) for text in fragments))
 
 
 def test_all_32_bit_seeds_start_at_once_without_listing_them(nets, tmp_path, monkeypatch):

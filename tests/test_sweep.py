@@ -19,8 +19,7 @@ from edm2 import posthoc
 from edm2.plots.sweep import sweep_figure
 from edm2.snapshot import load_network
 from edm2.sweep import SweepResults, run_sweep
-from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, fake_training_run, tree,
-                           write_image_dataset)
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, write_image_dataset)
 
 NUM = 24  # samples of the loss; one batch of them, as the reference below
 
@@ -201,9 +200,8 @@ def test_sweep_bad_input_is_one_line_before_any_network_is_loaded(reference_run,
     monkeypatch.chdir(tmp_path)
     options = {"--indir": str(reference_run), "--std": "0.1", "--metrics": "loss", "--data": str(train_data),
                "--dest": "dest", "--num": "4", **overrides}
-    before, run_before = tree(tmp_path), tree(reference_run)
-    assert_one_error_line(sweep(*[f"{k}={v}" for k, v in options.items() if v is not None]), *fragments)
-    assert tree(tmp_path) == before and tree(reference_run) == run_before
+    assert_refused([tmp_path, reference_run], lambda: sweep(*[f"{k}={v}" for k, v in options.items() if v is not None]),
+                   *fragments)
 
 
 def test_a_sweep_grows_by_the_rows_it_lacks_and_a_finished_one_loads_no_network(reference_run, train_data, tmp_path,

@@ -21,7 +21,7 @@ from edm2.snapshot import load_network
 from training import checkpoint
 from training.run_lock import LOCK_FILE, Holder
 from tests.helpers import (
-    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, free_port, run_training, snapshot_contents,
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, free_port, run_training, snapshot_contents,
     start_training, tree, wait_for, write_image_dataset,
 )
 
@@ -230,9 +230,7 @@ def test_bad_data(case, message, tmp_path):
     data = tmp_path / "data"
     if case != "missing":
         write_image_dataset(data, num=16, labels=case != "unlabeled", sizes=[8, 16] if case == "mixed" else None)
-    before = tree(tmp_path)
-    assert_one_error_line(cli([f"--data={data}"], tmp_path / "run"), message)
-    assert tree(tmp_path) == before
+    assert_refused(tmp_path, lambda: cli([f"--data={data}"], tmp_path / "run"), message)
 
 
 @pytest.mark.parametrize("mode, channels", [("L", 1), ("RGBA", 4)])
@@ -347,9 +345,7 @@ def test_bad_outdir(case, train_data, tmp_path):
         lock_held_by(outdir, Holder(host="node-elsewhere", pid=1234, started="2024-05-01 12:00:00"))
         fragments = ("process 1234 on host node-elsewhere (since 2024-05-01 12:00:00)",
                      f"if that training is no longer running (its host went down), delete {outdir / LOCK_FILE}")
-    before = tree(tmp_path)
-    assert_one_error_line(cli([f"--data={train_data}"], outdir), *fragments)
-    assert tree(tmp_path) == before
+    assert_refused(tmp_path, lambda: cli([f"--data={train_data}"], outdir), *fragments)
 
 
 def in_namespace(mount: str, *command: str, then: str = "") -> subprocess.CompletedProcess:
@@ -368,12 +364,10 @@ def in_namespace(mount: str, *command: str, then: str = "") -> subprocess.Comple
 @pytest.mark.bad_input
 def test_read_only_outdir(train_data, tmp_path):
     (tmp_path / "ro").mkdir()
-    before = tree(tmp_path)
-    result = in_namespace(f"mount -t tmpfs -o ro tmpfs {tmp_path / 'ro'}", sys.executable, "train_edm2.py",
-                          *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'ro' / 'run'}")
-    assert_one_error_line(result, f"{tmp_path / 'ro' / 'run'}: cannot write in {tmp_path / 'ro'}",
-                          "Read-only file system")
-    assert tree(tmp_path) == before
+    assert_refused(tmp_path, lambda: in_namespace(f"mount -t tmpfs -o ro tmpfs {tmp_path / 'ro'}", sys.executable,
+                                                  "train_edm2.py", *TRAIN_ARGS, f"--data={train_data}",
+                                                  f"--outdir={tmp_path / 'ro' / 'run'}"),
+                   f"{tmp_path / 'ro' / 'run'}: cannot write in {tmp_path / 'ro'}", "Read-only file system")
 
 
 # Run inside the namespace after a training on the tiny disk: what the run directory holds, and that
