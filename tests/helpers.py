@@ -151,6 +151,15 @@ def assert_refused(roots: Path | Sequence[Path], invoke: Callable[[], object], *
 
 
 # ---------------------------------------------------------------------------------------------------
+# Statistics.
+
+def random_covariance(rng: np.random.Generator, dim: int) -> np.ndarray:
+    """A random symmetric positive definite dim x dim matrix (a Gram matrix of dim + 3 random columns)."""
+    a = rng.standard_normal((dim, dim + 3))
+    return a @ a.T / dim
+
+
+# ---------------------------------------------------------------------------------------------------
 # Detectors: a tiny DINOv2 in the official checkpoint layout and an Inception stand-in.
 
 def official_dinov2_shapes(width=1024, depth=24, patch=14, grid=37, mlp=4096, channels=3) -> dict:

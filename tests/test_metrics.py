@@ -5,14 +5,10 @@ import pytest
 import torch
 
 from edm2 import metrics
+from tests.helpers import random_covariance
 
 # Unit round-off of float64: a sum of n terms computed in any order is off by at most about n * U64 * sum|term|.
 U64 = np.finfo(np.float64).eps / 2
-
-
-def random_covariance(rng, dim):
-    a = rng.standard_normal((dim, dim + 3))
-    return a @ a.T / dim
 
 
 def psd_sqrt(s):

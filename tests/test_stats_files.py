@@ -8,11 +8,7 @@ import numpy as np
 import pytest
 
 from edm2 import stats_files
-
-
-def random_covariance(rng, dim):
-    a = rng.standard_normal((dim, dim + 3))
-    return a @ a.T / dim
+from tests.helpers import random_covariance
 
 
 def make_stats(rng, dims=(("fid", 5), ("fd_dinov2", 3))):
