@@ -57,26 +57,28 @@ def _default_weights(url: str) -> Path:
                             "(or give the path of the file)") from None
 
 
-def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> str:
-    """Local path of detector weights: the given file or URL (downloaded once into the cache), or with None the
-    published file at `url` (see default_weights_path); raises DetectorError if absent."""
+def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[str, str]:
+    """(local path, name for messages) of detector weights: the given file or URL (downloaded once into the
+    cache; named as given), or with None the published file at `url` (see default_weights_path; named by its
+    local path); raises DetectorError if absent."""
     path = _default_weights(url) if path_or_url is None else files.cached_path(path_or_url)
+    name = str(path if path_or_url is None else path_or_url)
     if not path.is_file():
-        raise DetectorError(f"detector weights not found: {path_or_url}")
-    return str(path)
+        raise DetectorError(f"detector weights not found: {name}")
+    return str(path), name
 
 
 class InceptionV3:
     """FID features: 2048-d pool3 of the TF Inception-v3 (2015-12-05) graph, in its published TorchScript form."""
 
     def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
-        path = _local_weights(path_or_url, INCEPTION_URL)
+        path, name = _local_weights(path_or_url, INCEPTION_URL)
         try:
             self.model = safe_torchscript.load_torchscript(path, map_location=device).eval()
         except safe_torchscript.UnsafeTorchScript as e:
-            raise DetectorError(f"refusing to load {path_or_url}: {e}") from None
+            raise DetectorError(f"refusing to load {name}: {e}") from None
         except (RuntimeError, ValueError, OSError) as e:
-            raise DetectorError(f"{path_or_url} is not a TorchScript Inception file: {e}") from None
+            raise DetectorError(f"{name} is not a TorchScript Inception file: {e}") from None
         self.device = torch.device(device)
         # The TorchScript file fixes the width; one tiny probe reads it (the network resizes any input itself).
         self.feature_dim = self(torch.zeros([1, 3, 16, 16], dtype=torch.uint8, device=self.device)).shape[1]
@@ -221,17 +223,18 @@ class DINOv2:
     """FD_DINOv2 features: DINOv2 ViT class token after 224x224 bicubic antialiased resize and ImageNet normalization."""
 
     def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
-        path = _local_weights(path_or_url, DINOV2_URL)
+        path, name = _local_weights(path_or_url, DINOV2_URL)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-            raise DetectorError(f"{path_or_url} is not a plain PyTorch state dict: {e}") from None
+        # KeyError: what torch.load raises for bytes it takes for its legacy format (a cut-off download).
+        except (RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
+            raise DetectorError(f"{name} is not a plain PyTorch state dict: {e}") from None
         if not isinstance(state, dict):
-            raise DetectorError(f"{path_or_url} does not hold a state dict")
+            raise DetectorError(f"{name} does not hold a state dict")
         try:
             self.model = DINOv2ViT.from_state_dict(state).to(device)
         except DetectorError as e:
-            raise DetectorError(f"{path_or_url}: {e}") from None
+            raise DetectorError(f"{name}: {e}") from None
         self.device = torch.device(device)
         self.feature_dim = self.model.width
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).reshape(1, -1, 1, 1)

@@ -2,6 +2,7 @@
 
 import math
 import pathlib
+import re
 import socket
 
 import PIL.Image
@@ -174,6 +175,15 @@ def test_offline_detector_found_where_earlier_versions_downloaded_it(offline):
     earlier.parent.mkdir(parents=True)
     torch.jit.save(torch.jit.script(TinyInceptionStandIn()), earlier)
     assert detectors.load_detector("fid").feature_dim == 12
+
+
+@pytest.mark.parametrize("metric, url", [("fid", detectors.INCEPTION_URL), ("fd_dinov2", detectors.DINOV2_URL)])
+def test_a_damaged_file_in_the_default_place_is_named_by_its_path(offline, metric, url):
+    path = detectors.default_weights_path(url)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"half a download")
+    with pytest.raises(detectors.DetectorError, match=f"{re.escape(str(path))}(:| is not a )"):  # not 'None'
+        detectors.load_detector(metric)
 
 
 @pytest.mark.bad_input
