@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+
+def log_normal_sigma(shape: Sequence[int], P_mean: float, P_std: float, device: torch.device | str = "cpu",
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Noise levels of the training distribution, ln(sigma) ~ N(P_mean, P_std^2) (Eq. 16), drawn from generator
+    (default: torch's global one)."""
+    return (torch.randn(shape, device=device, generator=generator) * P_std + P_mean).exp()
 
 
 class EDM2Loss:
@@ -15,7 +24,7 @@ class EDM2Loss:
 
     def sample_sigma(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Noise levels with ln(sigma) ~ N(P_mean, P_std^2) (Eq. 16), shape [N,1,1,1]."""
-        return (torch.randn([batch_size, 1, 1, 1], device=device) * self.P_std + self.P_mean).exp()
+        return log_normal_sigma([batch_size, 1, 1, 1], self.P_mean, self.P_std, device)
 
     def weight(self, sigma: torch.Tensor) -> torch.Tensor:
         """lambda(sigma) of Eq. 15."""

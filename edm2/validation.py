@@ -22,7 +22,7 @@ from edm2 import distributed
 from edm2.dataset import ImageFolderDataset
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
-from edm2.loss import EDM2Loss
+from edm2.loss import EDM2Loss, log_normal_sigma
 
 
 class ValidationError(EDM2Error):
@@ -52,7 +52,7 @@ class ValidationSamples:
         for i in samples:
             image, _ = self.dataset[self.indices[i]]
             generator = torch.Generator().manual_seed(self.seed + i)
-            sigmas.append((torch.randn([], generator=generator) * self.P_std + self.P_mean).exp())
+            sigmas.append(log_normal_sigma([], self.P_mean, self.P_std, generator=generator))
             channels = self.encoder.out_channels(image.shape[0])
             noises.append(torch.randn([channels, *image.shape[1:]], generator=generator))
             with torch.random.fork_rng(devices=[]):

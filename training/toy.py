@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from edm2.loss import log_normal_sigma
 from edm2.phema import PowerFunctionEMA
 from edm2.toy_gmm import ground_truth
 from edm2.toy_model import ToyDenoiser
@@ -58,7 +59,7 @@ def train_toy(opts: ToyTraining, device: torch.device,
         # Eq. 67 without ramp-up; learning_rate_schedule counts images, iteration x batch of them.
         optimizer.param_groups[0]["lr"] = learning_rate_schedule(iteration * opts.batch_size, opts.batch_size,
                                                                  opts.lr_ref, opts.lr_iter, rampup_Mimg=0)
-        sigma = (torch.randn(opts.batch_size, device=device, generator=generator) * opts.P_std + opts.P_mean).exp()
+        sigma = log_normal_sigma([opts.batch_size], opts.P_mean, opts.P_std, device, generator)
         x = target.sample(opts.batch_size, sigma, generator=generator)
         loss = sigma**2 * (target.score(x, sigma) - net.score(x, sigma, graph=True)).square().mean(-1)
         optimizer.zero_grad(set_to_none=True)
