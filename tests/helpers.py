@@ -63,6 +63,11 @@ def tiny_precond(img_resolution: int = 8, img_channels: int = 3, label_dim: int 
     return Precond(img_resolution, img_channels, label_dim, **{**TINY_UNET, **overrides})
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor: equal bits also means equal signs of zero and equal NaN payloads."""
+    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
 def randomized(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """net with every parameter and buffer drawn from N(0, 1): a fresh net's zero output gains would
     make all denoisers equal."""

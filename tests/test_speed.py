@@ -16,14 +16,9 @@ from training.benchmark import synthetic_step, with_unit_gains
 from training.options import TrainingOptions, check_same_hyperparameters
 from training.state import adam
 from training.step import training_step, zero_nonfinite_
-from tests.helpers import randomized, tiny_precond
+from tests.helpers import bits, randomized, tiny_precond
 
 CPU = torch.device("cpu")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor: equal bits also means equal signs of zero and equal NaN payloads."""
-    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
 
 class CountOps(TorchDispatchMode):

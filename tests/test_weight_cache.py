@@ -9,7 +9,7 @@ import torch
 from edm2.layers import MPConv
 from edm2.phema import PowerFunctionEMA
 from edm2.speed import to_channels_last
-from tests.helpers import randomized, tiny_precond
+from tests.helpers import bits, randomized, tiny_precond
 
 X, SIGMA, LABELS = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 1.0, 4.0]), \
     torch.eye(10)[:3]
@@ -32,8 +32,7 @@ def uncached(net):
 
 
 def bits_equal(a, b):
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int32 if a.element_size() == 4 else torch.int64),
-                                              b.view(torch.int32 if b.element_size() == 4 else torch.int64))
+    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def test_cached_weights_are_computed_once_and_give_the_same_bits(monkeypatch):
