@@ -88,13 +88,8 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_i
 def save_png(path: Path, image: np.ndarray) -> None:
     """Write one HWC uint8 image as PNG through a temporary file."""
     pil = PIL.Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
-    try:
-        with files.atomic_path(path) as tmp:
-            pil.save(tmp, format="PNG")
-    except OSError as e:
-        if e.filename is None:  # a full disk fails when the file is closed, with no name: name the image
-            e.filename = str(path)
-        raise
+    with files.atomic_path(path) as tmp:  # a full disk's error names the image
+        pil.save(tmp, format="PNG")
 
 
 def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:

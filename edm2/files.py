@@ -49,6 +49,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; only if the block succeeds, make it durable and rename it onto `path`.
 
     The file is fsynced before the rename and the folder after it, so a finished file survives a power loss.
+    An OSError that names no file, or the temporary, is re-raised naming `path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +63,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
+    except OSError as e:
+        # A full disk fails on a write or the close with no file name: the error names the output instead.
+        if e.filename is None or e.filename == str(tmp):
+            e.filename = str(path)
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()

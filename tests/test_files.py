@@ -1,5 +1,6 @@
 """Atomic writes and the download cache."""
 
+import errno
 import os
 import shutil
 import stat
@@ -25,6 +26,19 @@ def test_atomic_path_renames_only_on_success(tmp_path):
             raise ValueError("interrupted")
     assert dest.read_bytes() == b"ok"
     assert [p.name for p in dest.parent.iterdir()] == ["out.bin"]
+
+
+@pytest.mark.parametrize("name", ["none", "the temporary", "another file"])
+def test_a_failed_write_names_the_output_not_the_temporary(tmp_path, name):
+    # A full disk fails on a write or the close with no file name; an error on the temporary would name a file
+    # the user never asked for. A file named otherwise (say, an input) stays named.
+    dest = tmp_path / "out.bin"
+    with pytest.raises(OSError) as info:
+        with files.atomic_path(dest) as tmp:
+            filename = {"none": None, "the temporary": str(tmp), "another file": str(tmp_path / "in.bin")}[name]
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+    assert info.value.filename == (str(tmp_path / "in.bin") if name == "another file" else str(dest))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cached_path_local_and_file_url(tmp_path):
