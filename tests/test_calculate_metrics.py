@@ -355,6 +355,11 @@ def narrow_stats(path):
     return path
 
 
+def nan_mean_stats(path):
+    stats_files.save_stats(path, {"fid": {"mu": np.full(12, np.nan), "sigma": np.eye(12)}})
+    return path
+
+
 def file_writing_inception(path, marker):
     torch.jit.save(torch.jit.script(FileWritingInception(str(marker))), path)
     return path
@@ -404,6 +409,9 @@ BAD_INPUT = {
                                 ["--ref", "no statistics for fd_dinov2", "--metrics=fid"]),
     "calc ref carries code": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--metrics", "fid", "--ref",
                                                evil_pickle(t / "evil.pkl")], ["--ref", "refusing to load"]),
+    "calc ref with a NaN mean": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--metrics", "fid",
+                                                  "--ref", nan_mean_stats(t / "nan.npz")],
+                                 ["--ref", "nan.npz: metric 'fid' has a mu or sigma that is not finite"]),
     "calc ref absent": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref", t / "absent.npz"],
                         ["--ref", "cannot read"]),
     "calc ref garbage": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref",
