@@ -79,13 +79,15 @@ def published_standins(setup):
 @pytest.fixture(scope="module")
 def launcher(setup):
     """A script that runs calculate_metrics.py in a new process with the tiny detectors' digests pinned there too."""
-    digests = {metric: hashlib.sha256((setup["root"] / name).read_bytes()).hexdigest() for metric, name in METRIC_WEIGHTS}
+    digests = {metric: hashlib.sha256((setup["root"] / name).read_bytes()).hexdigest()
+               for metric, name in METRIC_WEIGHTS}
     path = setup["root"] / "pinned_calculate_metrics.py"
     path.write_text("import dataclasses, runpy, sys\n"
                     f"sys.path.insert(0, {str(REPO)!r})\n"
                     "from edm2 import detectors\n"
                     f"for metric, digest in {digests!r}.items():\n"
-                    "    detectors.PUBLISHED[metric] = dataclasses.replace(detectors.PUBLISHED[metric], sha256=digest)\n"
+                    "    published = detectors.PUBLISHED[metric]\n"
+                    "    detectors.PUBLISHED[metric] = dataclasses.replace(published, sha256=digest)\n"
                     f"runpy.run_path({str(REPO / 'calculate_metrics.py')!r}, run_name='__main__')\n")
     return path
 
