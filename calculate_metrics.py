@@ -51,9 +51,9 @@ def metric_options(batch_default: int) -> Callable:
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
                          type=click.IntRange(min=1), default=batch_default, show_default=True),
-            click.option("--inception", help="Inception-v3 TorchScript weights (FID)  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
+            click.option("--inception", help="A copy of the published Inception-v3 TorchScript file (FID), verified by its SHA-256  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
                          metavar="PATH|URL", default=None),
-            click.option("--dinov2", help="DINOv2 state dict (FD_DINOv2)  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
+            click.option("--dinov2", help="A copy of the published DINOv2 ViT-L/14 weights (FD_DINOv2), verified by their SHA-256  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
                          metavar="PATH|URL", default=None),
         ]
         for option in reversed(options):
@@ -192,8 +192,8 @@ def main() -> None:
     EDM's .npz (FID only). Detector weights are looked for in $EDM2_CACHE_DIR/detectors/ (default
     ~/.cache/edm2/detectors/) and downloaded there once from their published URLs; without internet, copy
     the files there, or point --inception and --dinov2 at local copies.
-    An Inception file is a TorchScript program: its code is read first and refused unless it is tensor
-    arithmetic only (no file, storage, process or network operations).
+    Only the published files are loaded: each is verified by its SHA-256 before anything reads it, and any
+    other file is refused (the Inception file is a program, run as it is).
     """
 
 

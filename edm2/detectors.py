@@ -1,14 +1,18 @@
-"""Feature detectors for FID (Inception-v3) and FD_DINOv2 (DINOv2 ViT-L/14), loaded without running file code.
+"""Feature detectors for FID (Inception-v3) and FD_DINOv2 (DINOv2 ViT-L/14), each loaded from one published file.
 
-The Inception file is a TorchScript program; edm2/safe_torchscript.py reads its code and refuses it unless it is
-tensor arithmetic only, before anything of it runs. DINOv2 weights are a plain state dict for our own network.
+FID and FD_DINOv2 are defined by two published files: StyleGAN2-ADA's TorchScript Inception (a program, run as it
+is) and DINOv2's ViT-L/14 state dict (weights for our own network). A file is loaded only if its SHA-256 is the
+published one (edm2/pinned_files.py); every other file, whatever it holds, is refused before anything parses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -16,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edm2 import files, safe_torchscript
-from edm2.errors import EDM2Error
+from edm2 import files, pinned_files
+from edm2.errors import EDM2Error, one_line
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
@@ -30,6 +34,26 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 class DetectorError(EDM2Error):
     """A detector's weights are missing or are not what the detector expects; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedFile:
+    """A detector's published weights: where they are downloaded from, what they are, the SHA-256 of their bytes."""
+
+    url: str
+    what: str
+    sha256: str
+
+
+# Metric -> the one file its detector loads. The digests are the ones other projects pin for these URLs:
+# the Inception file's in k-diffusion (crowsonkb/k-diffusion, k_diffusion/evaluation.py; 95,607,719 bytes),
+# DINOv2's in refiners' DINOv2 conversion (finegrain-ai/refiners; 1,217,586,395 bytes).
+PUBLISHED = {
+    "fid": PublishedFile(INCEPTION_URL, "Inception-v3 TorchScript file",
+                         "f58cb9b6ec323ed63459aa4fb441fe750cfe39fafad6da5cb504a16f19e958f4"),
+    "fd_dinov2": PublishedFile(DINOV2_URL, "DINOv2 ViT-L/14 weights",
+                               "d5383ea8f4877b2472eb973e0fd72d557c7da5d3611bd527ceeb1d7162cbf428"),
+}
 
 
 def default_weights_path(url: str) -> Path:
@@ -57,7 +81,7 @@ def _default_weights(url: str) -> Path:
                             "(or give the path of the file)") from None
 
 
-def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[str, str]:
+def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[Path, str]:
     """(local path, name for messages) of detector weights: the given file or URL (downloaded once into the
     cache; named as given), or with None the published file at `url` (see default_weights_path; named by its
     local path); raises DetectorError if absent."""
@@ -65,20 +89,35 @@ def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[str
     name = str(path if path_or_url is None else path_or_url)
     if not path.is_file():
         raise DetectorError(f"detector weights not found: {name}")
-    return str(path), name
+    return path, name
+
+
+def published_bytes(metric: str, path_or_url: str | os.PathLike | None = None) -> tuple[bytes, str]:
+    """(bytes, name for messages) of a metric's published detector file, found as _local_weights finds it and
+    verified by its SHA-256 (PUBLISHED) before anything parses it; any other file raises DetectorError."""
+    published = PUBLISHED[metric]
+    path, name = _local_weights(path_or_url, published.url)
+    try:
+        return pinned_files.read_pinned(path, published.sha256), name
+    except OSError as e:
+        raise DetectorError(f"cannot read {name}: {e.strerror or e}") from None
+    except pinned_files.PinnedFileError as e:
+        if path.resolve().is_relative_to(files.cache_dir().resolve()):
+            advice = f"delete {path} (a damaged or tampered download) and run again to download it anew"
+        else:
+            advice = f"only the published file is accepted: {published.url}"
+        raise DetectorError(f"{name} is not the published {published.what}: {e}; {advice}") from None
 
 
 class InceptionV3:
     """FID features: 2048-d pool3 of the TF Inception-v3 (2015-12-05) graph, in its published TorchScript form."""
 
     def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
-        path, name = _local_weights(path_or_url, INCEPTION_URL)
+        data, name = published_bytes("fid", path_or_url)
         try:
-            self.model = safe_torchscript.load_torchscript(path, map_location=device).eval()
-        except safe_torchscript.UnsafeTorchScript as e:
-            raise DetectorError(f"refusing to load {name}: {e}") from None
+            self.model = torch.jit.load(io.BytesIO(data), map_location=device).eval()
         except (RuntimeError, ValueError, OSError) as e:
-            raise DetectorError(f"{name} is not a TorchScript Inception file: {e}") from None
+            raise DetectorError(f"{name} is not a TorchScript Inception file: {one_line(e)}") from None
         self.device = torch.device(device)
         # The TorchScript file fixes the width; one tiny probe reads it (the network resizes any input itself).
         self.feature_dim = self(torch.zeros([1, 3, 16, 16], dtype=torch.uint8, device=self.device)).shape[1]
@@ -188,6 +227,8 @@ class DINOv2ViT(nn.Module):
                 in_channels=in_channels)
         except (KeyError, AttributeError, ValueError, TypeError) as e:
             raise DetectorError(f"not a DINOv2 ViT state dict (missing or malformed {e})") from None
+        if width <= 0 or width % cls.HEAD_DIM:
+            raise DetectorError(f"width {width} is not a multiple of {cls.HEAD_DIM} (whole attention heads)")
         with torch.device("meta"):
             net = cls(**kwargs)
         try:
@@ -223,12 +264,20 @@ class DINOv2:
     """FD_DINOv2 features: DINOv2 ViT class token after 224x224 bicubic antialiased resize and ImageNet normalization."""
 
     def __init__(self, path_or_url: str | os.PathLike | None = None, device: torch.device | str = "cpu"):
-        path, name = _local_weights(path_or_url, DINOV2_URL)
+        # The verified bytes are parsed from memory: nothing can swap or rewrite the file between the check and
+        # the load. The cost is a transient second copy of the 1.2 GB while torch builds the tensors from it; a
+        # private temporary copy would cost as much disk instead, and a full /tmp would be one more way to fail.
+        data, name = published_bytes("fd_dinov2", path_or_url)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # weights_only refuses; its message spans lines and invites a retry
+            named = re.search(r"GLOBAL ([\w.]+)", str(e))
+            detail = f"it names {named[1]}" if named else "it holds objects other than tensors"
+            raise DetectorError(f"{name} is not a plain PyTorch state dict: {detail}") from None
         # KeyError: what torch.load raises for bytes it takes for its legacy format (a cut-off download).
-        except (RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
-            raise DetectorError(f"{name} is not a plain PyTorch state dict: {e}") from None
+        except (RuntimeError, ValueError, EOFError, KeyError) as e:
+            raise DetectorError(f"{name} is not a plain PyTorch state dict: {one_line(e)}") from None
+        del data  # the raw copy is not needed once the tensors exist
         if not isinstance(state, dict):
             raise DetectorError(f"{name} does not hold a state dict")
         try:
@@ -249,12 +298,12 @@ class DINOv2:
         return self.model(x).to(torch.float32)
 
 
-# Metric name -> detector class (each knows the URL of its published weights).
+# Metric name -> detector class (PUBLISHED holds the file each loads).
 DETECTORS: dict[str, Callable[..., InceptionV3 | DINOv2]] = {"fid": InceptionV3, "fd_dinov2": DINOv2}
 
 
 def load_detector(metric: str, path_or_url: str | os.PathLike | None = None,
                   device: torch.device | str = "cpu") -> InceptionV3 | DINOv2:
-    """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published weights (None; see
-    default_weights_path) or the given file or URL."""
+    """The feature detector of a metric ('fid' or 'fd_dinov2'), from its published file (None; see
+    default_weights_path) or the given copy of it (path or URL); any file but the published one is refused."""
     return DETECTORS[metric](path_or_url, device=device)

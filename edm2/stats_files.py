@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import codecs
 import collections
-import io
+import math
 import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Mapping
+from typing import IO, Mapping
 
 import numpy as np
 
@@ -19,12 +19,18 @@ from edm2.metrics import Stats
 
 
 class StatsError(EDM2Error):
-    """A statistics file is missing, malformed, or carries code; the message names the file."""
+    """A statistics file is missing, malformed, non-finite, or carries code; the message names the file."""
 
 
 class NotStatisticsError(StatsError):
     """A folder or ZIP of images (a dataset) was given where a statistics file belongs."""
 
+
+# The widest features statistics may hold: four times the widest detector's (Inception, 2048), so that a
+# covariance never exceeds 512 MiB whatever a file declares.
+MAX_FEATURES = 8192
+# .npy header versions NumPy writes for our arrays (3.0 only adds UTF-8 field names, which arrays of numbers lack).
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 # What a statistics pickle (the release's format) may name: NumPy arrays and plain containers.
 _STATS_GLOBALS = {**safe_pickle.numpy_globals(), ("_codecs", "encode"): codecs.encode,
@@ -32,7 +38,8 @@ _STATS_GLOBALS = {**safe_pickle.numpy_globals(), ("_codecs", "encode"): codecs.e
 
 
 def _checked_stats(raw: object, source: str) -> Stats:
-    """Validate {metric: {'mu': [D], 'sigma': [D, D]}} (other top-level entries, e.g. 'num_images', are ignored)."""
+    """Validate {metric: {'mu': [D], 'sigma': [D, D]}}, finite, D <= MAX_FEATURES (other top-level entries, e.g.
+    'num_images', are ignored)."""
     if not isinstance(raw, Mapping):
         raise StatsError(f"{source}: expected a dict of metrics, found {type(raw).__name__}")
     stats = {}
@@ -44,24 +51,53 @@ def _checked_stats(raw: object, source: str) -> Stats:
             sigma = np.asarray(entry["sigma"], dtype=np.float64)
         except (KeyError, TypeError, ValueError) as e:
             raise StatsError(f"{source}: metric '{metric}' lacks a numeric 'mu'/'sigma' ({e})") from None
-        if mu.ndim != 1 or sigma.shape != (mu.shape[0], mu.shape[0]):
+        if mu.ndim != 1 or sigma.shape != (mu.shape[0], mu.shape[0]) or not 0 < mu.shape[0] <= MAX_FEATURES:
             raise StatsError(f"{source}: metric '{metric}' has mu {mu.shape} and sigma {sigma.shape}; "
-                             "expected [D] and [D, D]")
+                             f"expected [D] and [D, D] with 0 < D <= {MAX_FEATURES}")
+        if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+            raise StatsError(f"{source}: metric '{metric}' has a mu or sigma that is not finite (NaN or infinity)")
         stats[str(metric)] = {"mu": mu, "sigma": sigma}
     if not stats:
         raise StatsError(f"{source}: holds no metric statistics")
     return stats
 
 
-def _read_npz(data: bytes, source: str) -> Stats:
+def _read_npy(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> np.ndarray:
+    """One numeric array of an .npz; its header is checked against the bounds and against the bytes the member
+    holds before anything is allocated for it."""
+    where = f"{source}: {info.filename}"
+    with archive.open(info) as member:
+        try:
+            reader = _NPY_HEADERS.get(np.lib.format.read_magic(member))
+            if reader is None:
+                raise ValueError("a .npy version NumPy does not write for numbers")
+            shape, fortran_order, dtype = reader(member)
+        except ValueError as e:
+            raise StatsError(f"{where} is not a .npy array ({e})") from None
+        if dtype.hasobject or dtype.kind not in "fiu":
+            raise StatsError(f"{where} holds {dtype}, not numbers")
+        if not 1 <= len(shape) <= 2 or not all(0 < n <= MAX_FEATURES for n in shape):
+            raise StatsError(f"{where} declares shape {shape}; statistics are [D] or [D, D] with "
+                             f"0 < D <= {MAX_FEATURES}")
+        size = math.prod(shape) * dtype.itemsize
+        if size != info.file_size - member.tell():
+            raise StatsError(f"{where} declares {size} bytes of data ({shape}, {dtype}) but holds "
+                             f"{info.file_size - member.tell()}")
+        data = member.read(size + 1)
+    if len(data) != size:
+        raise StatsError(f"{where} holds {len(data)} bytes of data, not the {size} its size says")
+    return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran_order else "C")
+
+
+def _read_npz(file: IO[bytes], source: str) -> Stats:
     """Our .npz ('<metric>/mu', '<metric>/sigma') or EDM's ('mu', 'sigma': FID only)."""
     try:
-        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-        if not all(name.endswith(".npy") for name in names):  # np.savez writes nothing else; datasets do
+        archive = zipfile.ZipFile(file)
+        infos = archive.infolist()
+        if not all(info.filename.endswith(".npy") for info in infos):  # np.savez writes nothing else; datasets do
             raise NotStatisticsError(f"{source} is a ZIP of images (a dataset), not a statistics file")
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        arrays = {info.filename.removesuffix(".npy"): _read_npy(archive, info, source) for info in infos}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, NotImplementedError) as e:  # CRC, compression, offsets
         raise StatsError(f"{source}: not a readable .npz of numeric arrays ({e})") from None
     if set(arrays) == {"mu", "sigma"}:  # EDM's reference files hold FID statistics only
         return _checked_stats({"fid": arrays}, source)
@@ -73,19 +109,25 @@ def _read_npz(data: bytes, source: str) -> Stats:
 
 
 def load_stats(path_or_url: str | os.PathLike) -> Stats:
-    """Read statistics as {metric: {'mu', 'sigma'}} from our .npz, EDM's .npz (-> 'fid') or the release's .pkl."""
+    """Read statistics as {metric: {'mu', 'sigma'}} from our .npz, EDM's .npz (-> 'fid') or the release's .pkl;
+    each array finite and at most MAX_FEATURES wide."""
     source = str(path_or_url)
     path = files.cached_path(path_or_url)
     if path.is_dir():
         raise NotStatisticsError(f"{source} is a folder (of images?), not a statistics file")
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as file:
+            is_zip = file.read(4) == b"PK\x03\x04"  # NumPy .npz is a ZIP archive
+            file.seek(0)
+            return _read_npz(file, source) if is_zip else _read_pickle(file, source)
     except OSError as e:
         raise StatsError(f"cannot read statistics file {source}: {e.strerror or e}") from None
-    if data[:4] == b"PK\x03\x04":  # NumPy .npz is a ZIP archive
-        return _read_npz(data, source)
+
+
+def _read_pickle(file: IO[bytes], source: str) -> Stats:
+    """The release's statistics pickle, read without running code."""
     try:
-        raw = safe_pickle.restricted_load(io.BytesIO(data), _STATS_GLOBALS,
+        raw = safe_pickle.restricted_load(file, _STATS_GLOBALS,
                                           "statistics pickles may hold only NumPy arrays and plain containers")
     except pickle.UnpicklingError as e:
         raise StatsError(f"{source}: {e}") from None

@@ -4,6 +4,8 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 """
 
 import collections
+import dataclasses
+import hashlib
 import importlib
 import io
 import json
@@ -23,6 +25,7 @@ import PIL.Image
 import safetensors.torch
 import torch
 
+from edm2 import detectors
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
@@ -229,6 +232,25 @@ class FileWritingInception(torch.nn.Module):
     def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
         written = torch.from_file(self.marker, shared=True, size=4, dtype=torch.uint8).fill_(1)
         return self.features(x, return_features) + written.float().sum() * 0  # used, so TorchScript keeps it
+
+
+def pin_detector_file(monkeypatch, metric: str, path: Path) -> None:
+    """For one test, make the file at `path` the published file of `metric`'s detector: PUBLISHED pins its SHA-256
+    in place of the real file's, so the real loading path runs on a tiny file the test built."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    monkeypatch.setitem(detectors.PUBLISHED, metric, dataclasses.replace(detectors.PUBLISHED[metric], sha256=digest))
+
+
+def run_within_memory(prepare: str, attempt: str, headroom: int, *args: str) -> subprocess.CompletedProcess:
+    """Run `prepare` in a fresh Python, then limit its address space to what it already uses plus `headroom`
+    bytes (RLIMIT_AS) and run `attempt`; an EDM2Error it raises is printed as 'refused: MESSAGE' (exit 0), while
+    an allocation past the limit ends in a MemoryError traceback. sys.argv[1:] are `args`."""
+    code = "\n".join([
+        "import resource, sys", "from edm2.errors import EDM2Error", prepare,
+        "used = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024",
+        f"resource.setrlimit(resource.RLIMIT_AS, (used + {headroom}, used + {headroom}))",
+        "try:", textwrap.indent(attempt, "    "), "except EDM2Error as e:", "    print('refused:', e)"])
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def save_tiny_vae(path: Path) -> Path:

@@ -5,8 +5,10 @@ Frechet distances float64.
 """
 
 import json
+import hashlib
 import math
 import pickle
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.generation import generate_images
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
-                           free_port, random_dinov2_state_dict, randomized, tiny_precond)
+                           free_port, pin_detector_file, random_dinov2_state_dict, randomized, tiny_precond)
 
 # One 64-channel head keeps the 64x64 covariances cheap for scipy's sqrtm.
 DINOV2_CONFIG = dict(width=64, depth=1, patch=14, grid=5, mlp=128)
@@ -62,6 +64,32 @@ def setup(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def published_standins(setup):
+    """The tiny detectors stand in for the published files: their digests are the pinned ones (module-wide, as
+    module fixtures compute statistics with them)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for metric, name in METRIC_WEIGHTS:
+            pin_detector_file(monkeypatch, metric, setup["root"] / name)
+        yield
+
+
+@pytest.fixture(scope="module")
+def launcher(setup):
+    """A script that runs calculate_metrics.py in a new process with the tiny detectors' digests pinned there too."""
+    digests = {metric: hashlib.sha256((setup["root"] / name).read_bytes()).hexdigest()
+               for metric, name in METRIC_WEIGHTS}
+    path = setup["root"] / "pinned_calculate_metrics.py"
+    path.write_text("import dataclasses, runpy, sys\n"
+                    f"sys.path.insert(0, {str(REPO)!r})\n"
+                    "from edm2 import detectors\n"
+                    f"for metric, digest in {digests!r}.items():\n"
+                    "    published = detectors.PUBLISHED[metric]\n"
+                    "    detectors.PUBLISHED[metric] = dataclasses.replace(published, sha256=digest)\n"
+                    f"runpy.run_path({str(REPO / 'calculate_metrics.py')!r}, run_name='__main__')\n")
+    return path
 
 
 def features_of(setup, images):
@@ -236,13 +264,13 @@ def test_calc_reads_every_format_pil_reads_in_folders_and_zips(setup, tmp_path):
         assert results_of(run("calc", "--images", images, *common)) == {**expected, "images": str(images)}
 
 
-def test_two_processes_give_the_statistics_of_one(setup, tmp_path):
+def test_two_processes_give_the_statistics_of_one(setup, launcher, tmp_path):
     one = tmp_path / "one.npz"
     results_of(run("ref", "--data", setup["a"], "--dest", one, "--batch", 2, "--workers", 0, *setup["weights"]))
     two = tmp_path / "two.npz"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         "calculate_metrics.py", "ref", "--data", str(setup["a"]), "--dest", str(two), "--batch", "2",
+         str(launcher), "ref", "--data", str(setup["a"]), "--dest", str(two), "--batch", "2",
          "--workers", "0", *setup["weights"]],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -329,6 +357,11 @@ def narrow_stats(path):
     return path
 
 
+def nan_mean_stats(path):
+    stats_files.save_stats(path, {"fid": {"mu": np.full(12, np.nan), "sigma": np.eye(12)}})
+    return path
+
+
 def file_writing_inception(path, marker):
     torch.jit.save(torch.jit.script(FileWritingInception(str(marker))), path)
     return path
@@ -361,9 +394,10 @@ BAD_INPUT = {
                                               t / "absent.pt"], ["--inception", "not found"]),
     "ref inception writes files": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--inception",
                                                     file_writing_inception(t / "evil.pt", t / "marker")],
-                                   ["--inception", "refusing to load", "torch.from_file"]),
+                                   ["--inception", "evil.pt is not the published", "SHA-256"]),
     "ref dinov2 torchscript": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--dinov2",
-                                                s["root"] / "inception.pt"], ["--dinov2", "inception.pt"]),
+                                                s["root"] / "inception.pt"],
+                               ["--dinov2", "inception.pt is not the published DINOv2"]),
     "ref metric": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--metrics", "kid"],
                    ["--metrics", "unknown metric 'kid'"]),
     "ref batch": (lambda s, t, r: ["ref", "--data", s["a"], "--dest", t / "a.npz", "--batch", 0], ["--batch"]),
@@ -377,6 +411,9 @@ BAD_INPUT = {
                                 ["--ref", "no statistics for fd_dinov2", "--metrics=fid"]),
     "calc ref carries code": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--metrics", "fid", "--ref",
                                                evil_pickle(t / "evil.pkl")], ["--ref", "refusing to load"]),
+    "calc ref with a NaN mean": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--metrics", "fid",
+                                                  "--ref", nan_mean_stats(t / "nan.npz")],
+                                 ["--ref", "nan.npz: metric 'fid' has a mu or sigma that is not finite"]),
     "calc ref absent": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref", t / "absent.npz"],
                         ["--ref", "cannot read"]),
     "calc ref garbage": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref",
@@ -394,7 +431,7 @@ BAD_INPUT = {
                            ["--images", "no such directory or ZIP file"]),
     "calc inception writes files": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref", r,
                                                      "--inception", file_writing_inception(t / "e.pt", t / "m")],
-                                    ["--inception", "refusing to load"]),
+                                    ["--inception", "e.pt is not the published", "SHA-256"]),
     "calc seed": (lambda s, t, r: ["calc", "--images", s["a"], "--num", 12, "--ref", r, "--seed", -1], ["--seed"]),
     # gen
     "gen guidance nan": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
@@ -466,12 +503,13 @@ def test_edm_npz_serves_fid_alone(setup, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # --dest on a read-only or full filesystem, and temporaries a killed run left behind.
 
-def run_in_tmpfs(folder, mount_options, args):
-    """Run calculate_metrics.py with a fresh tmpfs mounted on folder (private mount namespace); the output, exit
-    code and the tmpfs's files afterwards."""
+def run_in_tmpfs(script, folder, mount_options, args):
+    """Run calculate_metrics.py (through `script`) with a fresh tmpfs mounted on folder (private mount namespace);
+    the output, exit code and the tmpfs's files afterwards."""
     folder.mkdir()
     command = (f"mount -t tmpfs -o {mount_options} tmpfs {folder} && "
-               f"{sys.executable} calculate_metrics.py {' '.join(map(str, args))}; echo \"exit=$?\"; ls -A {folder}")
+               f"{sys.executable} {shlex.quote(str(script))} {' '.join(map(str, args))}; echo \"exit=$?\"; "
+               f"ls -A {folder}")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", command], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     if "mount" in proc.stderr and "exit=" not in proc.stdout:
@@ -486,13 +524,13 @@ def run_in_tmpfs(folder, mount_options, args):
 @pytest.mark.parametrize("mount_options, fragments", [("ro", ["--dest", "Read-only file system"]),
                                                       ("size=16k", ["a.npz", "No space left on device"])],
                          ids=["read-only", "full"])
-def test_ref_dest_on_a_read_only_or_full_filesystem(setup, tmp_path, mount_options, fragments):
+def test_ref_dest_on_a_read_only_or_full_filesystem(setup, launcher, tmp_path, mount_options, fragments):
     # 64x64 float64 DINOv2 statistics (32 KiB) do not fit in 16 KiB. A read-only folder is refused before any
     # work: before the (bad) --dinov2 weights would be loaded.
     dinov2 = setup["root"] / "dinov2.pth" if mount_options != "ro" else tmp_path / "absent.pth"
     args = ["ref", "--data", setup["a"], "--dest", tmp_path / "out" / "a.npz", "--workers", 0,
             "--inception", setup["root"] / "inception.pt", "--dinov2", dinov2]
-    result, left = run_in_tmpfs(tmp_path / "out", mount_options, args)
+    result, left = run_in_tmpfs(launcher, tmp_path / "out", mount_options, args)
     assert_one_error_line(result, *fragments)
     assert left == []
 

@@ -19,7 +19,8 @@ from edm2 import posthoc
 from edm2.plots.sweep import sweep_figure
 from edm2.snapshot import load_network
 from edm2.sweep import SweepResults, run_sweep
-from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, write_image_dataset)
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
+                           write_image_dataset)
 
 NUM = 24  # samples of the loss; one batch of them, as the reference below
 
@@ -86,11 +87,12 @@ def test_sweep_loss_and_reconstructions_equal_independent_ones(reference_run, tr
     assert 0.2 < expected < 5  # lambda(sigma) makes Eq. 14 about 1 for a weak denoiser
 
 
-def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path):
+def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path, monkeypatch):
     # FID through the sweep equals `calculate_metrics.py gen` on reconstruct_phema.py's file for that length, with
     # the guidance options of gen (here autoguidance by the run's early snapshot): the same seeds, the same images.
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
+    pin_detector_file(monkeypatch, "fid", tmp_path / "inception.pt")
     inception, gnet = f"--inception={tmp_path / 'inception.pt'}", reference_run / "network-snapshot-0000001-0.050.safetensors"
     assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
                                         inception], standalone_mode=False) is None
