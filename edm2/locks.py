@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -37,6 +38,19 @@ _WAIT_S = 2.0  # a holder names itself right after locking; a file still empty a
 
 class DestinationInUse(EDM2Error):
     """Another process writes the destination now; the message names it as far as its lock file tells."""
+
+
+# The locks this process holds. A forked child (a DataLoader worker) shares their open files, and with them the
+# locks: it closes its copies, so that the lock ends with its holder, not with the last child of a killed holder.
+_HELD: weakref.WeakSet = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    for lock in list(_HELD):
+        lock.forget()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 class _LookAgain(EDM2Error):
@@ -100,6 +114,7 @@ class DestinationLock:
                 raise DestinationInUse(self._in_use(fd))
             time.sleep(0.05)  # its holder is naming itself, or deleted it since we opened it: look again
         self._fd = fd
+        _HELD.add(self)
         previous = self._holder(fd)
         try:
             os.ftruncate(fd, 0)
@@ -138,12 +153,18 @@ class DestinationLock:
         with contextlib.suppress(OSError):
             if self._names(self._fd):  # not when deleted by hand and taken by another writer since
                 self.path.unlink()
-        os.close(self._fd)
-        self._fd = None
+        self.forget()
         for folder in reversed(self.created):
             with contextlib.suppress(OSError):  # not empty: it holds results
                 folder.rmdir()
         self.created = []
+
+    def forget(self) -> None:
+        """Close the lock file without deleting it: this process's hold ends (the lock, if no other has it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        _HELD.discard(self)
 
     def _open(self) -> int | None:
         """The lock file, opened (created if missing) in its folder (created if missing); None when the folder

@@ -4,13 +4,15 @@ is free again the moment its holder ends."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 
 from edm2.locks import FOLDER_LOCK, DestinationInUse, DestinationLock, hold_destination
-from tests.helpers import dead_pid, lock_held_by_child
+from tests.helpers import REPO, dead_pid, lock_held_by_child
 
 
 def named(lock_file) -> dict:
@@ -135,3 +137,24 @@ def test_release_leaves_a_lock_file_that_is_no_longer_its_own(tmp_path):
     with hold_destination(tmp_path, "other", "training.lock"):
         lock.release()
         assert named(tmp_path / "training.lock")["what"] == "other"
+
+
+def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
+    # A DataLoader worker forked by a training shares its open files; it must not hold the run after a SIGKILL.
+    script = ("import os, sys, time\nfrom edm2.locks import DestinationLock\n"
+              "DestinationLock(sys.argv[1], 'training', 'training.lock').acquire()\n"
+              "child = os.fork()\nif child == 0:\n    time.sleep(120)\n    os._exit(0)\n"
+              "print(child, flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    forked = int(holder.stdout.readline())
+    try:
+        holder.kill()
+        holder.wait(timeout=60)
+        os.kill(forked, 0)  # the forked child lives on
+        with hold_destination(tmp_path, "training", "training.lock"):
+            pass
+    finally:
+        os.kill(forked, signal.SIGKILL)
+        holder.stdin.close()
+        holder.stdout.close()
