@@ -20,6 +20,7 @@ import dataset_tool
 from edm2 import toy_shapes
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
+from edm2.locks import DestinationLock
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_file, save_tiny_vae,
                            write_members)
 
@@ -549,6 +550,21 @@ def test_a_rerun_removes_the_stale_temporaries_of_its_dest(tmp_path, class_folde
     assert_ok(run(*args))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, live.name, other.name, "train"])
     ImageFolderDataset(dest)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", STALE_CASES)
+def test_a_second_writer_of_a_dest_is_refused(tmp_path, class_folders, encode_setup, case):
+    # Two runs into one --dest both wrote it, the later replacing the other; now the later is refused at once.
+    args = STALE_CASES[case](tmp_path, encode_setup, class_folders)
+    dest = args[-1]
+    first = DestinationLock(dest, "dataset_tool.py toy")
+    first.acquire()
+    try:
+        assert_refused(tmp_path, lambda: run(*args),
+                       f"{dest} is in use by the dataset_tool.py toy process {os.getpid()} on host")
+    finally:
+        first.release()
 
 
 def test_a_killed_toy_run_leaves_a_temporary_that_the_rerun_removes(tmp_path):
