@@ -116,13 +116,12 @@ class DestinationLock:
         self._fd = fd
         _HELD.add(self)
         previous = self._holder(fd)
-        try:
-            os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)
+        # The name is information, not the lock: on a full disk the lock holds with an empty file, and the error
+        # that counts is the one naming the output the command fails to write.
+        with contextlib.suppress(OSError):
             os.pwrite(fd, (json.dumps(dataclasses.asdict(Holder.this_process(self.what))) + "\n").encode(), 0)
             os.fsync(fd)
-        except OSError as e:  # a full disk: the error names the lock file
-            self.release()
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
         if report is not None and isinstance(previous, Holder):
             report(f"Took over {self.path.name} from {previous.describe()}, which ended.")
 
