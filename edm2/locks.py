@@ -3,7 +3,9 @@
 The kernel keeps an flock for as long as the open file that took it, and drops it when its holder ends however it
 ends (SIGKILL, a crash); so nothing here ever judges whether a lock is stale, and no process id is ever trusted.
 Processes in other PID namespaces (containers with the host's hostname) that share the filesystem meet the same
-lock, and on NFS Linux maps flock onto the server's byte-range locks, which the server drops when a client dies.
+lock, and on NFS Linux maps flock onto the server's byte-range locks, which the server drops when the client's
+lease runs out (NFSv4) or it restarts (NFSv3). (There, as POSIX locks, they bind a process rather than an open
+file: a process must not open a lock file it holds a second time, as closing that would let the lock go.)
 The lock file's contents (command, host, process, start time) only make the refusal readable; they never decide.
 
 The holder deletes the lock file when it lets go, so a finished writer leaves nothing behind. Deleting a locked
@@ -46,6 +48,7 @@ _HELD: weakref.WeakSet = weakref.WeakSet()
 
 
 def _let_go_in_child() -> None:
+    """In a forked child: close the copies of the parent's lock files (the parent keeps its locks)."""
     for lock in list(_HELD):
         lock.forget()
 
@@ -76,7 +79,7 @@ class Holder:
         return f"the {self.what} process {self.pid} on host {self.host} (since {self.started})"
 
 
-def parse_holder(raw: bytes, source: str) -> Holder:
+def _parse_holder(raw: bytes, source: str) -> Holder:
     """The holder that a lock file's bytes name; DestinationInUse's reason (an EDM2Error) when they name none."""
     if not raw:
         raise _LookAgain(f"{source} is empty")
@@ -116,10 +119,10 @@ class DestinationLock:
         self._fd = fd
         _HELD.add(self)
         previous = self._holder(fd)
-        os.ftruncate(fd, 0)
         # The name is information, not the lock: on a full disk the lock holds with an empty file, and the error
         # that counts is the one naming the output the command fails to write.
         with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(dataclasses.asdict(Holder.this_process(self.what))) + "\n").encode(), 0)
             os.fsync(fd)
         if report is not None and isinstance(previous, Holder):
@@ -189,7 +192,7 @@ class DestinationLock:
     def _holder(self, fd: int) -> Holder | EDM2Error:
         """Who the open lock file names, or why it names nobody."""
         try:
-            return parse_holder(os.pread(fd, _INFO_BYTES + 1, 0), str(self.path))
+            return _parse_holder(os.pread(fd, _INFO_BYTES + 1, 0), str(self.path))
         except EDM2Error as e:
             return e
         except OSError as e:
