@@ -486,8 +486,10 @@ def fault_results(tmp_path_factory, encode_setup):
         (root / mount).mkdir()
     cases = {name: ([command, "--dest", str(root / mount / dest)] + [str(a) for a in args(encode_setup, classes)],
                     str(root / mount)) for name, (command, args, dest, mount) in FAULTS.items()}
-    # One tmpfs page: the output of each full-disk case needs several.
-    script = " && ".join(f"mount -t tmpfs -o {'ro' if m == 'ro' else 'size=4k'} tmpfs {root / m}" for m in mounts)
+    # One tmpfs page, which the output of each full-disk case outgrows; the encode's has a second, so that its
+    # manifest fits beside the name in its --dest's lock file and a latent is what fills the disk.
+    sizes = {"ro": "ro", "full5": "size=8k"}
+    script = " && ".join(f"mount -t tmpfs -o {sizes.get(m, 'size=4k')} tmpfs {root / m}" for m in mounts)
     result = subprocess.run(["unshare", "-rm", "sh", "-c", f'{script} && {sys.executable} -c "$0" "$1"',
                              FAULT_RUNNER, json.dumps(cases)], cwd=REPO, capture_output=True, text=True, timeout=300)
     if "mount" in result.stderr and result.returncode != 0:
