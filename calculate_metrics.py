@@ -15,7 +15,7 @@ from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.speed import sampling_speed_options
 from cli.types import Number, SigmaInterval
-from edm2 import distributed, files, snapshot
+from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder
@@ -207,7 +207,7 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
         inception: str | None, dinov2: str | None) -> None:
     """Calculate reference statistics of all images of a dataset for 'calc' and 'gen'."""
     dest = check_dest(dest_path)
-    with distributed.session():
+    with distributed.session(), locks.hold_destination(dest, "calculate_metrics.py ref"):
         dataset = open_images(data_path, "--data")
         if len(dataset) < 2:
             raise click.BadParameter(f"{data_path} holds {len(dataset)} image; statistics need at least 2",
@@ -310,7 +310,7 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
                                        guidance_interval)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
-    with distributed.session():
+    with distributed.session(), sweep_cli.held_outputs(plan):
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
         reference = load_reference(ref_path, distances) if distances else None
         device = distributed.device()

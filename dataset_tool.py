@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import click
 import numpy as np
 from tqdm import tqdm
 
 from cli.command import Group
-from edm2 import distributed, files
+from edm2 import distributed, files, locks
 from edm2.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
                           open_image_source)
 from edm2.dataset import DatasetError, ImageFolderDataset, image_fname
@@ -41,15 +42,19 @@ class Resolution(click.ParamType):
         return int(match[1]), int(match[2] or match[1])
 
 
-def check_dest(dest: Path) -> None:
-    """Refuse to write over anything or where nothing can be written; remove what killed earlier runs left."""
-    if os.path.lexists(dest):
-        raise click.BadParameter(f"{dest} already exists; choose a new path or delete it", param_hint="'--dest'")
+@contextlib.contextmanager
+def claimed_dest(dest: Path, command: str) -> Iterator[None]:
+    """Hold dest for the block (one writer at a time: edm2.locks), refusing a dest that exists or cannot be
+    written; remove what killed earlier runs left."""
     try:
         files.check_writable_dir(dest.parent)
     except files.OutputError as e:
         raise click.BadParameter(str(e), param_hint="'--dest'") from None
-    files.remove_stale_temporaries(dest.parent, name=dest.name)
+    with locks.hold_destination(dest, f"dataset_tool.py {command}"):
+        if os.path.lexists(dest):  # looked at under the lock: a writer that held it until now has finished it
+            raise click.BadParameter(f"{dest} already exists; choose a new path or delete it", param_hint="'--dest'")
+        files.remove_stale_temporaries(dest.parent, name=dest.name)
+        yield
 
 
 def transform_for(transform: str | None, resolution: tuple[int, int] | None) -> Callable[[np.ndarray], np.ndarray]:
@@ -133,8 +138,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
         --resolution=64 --transform=center-crop-dhariwal
     """
-    with distributed.session(single_process=True):
-        check_dest(dest)
+    with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         try:
             images = open_image_source(source)
@@ -190,8 +194,7 @@ def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     torchrun --nproc_per_node=8 dataset_tool.py encode --source=datasets/img512.zip \\
         --dest=datasets/img512-sd.zip
     """
-    with distributed.session():
-        check_dest(dest)
+    with distributed.session(), claimed_dest(dest, "encode"):
         dataset = open_dataset(source, ".png")
         count = min(len(dataset), max_images or len(dataset))
         manifest = {"source": str(source.resolve()), "images": count, "image_shape": dataset.image_shape,
@@ -213,8 +216,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     \b
     python dataset_tool.py decode --source=datasets/img512-sd.zip --dest=out/decoded --max-images=100
     """
-    with distributed.session(single_process=True):
-        check_dest(dest)
+    with distributed.session(single_process=True), claimed_dest(dest, "decode"):
         dataset = open_dataset(source, ".npy")
         if dataset.num_channels % 2:
             raise click.BadParameter(f"{source} has {dataset.num_channels} channels; mean/std latents have an "
@@ -247,9 +249,8 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
         if classes > len(SHAPES):
             raise click.BadParameter(f"{classes} classes asked for, but only {len(SHAPES)} shapes exist "
                                      f"({', '.join(SHAPES)})", param_hint="'--classes'")
-        check_dest(dest)
         kinds = list(SHAPES)[:classes]
-        with dataset_writer(dest) as writer:
+        with claimed_dest(dest, "toy"), dataset_writer(dest) as writer:
             for idx in tqdm(range(num), desc="toy", unit="img"):
                 image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
                 writer.add(image_fname(idx), png_bytes(image), idx % classes)

@@ -16,7 +16,7 @@ import torch
 from cli.command import Command
 from cli.speed import sampling_speed_options
 from cli.types import Number, SeedList, SigmaInterval
-from edm2 import distributed, files
+from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
                              read_generated_labels, save_generated_labels)
@@ -46,9 +46,8 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
 
 
 def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[float, float] | None,
-                      sampler_kwargs: dict) -> dict[str, int]:
-    """Refuse sampler settings that cannot work, an output folder that cannot be written and a labels file that
-    is not ours, before any loading; returns the labels already in the folder."""
+                      sampler_kwargs: dict) -> None:
+    """Refuse sampler settings that cannot work and an output folder that cannot be written, before any loading."""
     if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
         raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
     if guidance_interval is not None and guidance == 1:
@@ -56,8 +55,12 @@ def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[flo
                                  "that has them)", param_hint="--guidance-interval")
     check_settings(guidance=guidance, **sampler_kwargs)
     files.check_writable_dir(outdir)
+
+
+def earlier_labels(outdir: Path) -> dict[str, int]:
+    """The labels of earlier runs into outdir (read under its lock); a labels file that is not ours names --outdir."""
     try:
-        return read_generated_labels(Path(outdir) / LABELS_FILE)
+        return read_generated_labels(outdir / LABELS_FILE)
     except GenerationError as e:
         raise click.BadParameter(str(e), param_hint="--outdir") from None
 
@@ -169,9 +172,11 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
     the release's dataset.json format; the entries of earlier runs into the same folder are kept).
     """
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
-    earlier_labels = check_before_work(outdir, guidance, guidance_interval, sampler_kwargs)
+    check_before_work(outdir, guidance, guidance_interval, sampler_kwargs)
     outdir = Path(outdir)
-    with distributed.session():
+    # One run at a time writes outdir: two would each write labels.json with their own images only.
+    with distributed.session(), locks.hold_destination(outdir, "generate.py", locks.FOLDER_LOCK):
+        earlier = distributed.main_rank_first(functools.partial(earlier_labels, outdir))
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, class_idx)
@@ -193,7 +198,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
                     if grid:
                         generated[seed] = image
         if net.label_dim:
-            save_labels(outdir, earlier_labels, labels)
+            save_labels(outdir, earlier, labels)
         if grid:
             tiles = gather_grid(seeds, generated)
             if tiles is not None:

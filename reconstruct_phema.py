@@ -13,7 +13,7 @@ import tqdm
 
 from cli.command import Command
 from cli.types import StdList
-from edm2 import distributed, files, posthoc
+from edm2 import distributed, files, locks, posthoc
 from edm2.snapshot import save_network, snapshot_name
 
 
@@ -46,24 +46,16 @@ def check_replaceable(todo: list[tuple[float, Path]]) -> None:
                                      "--outdir or --prefix", param_hint="'--prefix'")
 
 
-def write_outputs(inputs: list[posthoc.Snapshot], out_nimg: int, outdir: Path, todo: list[tuple[float, Path]],
-                  batch: int) -> None:
-    """Reconstruct and save each (std, path) in todo; an outdir this call created is removed again if it stays empty."""
-    created = not outdir.exists()
+def write_outputs(inputs: list[posthoc.Snapshot], out_nimg: int, todo: list[tuple[float, Path]], batch: int) -> None:
+    """Reconstruct and save each (std, path) in todo."""
     paths = dict(todo)
     outputs = posthoc.combine([s.track() for s in inputs], out_nimg, list(paths), batch, progress=True)
-    try:
-        # closing(): on an error, the progress bar ends before the error line is printed.
-        with contextlib.closing(outputs):
-            for std, net, metadata in outputs:
-                save_network(paths[std], net, metadata)
-                tqdm.tqdm.write(f"{paths[std]} (relative profile error {metadata['phema']['profile_error']:.1e})")
-                del net, metadata  # a pass's network must not outlive it: memory stays one input plus --batch outputs
-    except BaseException:
-        if created:
-            with contextlib.suppress(OSError):
-                outdir.rmdir()  # only when empty: a full disk or Ctrl-C before the first output
-        raise
+    # closing(): on an error, the progress bar ends before the error line is printed.
+    with contextlib.closing(outputs):
+        for std, net, metadata in outputs:
+            save_network(paths[std], net, metadata)
+            tqdm.tqdm.write(f"{paths[std]} (relative profile error {metadata['phema']['profile_error']:.1e})")
+            del net, metadata  # a pass's network must not outlive it: memory stays one input plus --batch outputs
 
 
 @click.command(cls=Command, epilog="""\b
@@ -100,16 +92,19 @@ def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
         indir = indir if indir is not None else newest_run_dir()
         outdir = outdir if outdir is not None else indir / "phema"
         inputs, out_nimg = find_inputs(indir, inprefix, instd, kimg)
-        paths = [outdir / snapshot_name(prefix, out_nimg, std) for std in stds]
-        todo = [(std, path) for std, path in zip(stds, paths) if not (skip and path.is_file())]
-        if not todo:
-            click.echo("All outputs exist; nothing to do.")
-            return
-        check_replaceable(todo)
         files.check_writable_dir(outdir)
-        files.remove_stale_temporaries(outdir)
-        click.echo(f"{len(inputs)} input snapshots up to {out_nimg} images -> {len(todo)} outputs in {outdir}")
-        write_outputs(inputs, out_nimg, outdir, todo, batch)
+        # One run at a time per outdir, which decides under the lock what to skip and what it may replace; an
+        # outdir the lock created is removed again if no output lands in it (a full disk, Ctrl-C).
+        with locks.hold_destination(outdir, "reconstruct_phema.py", locks.FOLDER_LOCK):
+            paths = [outdir / snapshot_name(prefix, out_nimg, std) for std in stds]
+            todo = [(std, path) for std, path in zip(stds, paths) if not (skip and path.is_file())]
+            if not todo:
+                click.echo("All outputs exist; nothing to do.")
+                return
+            check_replaceable(todo)
+            files.remove_stale_temporaries(outdir)
+            click.echo(f"{len(inputs)} input snapshots up to {out_nimg} images -> {len(todo)} outputs in {outdir}")
+            write_outputs(inputs, out_nimg, todo, batch)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import click
 
 from cli.command import Group
 from cli.types import Number
-from edm2 import distributed, files, plots
+from edm2 import distributed, files, locks, plots
 from edm2.errors import EDM2Error, one_line
 from edm2.plots.toy import progress_figure, toy_figure
 from edm2.toy_snapshot import load_toy, save_toy
@@ -63,23 +63,30 @@ def main() -> None:
 def train(outdir: Path, cls: str, layers: int, dim: int, viz: bool, iters: int) -> None:
     """Train a toy denoiser on the ground truth of the given classes."""
     files.check_writable_dir(outdir)
-    files.remove_stale_temporaries(outdir)
-    earlier = sorted(outdir.glob("iter*.safetensors")) if outdir.is_dir() else []
-    if earlier:
-        raise click.BadParameter(f"{outdir} already holds snapshots ({earlier[0].name}); choose a new folder",
-                                 param_hint="--outdir")
-    opts = ToyTraining(classes=cls, num_layers=layers, hidden_dim=dim, iterations=iters)
+    # One training at a time per outdir: two would replace each other's snapshots.
+    with locks.hold_destination(outdir, "toy_example.py train", locks.FOLDER_LOCK):
+        files.remove_stale_temporaries(outdir)
+        earlier = sorted(outdir.glob("iter*.safetensors"))
+        if earlier:
+            raise click.BadParameter(f"{outdir} already holds snapshots ({earlier[0].name}); choose a new folder",
+                                     param_hint="--outdir")
+        _train(outdir, ToyTraining(classes=cls, num_layers=layers, hidden_dim=dim, iterations=iters), viz)
+
+
+def _train(outdir: Path, opts: ToyTraining, viz: bool) -> None:
+    """Train into outdir, a snapshot (and with viz the progress figure) every 256 iterations and at the end."""
     where = distributed.device()
+    what = f"class {opts.classes}, {opts.num_layers} layers of {opts.hidden_dim}"
 
     def snapshot(iteration: int, ema) -> None:
         path = outdir / f"iter{iteration:04d}.safetensors"
         save_toy(path, ema, {"iteration": iteration, "training": dataclasses.asdict(opts)})
         if viz:
-            title = f"class {cls}, {layers} layers of {dim}, {iteration} iterations"
-            plots.save_png(progress_figure(ema, title, where), outdir / "progress.png", dpi=80)
+            plots.save_png(progress_figure(ema, f"{what}, {iteration} iterations", where), outdir / "progress.png",
+                           dpi=80)
         click.echo(f"{path}")
 
-    click.echo(f"Training on {where}: class {cls}, {layers} layers of {dim}, {iters} iterations into {outdir}")
+    click.echo(f"Training on {where}: {what}, {opts.iterations} iterations into {outdir}")
     train_toy(opts, where, snapshot)
     click.echo("Done.")
 

@@ -3,19 +3,20 @@ naming the option at fault, made before any network is loaded; then the summary 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import types
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import click
 import torch
 
 from cli.types import IntList, Number, SigmaInterval, StdList
 
-from edm2 import distributed, files, posthoc, sweep
+from edm2 import distributed, files, locks, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
@@ -88,9 +89,11 @@ class SweepPlan:
     times: list[tuple[list[posthoc.Snapshot], int]]
     metadata: dict  # of the newest snapshot: network_kwargs, encoder, loss
     encoder: Encoder
-    results: sweep.SweepResults
     dest: Path
+    save_dir: Path | None
     save: Callable | None
+    settings: dict  # what the results file records
+    results: sweep.SweepResults | None = None  # read under the lock of the results file (held_outputs)
 
 
 def _local(path: str | Path | None) -> str | None:
@@ -125,12 +128,28 @@ def plan(indir: Path, kimgs: tuple[int, ...] | None, stds: list[float], dest: Pa
             raise click.BadParameter(str(e), param_hint=option) from None
     settings = dict(settings, indir=_local(indir), data=_local(settings["data"]), ref=_local(settings["ref"]),
                     gnet=_local(settings["gnet"]))
+    save = _saver(save_dir, [(nimg, std) for _, nimg in times for std in stds]) if save_dir else None
+    return SweepPlan(times, metadata, encoder, dest, save_dir, save, settings)
+
+
+@contextlib.contextmanager
+def held_outputs(plan: SweepPlan) -> Iterator[None]:
+    """Hold the results file (and the --save folder) for the sweep, one run at a time (edm2.locks): two sweeps
+    into one --dest each rewrote it with its own rows only. The rows measured so far are read under that lock."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(locks.hold_destination(plan.dest / sweep.SWEEP_JSON, "calculate_metrics.py sweep"))
+        if plan.save_dir is not None:
+            stack.enter_context(locks.hold_destination(plan.save_dir, "calculate_metrics.py sweep", locks.FOLDER_LOCK))
+        plan.results = distributed.main_rank_first(functools.partial(_results, plan))
+        yield
+
+
+def _results(plan: SweepPlan) -> sweep.SweepResults:
+    """The results file, with the rows measured so far; one that is not this sweep's names --dest."""
     try:
-        results = sweep.SweepResults(dest / sweep.SWEEP_JSON, settings)
+        return sweep.SweepResults(plan.dest / sweep.SWEEP_JSON, plan.settings)
     except sweep.SweepError as e:
         raise click.BadParameter(str(e), param_hint="--dest") from None
-    save = _saver(save_dir, [(nimg, std) for _, nimg in times for std in stds]) if save_dir else None
-    return SweepPlan(times, metadata, encoder, results, dest, save)
 
 
 def _saver(folder: Path, outputs: list[tuple[int, float]]) -> Callable:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import re
@@ -96,7 +97,8 @@ def remove_stale_temporaries(directory: str | os.PathLike, name: str | None = No
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    pattern = f".{name}.*{TMP_SUFFIX}" if name is not None else f".*{TMP_SUFFIX}"
+    # A name holds glob characters ('d[1].zip') as literal characters.
+    pattern = f".{glob.escape(name)}.*{TMP_SUFFIX}" if name is not None else f".*{TMP_SUFFIX}"
     removed = []
     for path in sorted(directory.rglob(pattern) if recursive else directory.glob(pattern)):
         match = _TMP_NAME.match(path.name)

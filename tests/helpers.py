@@ -4,6 +4,7 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 """
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -479,3 +480,37 @@ def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", ""])
     child.wait()
     return child.pid
+
+
+# ---------------------------------------------------------------------------------------------------
+# Destination locks held by another process.
+
+# argv: dest, what, lock name ('' for a file destination), what to write into the lock file once held ('' for
+# nothing). Prints 'held' and holds the lock until its stdin closes.
+_HOLD_LOCK = """\
+import sys
+from edm2.locks import DestinationLock
+lock = DestinationLock(sys.argv[1], sys.argv[2], sys.argv[3] or None)
+lock.acquire()
+if sys.argv[4]:
+    lock.path.write_text(sys.argv[4])  # in place: the locked file itself
+print("held", flush=True)
+sys.stdin.read()
+lock.release()
+"""
+
+
+@contextlib.contextmanager
+def lock_held_by_child(dest: Path, what: str, lock_name: str | None = None, contents: str = "",
+                       prefix: Sequence[str] = ()):
+    """A child process (started after `prefix`, e.g. unshare) that holds dest's lock for the block; yields it."""
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", _HOLD_LOCK, str(dest), what, lock_name or "", contents],
+                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n", "the child could not take the lock"
+        yield proc
+    finally:
+        with contextlib.suppress(BrokenPipeError):  # a child killed by the block
+            proc.stdin.close()
+        proc.wait(timeout=60)
+        proc.stdout.close()

@@ -7,6 +7,7 @@ Frechet distances float64.
 import json
 import hashlib
 import math
+import os
 import pickle
 import shlex
 import shutil
@@ -23,6 +24,7 @@ import calculate_metrics
 from edm2 import detectors, metrics, stats_files
 from edm2.encoders import StandardRGBEncoder
 from edm2.generation import generate_images
+from edm2.locks import hold_destination
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
                            free_port, pin_detector_file, random_dinov2_state_dict, randomized, tiny_precond)
@@ -215,6 +217,16 @@ def test_ref_and_calc_end_to_end(setup, tmp_path):
                          *setup["weights"]))
     bounds = fd_rounding(written, written, n=0)
     assert all(abs(value) <= bounds[metric] for metric, value in out["results"].items()), (out, bounds)
+
+
+@pytest.mark.bad_input
+def test_ref_into_a_dest_in_use_is_refused(setup, tmp_path):
+    # Two refs into one --dest: the later replaced the other's statistics, both saying they saved them.
+    dest = tmp_path / "a.npz"
+    with hold_destination(dest, "calculate_metrics.py ref"):
+        assert_refused(tmp_path, lambda: run("ref", "--data", setup["a"], "--dest", dest, "--workers", 0,
+                                             *setup["weights"]),
+                       f"{dest} is in use by the calculate_metrics.py ref process {os.getpid()} on host")
 
 
 def test_calc_takes_a_seeded_random_subset(setup, tmp_path):

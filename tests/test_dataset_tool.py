@@ -20,6 +20,7 @@ import dataset_tool
 from edm2 import toy_shapes
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
+from edm2.locks import DestinationLock
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_file, save_tiny_vae,
                            write_members)
 
@@ -485,8 +486,10 @@ def fault_results(tmp_path_factory, encode_setup):
         (root / mount).mkdir()
     cases = {name: ([command, "--dest", str(root / mount / dest)] + [str(a) for a in args(encode_setup, classes)],
                     str(root / mount)) for name, (command, args, dest, mount) in FAULTS.items()}
-    # One tmpfs page: the output of each full-disk case needs several.
-    script = " && ".join(f"mount -t tmpfs -o {'ro' if m == 'ro' else 'size=4k'} tmpfs {root / m}" for m in mounts)
+    # One tmpfs page, which the output of each full-disk case outgrows; the encode's has a second, so that its
+    # manifest fits beside the name in its --dest's lock file and a latent is what fills the disk.
+    sizes = {"ro": "ro", "full5": "size=8k"}
+    script = " && ".join(f"mount -t tmpfs -o {sizes.get(m, 'size=4k')} tmpfs {root / m}" for m in mounts)
     result = subprocess.run(["unshare", "-rm", "sh", "-c", f'{script} && {sys.executable} -c "$0" "$1"',
                              FAULT_RUNNER, json.dumps(cases)], cwd=REPO, capture_output=True, text=True, timeout=300)
     if "mount" in result.stderr and result.returncode != 0:
@@ -549,6 +552,21 @@ def test_a_rerun_removes_the_stale_temporaries_of_its_dest(tmp_path, class_folde
     assert_ok(run(*args))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, live.name, other.name, "train"])
     ImageFolderDataset(dest)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", STALE_CASES)
+def test_a_second_writer_of_a_dest_is_refused(tmp_path, class_folders, encode_setup, case):
+    # Two runs into one --dest both wrote it, the later replacing the other; now the later is refused at once.
+    args = STALE_CASES[case](tmp_path, encode_setup, class_folders)
+    dest = args[-1]
+    first = DestinationLock(dest, "dataset_tool.py toy")
+    first.acquire()
+    try:
+        assert_refused(tmp_path, lambda: run(*args),
+                       f"{dest} is in use by the dataset_tool.py toy process {os.getpid()} on host")
+    finally:
+        first.release()
 
 
 def test_a_killed_toy_run_leaves_a_temporary_that_the_rerun_removes(tmp_path):

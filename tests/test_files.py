@@ -3,6 +3,7 @@
 import errno
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from edm2 import files
-from tests.helpers import REPO
+from tests.helpers import REPO, dead_pid
 
 
 def test_atomic_path_renames_only_on_success(tmp_path):
@@ -102,6 +103,17 @@ def test_a_killed_writer_leaves_a_temporary_that_a_rerun_removes(tmp_path):
     assert files.remove_stale_temporaries(tmp_path, name="other.pt") == []
     assert sorted(files.remove_stale_temporaries(tmp_path, owned=True)) == sorted([live, foreign])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, lookalike", [("d[1].zip", "d1.zip"), ("a*b?.zip", "axbc.zip"), ("[!x].zip", "y.zip")])
+def test_stale_temporaries_of_a_name_with_glob_characters_are_removed(tmp_path, name, lookalike):
+    # As a glob, 'd[1].zip' matches 'd1.zip' and never the name itself.
+    gone = f"{dead_pid()}@{socket.gethostname()}"
+    for dest in (name, lookalike):
+        (tmp_path / f".{dest}.{gone}.abc{files.TMP_SUFFIX}").write_bytes(b"half")
+    stale = tmp_path / f".{name}.{gone}.abc{files.TMP_SUFFIX}"
+    assert files.remove_stale_temporaries(tmp_path, name=name) == [stale]
+    assert [p.name for p in tmp_path.iterdir()] == [f".{lookalike}.{gone}.abc{files.TMP_SUFFIX}"]
 
 
 def test_check_writable_dir(tmp_path):

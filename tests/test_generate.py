@@ -22,6 +22,7 @@ from edm2 import presets_generate, snapshot
 from edm2.encoders import StandardRGBEncoder
 from edm2.files import TMP_SUFFIX
 from edm2.generation import MAX_SEED, generate_images
+from edm2.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import REPO, assert_one_error_line, assert_refused, free_port, randomized, tiny_precond, tree
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
@@ -172,6 +173,22 @@ def test_labels_json_holds_each_images_class_across_runs(nets, tmp_path):
     # An unconditional network's images have no classes: no labels file.
     assert run_cli(["--net", nets["gnet"], "--seeds=0", *FAST, "--outdir", tmp_path / "uncond"]).exit_code == 0
     assert tree(tmp_path / "uncond") == ["000000.png"]
+
+
+@pytest.mark.bad_input
+def test_a_second_run_into_a_folder_in_use_is_refused(nets, tmp_path):
+    # Two runs with disjoint seeds into one --outdir: each wrote labels.json with its own images only.
+    out = tmp_path / "out"
+    assert run_cli(["--net", nets["net"], "--seeds=0-3", *FAST, "--outdir", out]).exit_code == 0
+    first = (out / "labels.json").read_text()
+    with hold_destination(out, "generate.py", FOLDER_LOCK):  # a run still writing
+        assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [
+            "--net", str(nets["net"]), "--seeds=4-7", *FAST, "--outdir", str(out)]),
+            f"{out} is in use by the generate.py process {os.getpid()} on host")
+    assert (out / "labels.json").read_text() == first
+    assert run_cli(["--net", nets["net"], "--seeds=4-7", *FAST, "--outdir", out]).exit_code == 0  # once it ended
+    assert sorted(dict(json.loads((out / "labels.json").read_text())["labels"])) == [f"{s:06d}.png" for s in range(8)]
+    assert tree(out) == sorted(["labels.json", *(f"{s:06d}.png" for s in range(8))])
 
 
 @pytest.mark.bad_input

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 import reconstruct_phema
 from cli.types import StdList
 from edm2 import files, phema, posthoc
+from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, fake_training_run, forget_release_standins,
@@ -289,6 +290,14 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
     result = run_cli(f"--indir={run}", f"--outdir={out}", "--std=0.1")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "phema-0000002-0.100.safetensors"])
+
+
+@pytest.mark.bad_input
+def test_a_second_run_into_an_outdir_in_use_is_refused(tmp_path):
+    run, out = fake_training_run(tmp_path / "run", num_snapshots=2), tmp_path / "out"
+    with hold_destination(out, "reconstruct_phema.py", FOLDER_LOCK):  # a run still writing its outputs
+        assert_refused(tmp_path, lambda: run_cli(f"--indir={run}", f"--outdir={out}", "--std=0.1"),
+                       f"{out} is in use by the reconstruct_phema.py process {os.getpid()} on host")
 
 
 def test_one_input_network_in_memory_at_a_time(tmp_path, monkeypatch):

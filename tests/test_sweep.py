@@ -3,6 +3,7 @@ in-memory reconstructions are reconstruct_phema.py's files bit for bit, an inter
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from edm2 import posthoc
+from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots.sweep import sweep_figure
 from edm2.snapshot import load_network
 from edm2.sweep import SweepResults, run_sweep
@@ -204,6 +206,24 @@ def test_sweep_bad_input_is_one_line_before_any_network_is_loaded(reference_run,
                "--dest": "dest", "--num": "4", **overrides}
     assert_refused([tmp_path, reference_run], lambda: sweep(*[f"{k}={v}" for k, v in options.items() if v is not None]),
                    *fragments)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("held", ["results file", "save folder"])
+def test_a_second_sweep_into_outputs_in_use_is_refused_before_any_network_is_loaded(reference_run, train_data,
+                                                                                   tmp_path, monkeypatch, held):
+    # Two sweeps into one --dest each rewrote ema-sweep.json with its own rows, losing the other's.
+    dest, saved = tmp_path / "dest", tmp_path / "saved"
+    what = "calculate_metrics.py sweep"
+    lock = (hold_destination(dest / "ema-sweep.json", what) if held == "results file"
+            else hold_destination(saved, "reconstruct_phema.py", FOLDER_LOCK))
+    monkeypatch.setattr(posthoc, "load_network", lambda path: pytest.fail(f"loaded {path} though refused"))
+    with lock:
+        assert_refused([tmp_path, reference_run], lambda: sweep(
+            "--std=0.1", "--metrics=loss", f"--data={train_data}", "--num=4", f"--indir={reference_run}",
+            f"--dest={dest}", f"--save={saved}"),
+            f"{dest / 'ema-sweep.json' if held == 'results file' else saved} is in use by the "
+            f"{what if held == 'results file' else 'reconstruct_phema.py'} process {os.getpid()} on host")
 
 
 def test_a_sweep_grows_by_the_rows_it_lacks_and_a_finished_one_loads_no_network(reference_run, train_data, tmp_path,

@@ -3,6 +3,7 @@ training, snapshots (ours and the release's pickles), and toy_example.py end to 
 
 import json
 import math
+import os
 import pickle
 
 import numpy as np
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 
 import toy_example
 from edm2 import snapshot, toy_gmm
+from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots import toy as toy_plots
 from edm2.release_pickle import ReleasePickleError
 from edm2.toy_model import ToyDenoiser, guided_score, sample_trajectories
@@ -196,6 +198,14 @@ def test_train_then_plot(tmp_path, small_views):
     assert result.exit_code == 0, result.output
     with PIL.Image.open(tmp_path / "fig.png") as image:
         assert image.format == "PNG" and image.size == (1920, 1000)
+
+
+@pytest.mark.bad_input
+def test_a_second_training_into_an_outdir_in_use_is_refused(tmp_path):
+    # Two trainings into one --outdir replaced each other's snapshots; the second is refused before it starts.
+    with hold_destination(tmp_path / "out", "toy_example.py train", FOLDER_LOCK):  # a training before its first snapshot
+        assert_refused(tmp_path, lambda: run("train", "--outdir", tmp_path / "out", "--iters", 1, "--viz", "false"),
+                       f"{tmp_path / 'out'} is in use by the toy_example.py train process {os.getpid()} on host")
 
 
 def test_help_shows_the_options_and_a_quick_cpu_example():

@@ -1,7 +1,6 @@
 """train_edm2.py end to end on a CPU: exact resume after SIGKILL/SIGTERM, damaged checkpoints, changed
 hyperparameters, torchrun with two Gloo processes (also under SIGTERM), and bad input."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.snapshot import load_network
 from training import checkpoint
-from training.run_lock import LOCK_FILE, Holder
+from training.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
     REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, free_port, run_training, snapshot_contents,
     start_training, tree, wait_for, write_image_dataset,
@@ -321,16 +320,12 @@ def test_architecture_options_are_the_networks(train_data, tmp_path):
     assert network == dict(channel_mult=[1, 1, 2], num_blocks=2, attn_resolutions=[], channels_per_head=16)
 
 
-def lock_held_by(run_dir: Path, holder: Holder) -> None:
-    """A run directory whose lock names holder."""
-    run_dir.mkdir(parents=True)
-    (run_dir / LOCK_FILE).write_text(json.dumps(dataclasses.asdict(holder)))
-
-
 @pytest.mark.bad_input
-@pytest.mark.parametrize("case", ["outdir is a file", "outdir under a file", "locked here", "locked elsewhere"])
+@pytest.mark.parametrize("case", ["outdir is a file", "outdir under a file", "locked here", "locked elsewhere",
+                                  "locked, its file naming nobody"])
 def test_bad_outdir(case, train_data, tmp_path):
     outdir = tmp_path / "run"
+    lock = RunLock(outdir)
     if case == "outdir is a file":
         outdir.write_text("")
         fragments = (f"{outdir} is a file, not a folder",)
@@ -338,14 +333,22 @@ def test_bad_outdir(case, train_data, tmp_path):
         (tmp_path / "file").write_text("")
         outdir = tmp_path / "file" / "run"
         fragments = (f"lies under {tmp_path / 'file'}, which is a file",)
-    elif case == "locked here":  # a live process on this host: this one
-        lock_held_by(outdir, Holder.this_process())
+    elif case == "locked here":  # held by this process, as by another training
+        lock.acquire()
         fragments = (f"{outdir} is in use by the training process {os.getpid()} on host", "wait for it to end")
-    else:
-        lock_held_by(outdir, Holder(host="node-elsewhere", pid=1234, started="2024-05-01 12:00:00"))
-        fragments = ("process 1234 on host node-elsewhere (since 2024-05-01 12:00:00)",
-                     f"if that training is no longer running (its host went down), delete {outdir / LOCK_FILE}")
-    assert_refused(tmp_path, lambda: cli([f"--data={train_data}"], outdir), *fragments)
+    elif case == "locked elsewhere":  # a holder on another host, whose process id means nothing here
+        lock.acquire()
+        (outdir / LOCK_FILE).write_text(json.dumps(dict(what="training", host="node-elsewhere", pid=1234,
+                                                        started="2024-05-01 12:00:00")))
+        fragments = ("the training process 1234 on host node-elsewhere (since 2024-05-01 12:00:00); wait for it",)
+    else:  # the issue's damaged lock files: a pid of 10**23 digits
+        lock.acquire()
+        (outdir / LOCK_FILE).write_text('{"what": "training", "host": "h", "pid": 1' + "0" * 23 + "}")
+        fragments = (f"{outdir} is in use by another process ({outdir / LOCK_FILE}: the number 1", "more than 20 digits")
+    try:
+        assert_refused(tmp_path, lambda: cli([f"--data={train_data}"], outdir), *fragments)
+    finally:
+        lock.release()
 
 
 def in_namespace(mount: str, *command: str, then: str = "") -> subprocess.CompletedProcess:

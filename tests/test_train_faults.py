@@ -57,7 +57,7 @@ def test_repeated_sigkill_during_writes_then_rerun_is_exact_and_clean(train_data
     def check_cleanup(output: str) -> None:
         """A start after a kill removed the killed run's lock and the temporaries it left behind."""
         if killed_pid is not None:
-            assert f"Removed the stale lock of process {killed_pid} on host" in output, output
+            assert f"Took over training.lock from the training process {killed_pid} on host" in output, output
         assert all(f"Removed {name}, left by an interrupted write." in output for name in left_behind), output
 
     while kills < 3 or not left_behind and kills < 8:

@@ -38,7 +38,7 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     """
     notes: list[str] = []
     with StopFlag() as stop, contextlib.ExitStack() as stack:
-        # Rank 0 owns the run directory (RunLocked if another training holds it); the other ranks share its errors.
+        # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
         run = _on_main_rank(lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
         if run is not None:
             stack.enter_context(tee_output(run.path / LOG_FILE))

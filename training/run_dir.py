@@ -3,10 +3,9 @@ training states, and the decision where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt, plots/ (the dashboard's
-records and PNGs, training/dashboard.py), and while a training runs, training.lock (plus training.lock.break
-for a moment while a stale lock is removed). Files being written carry temporary names
-(.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the folder removes those a killed
-run left behind.
+records and PNGs, training/dashboard.py), and while a training runs, training.lock (training/run_lock.py). Files
+being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the
+folder removes those a killed run left behind.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class RunDirectory:
     @classmethod
     @contextlib.contextmanager
     def open(cls, path: str | os.PathLike, report: Callable[[str], None] = print) -> Iterator[RunDirectory]:
-        """Create the folder if needed, lock it (RunLocked if another training holds it) and remove the
+        """Create the folder if needed, lock it (DestinationInUse if another training holds it) and remove the
         temporaries of earlier, killed runs; on leaving, release the lock and undo a fruitless start."""
         run = cls(path)
         run._make_folders()
