@@ -19,8 +19,8 @@ from edm2.release_pickle import ReleasePickleError
 from edm2.toy_model import ToyDenoiser, guided_score, sample_trajectories
 from edm2.toy_snapshot import load_toy, save_toy
 from edm2.layers import ArchitectureError
-from tests.helpers import (assert_refused, forget_release_standins, install_release_standins, randomized,
-                           write_raw_snapshot, write_release_toy_pickle)
+from tests.helpers import (assert_one_error_line, assert_refused, forget_release_standins, install_release_standins,
+                           randomized, run_with_memory_limit, write_raw_snapshot, write_release_toy_pickle)
 from training.toy import ToyTraining, train_toy
 
 
@@ -170,6 +170,19 @@ def test_release_toy_pickle_loads_without_running_its_code(tmp_path, release_sta
 def test_bad_toy_arguments_are_refused(arguments, message):
     with pytest.raises(ArchitectureError, match=re.escape(message)):
         ToyDenoiser(**arguments)
+
+
+@pytest.mark.bad_input
+def test_a_snapshot_declaring_a_larger_network_than_it_holds_allocates_nothing_for_it(tmp_path):
+    # 64 layers of 4096 x 4096 float32 weights would take 4 GiB; the file holds one layer of 4 x 4. Plotted with the
+    # address space limited to what importing torch mapped plus 1 GiB, it is refused by its weights.
+    net = ToyDenoiser(num_layers=1, hidden_dim=4)
+    net.init_kwargs.update(num_layers=64, hidden_dim=4096)
+    save_toy(tmp_path / "toy.safetensors", net, {})
+    result = run_with_memory_limit(1 << 30, "toy_example.py", "plot", "--net", tmp_path / "toy.safetensors",
+                                   "--gnet", tmp_path / "toy.safetensors", "--save", tmp_path / "fig.png")
+    assert_one_error_line(result, "--net", "weights do not match the stored architecture")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.safetensors"]
 
 
 def test_release_edm2_pickle_is_not_a_toy_model(tmp_path, release_standins):
