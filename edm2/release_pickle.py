@@ -12,9 +12,11 @@ records: `Precond` from its constructor arguments and weights, the encoder and l
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -196,12 +198,23 @@ def _restricted_load(path: str | os.PathLike) -> object:
             raise ReleasePickleError(f"{path}: not a readable release pickle ({detail})") from None
 
 
+@contextlib.contextmanager
+def _reading(path: str | os.PathLike) -> Iterator[None]:
+    """Refusals, and entries of other types than the release's, as one ReleasePickleError naming the file."""
+    try:
+        yield
+    except ReleasePickleError as e:
+        raise ReleasePickleError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {str(e)[:200]})") from None
+
+
 def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
     data = _restricted_load(path)
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
-    try:
+    with _reading(path):
         net = _rebuild(_expect(data["ema"], ("Precond",), "ema"), Precond, "the release network")
         metadata = {
             "source": "release-pickle",
@@ -212,10 +225,6 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
         # Older and third-party pickles carry no loss; the network and encoder are all that sampling needs.
         if data.get("loss_fn") is not None:
             metadata["loss"] = _loss_settings(_expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state)
-    except ReleasePickleError as e:
-        raise ReleasePickleError(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {e})") from None
     return net, metadata
 
 
@@ -223,7 +232,5 @@ def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
     """Read one of the release's toy-example snapshots (toy_example.py's iterNNNN.pkl: a pickled ToyModel) into
     our ToyDenoiser in eval mode, float32, without running its code."""
     record = _restricted_load(path)
-    try:
+    with _reading(path):
         return _rebuild(_expect(record, ("ToyModel",), "toy example snapshot"), ToyDenoiser, "the toy model")
-    except ReleasePickleError as e:
-        raise ReleasePickleError(f"{path}: {e}") from None

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import pickletools
+import re
 import struct
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import generate
 from edm2 import encoders, legacy_storage, release_pickle, snapshot
 from edm2.errors import EDM2Error
 from edm2.networks import Precond
+from edm2.toy_model import ToyDenoiser
 from tests.helpers import (
     RELEASE_TINY,
     assert_one_error_line,
@@ -343,3 +345,46 @@ def test_dataset_kwargs_nest_no_deeper_than_our_metadata_may(tmp_path, release_s
     for _ in range(shallow - 1):
         kwargs = kwargs["a"]
     assert kwargs == {}
+
+
+@pytest.mark.parametrize("blob, message", [
+    (storage_blob(FOUR, declared=3), "declared as 3 elements is recorded with another count"),
+    (storage_blob(FOUR, declared=5, recorded=5), "declares 5 elements of torch.float16 (10 bytes), but 8 bytes follow"),
+    (storage_blob(FOUR)[:-1], "declares 4 elements of torch.float16 (8 bytes), but 7 bytes follow"),
+    (storage_blob(FOUR).replace(b"\x88", b"\x89", 1), "written big-endian"),  # little_endian: NEWTRUE -> NEWFALSE
+    (storage_blob(FOUR).replace(b"ctorch\nHalfStorage\n", b"cposix\nsystem\n"),  # protocol 2: no frames to fix
+     "not plain weights: refusing to load 'posix.system'"),
+], ids=["count", "more than follows", "truncated", "big-endian", "global"])
+def test_storages_must_hold_what_they_declare(blob, message):
+    with pytest.raises(legacy_storage.RefusedPickle, match=re.escape(message)):
+        legacy_storage.read_storage(blob)
+
+
+def test_tensor_views_must_lie_inside_their_storage():
+    storage = legacy_storage.read_storage(storage_blob(FOUR))
+    assert torch.equal(legacy_storage.tensor_view(storage, 1, (3,), (1,)), FOUR[1:])
+    assert legacy_storage.tensor_view(storage, 4, (0,), (1,)).numel() == 0  # empty, at the end
+    # Past the end; a million elements by a stride of 0 (a copy would be 2 MB, from 8 bytes); more dimensions than
+    # strides.
+    for offset, size, stride in [(1, (4,), (1,)), (0, (2, 2), (2, 2)), (0, (10**6,), (0,)), (0, (2, 2), (1,))]:
+        with pytest.raises(legacy_storage.RefusedPickle):
+            legacy_storage.tensor_view(storage, offset, size, stride)
+
+
+@pytest.mark.parametrize("toy", [False, True])
+def test_entries_of_another_type_are_one_line(toy, tmp_path, release_standins):
+    persistence, util = release_standins
+    path = tmp_path / "odd.pkl"
+    if toy:
+        model = release_module(ToyDenoiser(num_layers=1, hidden_dim=4), persistence, torch.float32,
+                               {"ToyDenoiser": "ToyModel"})
+        model.meta["state"].update(_init_args=(), _init_kwargs=[1, 2])
+        path.write_bytes(pickle.dumps(model))
+    else:
+        ema = release_ema(persistence)
+        ema.meta["state"]["_modules"]["logvar_linear"].meta["state"]["_parameters"] = "not a dict"
+        write_release_pickle(path, random_release_tiny_net(), persistence, util, replace=dict(ema=ema))
+    forget_release_standins()
+    load = release_pickle.load_release_toy_pickle if toy else release_pickle.load_release_pickle
+    with pytest.raises(release_pickle.ReleasePickleError, match=f"{re.escape(str(path))}: malformed release pickle"):
+        load(path)
