@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Sequence
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from edm2 import network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, recomputing,
                          resample)
 
@@ -88,6 +90,10 @@ class Block(torch.nn.Module):
         return self.attn_proj(y.transpose(2, 3).reshape(n, c, h, w))
 
 
+# The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
+_BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for name in network_args.BLOCK_ARGS}
+
+
 class UNet(torch.nn.Module):
     """The magnitude-preserving U-Net of config G (Figure 22)."""
 
@@ -106,13 +112,13 @@ class UNet(torch.nn.Module):
         concat_balance: float = 0.5,
         **block_kwargs,
     ):
+        network_args.check_unet(locals(), {**_BLOCK_DEFAULTS, **block_kwargs})  # before anything is built
         super().__init__()
         cblock = [model_channels * m for m in channel_mult]
         cnoise = model_channels * channel_mult_noise if channel_mult_noise is not None else cblock[0]
         cemb = model_channels * channel_mult_emb if channel_mult_emb is not None else max(cblock)
         self.label_dim = label_dim
-        self.label_balance = label_balance
-        self.concat_balance = concat_balance
+        self.label_balance, self.concat_balance = label_balance, concat_balance
         # Recompute each block's activations in the backward pass instead of storing them (saves memory).
         self.checkpoint_blocks = False
         self.out_gain = torch.nn.Parameter(torch.zeros([]))
@@ -203,6 +209,7 @@ class Precond(torch.nn.Module):
         **unet_kwargs,
     ):
         super().__init__()
+        network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16)
         self.init_kwargs = dict(
             img_resolution=img_resolution,
             img_channels=img_channels,

@@ -12,19 +12,26 @@ records: `Precond` from its constructor arguments and weights, the encoder and l
 from __future__ import annotations
 
 import collections
-import io
+import contextlib
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from edm2 import safe_pickle
+from edm2 import legacy_storage, safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
+from edm2.layers import ArchitectureError
+from edm2.network_args import MAX_SCALE, real
 from edm2.networks import Precond
 from edm2.toy_model import ToyDenoiser
+
+
+MAX_KWARGS_DEPTH = 16  # dataset_kwargs nest one or two levels; our metadata JSON may nest 32 in all
+MAX_LOG_SIGMA = 100.0  # P_mean and P_std are on the scale of ln(sigma): the release's are -0.4 and 1.0
 
 
 class ReleasePickleError(SnapshotError):
@@ -56,27 +63,13 @@ def _persistent_record(meta: dict) -> PersistentRecord:
     return PersistentRecord(meta["class_name"], state)
 
 
-def _load_storage(data: bytes) -> torch.storage.TypedStorage:
-    """Stand-in for torch.storage._load_from_bytes that loads with weights_only=True."""
-    try:
-        storage = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # torch.load reports refused content with several exception types
-        # Keep the line naming the refused global, not torch's generic advice around it.
-        lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        detail = next((line for line in lines if "global" in line.lower()), lines[0])
-        raise ReleasePickleError(f"embedded tensor data is not plain weights: {detail}") from None
-    if not isinstance(storage, torch.storage.TypedStorage):
-        raise ReleasePickleError(f"expected a tensor storage, found {type(storage).__name__}")
-    return storage
-
-
 def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    """Stand-in for torch._utils._rebuild_tensor_v2: a view of the storage, no hooks, no grad."""
-    if not isinstance(storage, torch.storage.TypedStorage):
+    """Stand-in for torch._utils._rebuild_tensor_v2: a view that lies inside its storage, no hooks, no grad."""
+    if not isinstance(storage, legacy_storage.Storage):
         raise ReleasePickleError(f"tensor built from {type(storage).__name__}, not a storage")
     if backward_hooks:
         raise ReleasePickleError("tensor carries backward hooks")
-    return torch.empty(0, dtype=storage.dtype).set_(storage, storage_offset, tuple(size), tuple(stride))
+    return legacy_storage.tensor_view(storage, storage_offset, size, stride)
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
@@ -86,13 +79,6 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
     return data
 
 
-def _reconstruct_ndarray(subtype, shape, dtype):
-    """Stand-in for numpy's multiarray._reconstruct that only makes plain ndarrays."""
-    if subtype is not np.ndarray:
-        raise ReleasePickleError(f"array subtype {subtype!r} is not numpy.ndarray")
-    return np.ndarray(shape, dtype)
-
-
 # Every global the release's pickles use (as found in its published .pkl files) and what it becomes here.
 _ALLOWED_GLOBALS = {
     ("torch_utils.persistence", "_reconstruct_persistent_obj"): _persistent_record,
@@ -100,11 +86,11 @@ _ALLOWED_GLOBALS = {
     ("dnnlib.util", "EasyDict"): dict,
     ("numpy", "dtype"): np.dtype,
     ("numpy", "ndarray"): np.ndarray,
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct_ndarray,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct_ndarray,
+    ("numpy.core.multiarray", "_reconstruct"): safe_pickle.reconstruct_array,
+    ("numpy._core.multiarray", "_reconstruct"): safe_pickle.reconstruct_array,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch.storage", "_load_from_bytes"): _load_storage,
+    ("torch.storage", "_load_from_bytes"): legacy_storage.read_storage,
     ("torch.nn.modules.container", "ModuleDict"): ModuleRecord,
     ("torch.nn.modules.container", "Sequential"): ModuleRecord,  # the toy example's layers
 }
@@ -135,19 +121,28 @@ def _expect(record, class_names: tuple[str, ...], what: str) -> PersistentRecord
 
 
 def _rebuild(record: PersistentRecord, module_class: type, what: str) -> torch.nn.Module:
-    """Our module_class built from the recorded constructor arguments, weights loaded strictly; float32, eval."""
+    """Our module_class built from the recorded constructor arguments and given the recorded weights; float32, eval.
+
+    It is built on the 'meta' device first (no memory), so that arguments declaring a network larger than the
+    weights in the file are refused before anything is allocated; the file's tensors then become its weights.
+    """
     args, kwargs = record.state.get("_init_args") or (), dict(record.state.get("_init_kwargs") or {})
     name = module_class.__name__
     try:
-        net = module_class(*args, **kwargs)
-    except TypeError as e:
-        raise ReleasePickleError(f"{what}'s constructor arguments {kwargs} do not fit {name}: {e}") from None
+        with torch.device("meta"):
+            net = module_class(*args, **kwargs)
+    except (TypeError, ArchitectureError) as e:
+        raise ReleasePickleError(f"{what}'s constructor arguments do not fit {name}: {one_line(e)}") from None
     tensors: dict[str, torch.Tensor] = {}
     _module_tensors(record.state, "", tensors)
-    try:
-        net.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise ReleasePickleError(f"{what}'s weights do not match {name}: {one_line(e)}") from None
+    expected = {key: list(t.shape) for key, t in net.state_dict().items()}
+    found = {key: list(t.shape) for key, t in tensors.items()}
+    for key in [*expected, *found]:  # the network's order, then what only the file has
+        if expected.get(key) != found.get(key):
+            raise ReleasePickleError(f"{what}'s weights do not match the {name} its constructor arguments describe: "
+                                     f"{key!r} is {found.get(key, 'missing')} in the file, "
+                                     f"{expected.get(key, 'not a weight')} in the {name}")
+    net.load_state_dict(tensors, strict=True, assign=True)
     return net.float().eval().requires_grad_(False)
 
 
@@ -164,17 +159,30 @@ def _encoder_config(record: PersistentRecord | None) -> dict:
     return StabilityVAEEncoder.from_scale_bias(str(state["vae_name"]), scale, bias, int(state["batch_size"])).config()
 
 
-def _plain(value):
-    """Recursively turn pickled containers and NumPy values into JSON-friendly Python values."""
+def _plain(value, depth: int = 0):
+    """Recursively turn pickled containers and NumPy values into JSON-friendly Python values (at most
+    MAX_KWARGS_DEPTH levels: the metadata we write them into must stay readable by edm2.bounded_json)."""
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_KWARGS_DEPTH:
+        raise ReleasePickleError(f"dataset_kwargs nested more than {MAX_KWARGS_DEPTH} levels deep")
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
     if isinstance(value, np.ndarray):
         return value.tolist()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise ReleasePickleError(f"unexpected {type(value).__name__} in dataset_kwargs")
+
+
+def _loss_settings(state: dict) -> dict[str, float]:
+    """The loss's P_mean, P_std and sigma_data (Eq. 16, 21), each a finite number in a sane range."""
+    try:
+        return dict(P_mean=real("P_mean", state["P_mean"], -MAX_LOG_SIGMA, MAX_LOG_SIGMA),
+                    P_std=real("P_std", state["P_std"], 0, MAX_LOG_SIGMA, low_open=True),
+                    sigma_data=real("sigma_data", state["sigma_data"], 0, MAX_SCALE, low_open=True))
+    except ArchitectureError as e:
+        raise ReleasePickleError(f"loss_fn: {e}") from None
 
 
 def _restricted_load(path: str | os.PathLike) -> object:
@@ -185,7 +193,20 @@ def _restricted_load(path: str | os.PathLike) -> object:
         except (ReleasePickleError, safe_pickle.RefusedGlobal) as e:
             raise ReleasePickleError(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-            raise ReleasePickleError(f"{path}: not a readable release pickle ({e.__class__.__name__}: {e})") from None
+            # The unpickler's own checks (safe_pickle.RefusedPickle: sizes, depth, storages) say what they found.
+            detail = e if isinstance(e, safe_pickle.RefusedPickle) else f"{e.__class__.__name__}: {e}"
+            raise ReleasePickleError(f"{path}: not a readable release pickle ({detail})") from None
+
+
+@contextlib.contextmanager
+def _reading(path: str | os.PathLike) -> Iterator[None]:
+    """Refusals, and entries of other types than the release's, as one ReleasePickleError naming the file."""
+    try:
+        yield
+    except ReleasePickleError as e:
+        raise ReleasePickleError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {str(e)[:200]})") from None
 
 
 def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
@@ -193,7 +214,7 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     data = _restricted_load(path)
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
-    try:
+    with _reading(path):
         net = _rebuild(_expect(data["ema"], ("Precond",), "ema"), Precond, "the release network")
         metadata = {
             "source": "release-pickle",
@@ -203,12 +224,7 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
         }
         # Older and third-party pickles carry no loss; the network and encoder are all that sampling needs.
         if data.get("loss_fn") is not None:
-            loss = _expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state
-            metadata["loss"] = {k: float(loss[k]) for k in ("P_mean", "P_std", "sigma_data")}
-    except ReleasePickleError as e:
-        raise ReleasePickleError(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise ReleasePickleError(f"{path}: malformed release pickle ({e.__class__.__name__}: {e})") from None
+            metadata["loss"] = _loss_settings(_expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state)
     return net, metadata
 
 
@@ -216,7 +232,5 @@ def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
     """Read one of the release's toy-example snapshots (toy_example.py's iterNNNN.pkl: a pickled ToyModel) into
     our ToyDenoiser in eval mode, float32, without running its code."""
     record = _restricted_load(path)
-    try:
+    with _reading(path):
         return _rebuild(_expect(record, ("ToyModel",), "toy example snapshot"), ToyDenoiser, "the toy model")
-    except ReleasePickleError as e:
-        raise ReleasePickleError(f"{path}: {e}") from None

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from edm2.layers import mp_silu, normalize
+from edm2.network_args import check_toy
 from edm2.sampler import sigma_steps
 
 
@@ -46,6 +47,7 @@ class ToyDenoiser(torch.nn.Module):
 
     def __init__(self, in_dim: int = 2, num_layers: int = 4, hidden_dim: int = 64, sigma_data: float = 0.5):
         super().__init__()
+        check_toy(in_dim, num_layers, hidden_dim, sigma_data)
         self.init_kwargs = dict(in_dim=in_dim, num_layers=num_layers, hidden_dim=hidden_dim, sigma_data=sigma_data)
         self.sigma_data = sigma_data
         layers = [MPLinear(in_dim + 2, hidden_dim)]  # inputs: c_in x, c_noise and a constant 1

@@ -34,7 +34,10 @@ def load_toy(path_or_url: str | os.PathLike) -> tuple[ToyDenoiser, dict]:
         return load_release_toy_pickle(path), {"source": "release-pickle"}
     metadata = read_metadata(path, METADATA_KEY, "a toy-example snapshot")
     try:
-        net = ToyDenoiser(**metadata.get("network_kwargs", {}))
+        # On 'meta': arguments declaring a larger network than the file's weights allocate nothing before
+        # load_weights refuses them.
+        with torch.device("meta"):
+            net = ToyDenoiser(**metadata.get("network_kwargs", {}))
     except Exception as e:  # arguments from a file can fail in any way (TypeError, ValueError, RuntimeError...)
         raise ToyError(f"{path}: unsupported toy network arguments: {one_line(e)}") from None
     load_weights(path, net)

@@ -514,3 +514,28 @@ def lock_held_by_child(dest: Path, what: str, lock_name: str | None = None, cont
             proc.stdin.close()
         proc.wait(timeout=60)
         proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory bounds: a command line run with its address space limited.
+
+# Run as `python -c LIMITED HEADROOM SCRIPT ARGS...`: import torch and NumPy (most of any command's address space),
+# limit the address space to what is mapped then plus HEADROOM bytes, and run SCRIPT with ARGS as __main__.
+_LIMITED = """
+import resource, runpy, sys
+import numpy, torch
+with open("/proc/self/status") as status:
+    mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+limit = mapped + int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_with_memory_limit(headroom: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run the repository's `script` with args in a child process whose address space may grow by no more than
+    `headroom` bytes beyond what importing torch mapped (Linux); its output as text."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")  # threads and arenas reserve address space
+    return subprocess.run([sys.executable, "-c", _LIMITED, str(headroom), script, *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)

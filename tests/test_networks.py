@@ -1,10 +1,12 @@
 """The EDM2 network against the paper (Appendix B.7, Table 6) and the release's checkpoints."""
 
 import math
+import re
 
 import pytest
 import torch
 
+from edm2 import networks
 from edm2.layers import ArchitectureError, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
 from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
@@ -170,3 +172,45 @@ def test_compute_dtype_per_device():
 def test_unknown_block_flavor_is_an_architecture_error():
     with pytest.raises(ArchitectureError, match="sideways"):
         Block(16, 16, 16, "sideways")
+
+
+BAD_ARGUMENTS = {
+    "model_channels=1e6": (dict(model_channels=1e6), "model_channels=1000000.0: expected an integer from 1 to 4096"),
+    "model_channels=-4": (dict(model_channels=-4), "model_channels=-4: expected an integer from 1 to 4096"),
+    "img_resolution=0": (dict(img_resolution=0), "img_resolution=0: expected an integer from 1 to 8192"),
+    "channels_per_head=0": (dict(channels_per_head=0), "channels_per_head=0: expected an integer from 1 to 4096"),
+    "no levels": (dict(channel_mult=[]), "channel_mult=[]: expected a list of 1 to 16 integers"),
+    "a level of 0": (dict(channel_mult=[1, 0]), "channel_mult[1]=0: expected an integer from 1 to 64"),
+    "num_blocks=True": (dict(num_blocks=True), "num_blocks=True: expected an integer from 1 to 64"),
+    "400-digit label_dim": (dict(label_dim=10**400), "label_dim=<a 1329-bit integer>: expected an integer from 0 to"),
+    "dropout=1.5": (dict(dropout=1.5), "dropout=1.5: expected a number in [0, 1]"),
+    "sigma_data=0": (dict(sigma_data=0), "sigma_data=0: expected a number in (0, 1000.0]"),
+    "sigma_data=nan": (dict(sigma_data=float("nan")), "sigma_data=nan: expected a number in (0, 1000.0]"),
+    "use_fp16='yes'": (dict(use_fp16="yes"), "use_fp16='yes': expected True or False"),
+    "unknown argument": (dict(mystery=1), "unknown network argument 'mystery'"),
+    "resolution of 2 levels": (dict(img_resolution=9), "img_resolution=9 does not divide by 2^1, as the 2 levels"),
+    # 16 x 5 = 80 channels at the 4x4 level, heads of 25: 80 // 25 = 3 heads, and 3 does not divide 80.
+    "uneven heads": (dict(model_channels=16, channel_mult=[1, 5], channels_per_head=25),
+                     "attention at 4x4 splits 80 channels into 3 heads of channels_per_head=25"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_constructor_arguments_are_refused_before_anything_is_built(case, monkeypatch):
+    def built(*args, **kwargs):
+        raise AssertionError("a layer was built before the arguments were checked")
+
+    monkeypatch.setattr(networks, "MPConv", built)
+    monkeypatch.setattr(networks, "MPFourier", built)
+    overrides, message = BAD_ARGUMENTS[case]
+    with pytest.raises(ArchitectureError, match=re.escape(message)):
+        tiny_precond(**overrides)
+
+
+def test_arguments_at_their_bounds_build():
+    with torch.device("meta"):
+        # 96x96 with four levels (96, 48, 24, 12) and attention at two of them, as the README's own data does.
+        net = Precond(96, 1, 0, model_channels=4096, channel_mult=[1, 2, 3, 4], attn_resolutions=[24, 12],
+                      channels_per_head=4096, sigma_data=1000.0, dropout=1.0)
+    assert net.unet.enc["12x12_block2"].num_heads == 4 and net.unet.enc["96x96_block0"].num_heads == 0
+    assert tiny_precond(label_dim=0, channel_mult=[1], attn_resolutions=[], channels_per_head=1).init_kwargs["label_dim"] == 0

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pickle
+import re
 
 import numpy as np
 import PIL.Image
@@ -19,8 +20,9 @@ from edm2.plots import toy as toy_plots
 from edm2.release_pickle import ReleasePickleError
 from edm2.toy_model import ToyDenoiser, guided_score, sample_trajectories
 from edm2.toy_snapshot import load_toy, save_toy
-from tests.helpers import (assert_refused, forget_release_standins, randomized, write_raw_snapshot,
-                           write_release_toy_pickle)
+from edm2.layers import ArchitectureError
+from tests.helpers import (assert_one_error_line, assert_refused, forget_release_standins, install_release_standins,
+                           randomized, run_with_memory_limit, write_raw_snapshot, write_release_toy_pickle)
 from training.toy import ToyTraining, train_toy
 
 
@@ -161,6 +163,30 @@ def test_release_toy_pickle_loads_without_running_its_code(tmp_path, release_sta
     assert torch.equal(loaded(x, sigma), net(x, sigma))
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (dict(hidden_dim=-3), "hidden_dim=-3: expected an integer from 1 to 4096"),
+    (dict(num_layers=0), "num_layers=0: expected an integer from 1 to 64"),
+    (dict(in_dim=2.0), "in_dim=2.0: expected an integer from 1 to 4096"),
+    (dict(sigma_data=float("inf")), "sigma_data=inf: expected a number in (0, 1000.0]"),
+])
+def test_bad_toy_arguments_are_refused(arguments, message):
+    with pytest.raises(ArchitectureError, match=re.escape(message)):
+        ToyDenoiser(**arguments)
+
+
+@pytest.mark.bad_input
+def test_a_snapshot_declaring_a_larger_network_than_it_holds_allocates_nothing_for_it(tmp_path):
+    # 64 layers of 4096 x 4096 float32 weights would take 4 GiB; the file holds one layer of 4 x 4. Plotted with the
+    # address space limited to what importing torch mapped plus 1 GiB, it is refused by its weights.
+    net = ToyDenoiser(num_layers=1, hidden_dim=4)
+    net.init_kwargs.update(num_layers=64, hidden_dim=4096)
+    save_toy(tmp_path / "toy.safetensors", net, {})
+    result = run_with_memory_limit(1 << 30, "toy_example.py", "plot", "--net", tmp_path / "toy.safetensors",
+                                   "--gnet", tmp_path / "toy.safetensors", "--save", tmp_path / "fig.png")
+    assert_one_error_line(result, "--net", "weights do not match the stored architecture")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.safetensors"]
+
+
 def test_release_edm2_pickle_is_not_a_toy_model(tmp_path, release_standins):
     persistence, _ = release_standins
     (tmp_path / "edm2.pkl").write_bytes(pickle.dumps(persistence.Persistent("Precond", {})))
@@ -223,6 +249,13 @@ def bad(tmp_path, kind):
     if kind == "toy":
         save_toy(tmp_path / "toy.safetensors", ToyDenoiser(num_layers=1, hidden_dim=4), {})
         return tmp_path / "toy.safetensors"
+    if kind.startswith("hidden_dim="):  # a release toy pickle declaring this hidden_dim, holding 4 x 4 weights
+        persistence, _ = install_release_standins(tmp_path)
+        net = ToyDenoiser(num_layers=1, hidden_dim=4)
+        net.init_kwargs["hidden_dim"] = int(kind.removeprefix("hidden_dim="))
+        write_release_toy_pickle(tmp_path / "toy.pkl", net, persistence)
+        forget_release_standins()
+        return tmp_path / "toy.pkl"
     if kind == "used":
         (tmp_path / "used").mkdir()
         (tmp_path / "used" / "iter0256.safetensors").write_text("x")
@@ -241,6 +274,11 @@ BAD_INPUT = {
     "train outdir has snapshots": (lambda t: ["train", "--outdir", bad(t, "used")], ["--outdir", "iter0256"]),
     "plot net missing": (lambda t: ["plot", "--net", t / "none.safetensors", "--gnet", t / "g"], ["--net", "no such"]),
     "plot net edm2": (lambda t: ["plot", "--net", bad(t, "edm2"), "--gnet", t / "g"], ["--net", "not a toy"]),
+    "plot net toy pickle hidden_dim=-3": (lambda t: ["plot", "--net", bad(t, "hidden_dim=-3"), "--gnet", t / "g"],
+                                          ["--net", "hidden_dim=-3: expected an integer from 1 to 4096"]),
+    "plot net toy pickle larger than its weights": (
+        lambda t: ["plot", "--net", bad(t, "hidden_dim=4096"), "--gnet", t / "g"],
+        ["--net", "'layers.0.weight' is [4, 4] in the file, [4096, 4] in the ToyDenoiser"]),
     "plot gnet garbage": (lambda t: ["plot", "--net", bad(t, "toy"), "--gnet", bad(t, "file")], ["--gnet"]),
     "plot guidance": (lambda t: ["plot", "--guidance", "nan", "--save", t / "x.png"], ["--guidance"]),
     "plot save suffix": (lambda t: ["plot", "--save", t / "x.jpg"], ["--save", ".png"]),

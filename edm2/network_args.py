@@ -1,0 +1,132 @@
+"""Network constructor arguments checked before anything is built: types, ranges and sane upper bounds.
+
+The arguments come from Python, from our snapshots' metadata and from the release's pickles. The U-Net, its
+preconditioning and the toy denoiser check them here first, so that none of them builds (or allocates) anything
+for an argument it cannot use, and arguments read from a file are refused with one line naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from typing import Mapping
+
+from edm2.layers import ArchitectureError
+
+MAX_CHANNELS = 4096  # model_channels, logvar_channels, channels_per_head, hidden_dim: EDM2-XXL has 448
+MAX_MULT = 64  # channel_mult and friends: the release's largest is 4
+MAX_LEVELS = 16  # U-Net levels and attention resolutions: the release has 4 levels
+MAX_BLOCKS = 64  # blocks per level (num_blocks), layers of the toy model: the release has 3 and 4
+MAX_RESOLUTION = 8192  # img_resolution: the release's largest is 64 (latents of 512x512 images)
+MAX_IMG_CHANNELS = 256  # latents have 4, RGB images 3
+MAX_LABELS = 1_000_000  # ImageNet has 1000 classes
+MAX_SCALE = 1000.0  # sigma_data and clip_act: the release uses 0.5 and 256
+BLOCK_ARGS = ("channels_per_head", "dropout", "res_balance", "attn_balance", "clip_act")
+
+
+class _Short(reprlib.Repr):
+    """repr of a value from a file, bounded in length whatever the value is."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        # str() of an integer of more than 4300 digits raises ValueError.
+        return repr(x) if x.bit_length() <= 64 else f"<a {x.bit_length()}-bit integer>"
+
+    def repr_instance(self, x: object, level: int) -> str:
+        # Other objects' repr may be long or costly (a pickled module's record repr walks all of it).
+        return repr(x) if x is None or isinstance(x, (bool, float)) else f"<{type(x).__name__}>"
+
+
+_short = _Short()
+_short.maxstring = _short.maxother = 40
+
+
+def shown(value: object) -> str:
+    """A value as a message may show it: short, whatever it is."""
+    return _short.repr(value)
+
+
+def _refuse(name: str, value: object, expected: str) -> ArchitectureError:
+    return ArchitectureError(f"{name}={shown(value)}: expected {expected}")
+
+
+def integer(name: str, value: object, low: int, high: int) -> int:
+    """value, unless it is not an int (bool is none) from low to high: ArchitectureError naming the argument."""
+    if type(value) is not int or not low <= value <= high:
+        raise _refuse(name, value, f"an integer from {low} to {high}")
+    return value
+
+
+def real(name: str, value: object, low: float, high: float, low_open: bool = False) -> float:
+    """value as a float, unless it is not a finite number in [low, high] (or (low, high])."""
+    # An int compares exactly, however long; converting one of 400 digits to float would raise OverflowError.
+    number = type(value) is int or (type(value) is float and math.isfinite(value))
+    number = number and low <= value <= high
+    if not number or (low_open and value == low):
+        raise _refuse(name, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+    return float(value)
+
+
+def integers(name: str, value: object, low: int, high: int, min_len: int, max_len: int) -> list[int]:
+    """value as a list, unless it is not a list or tuple of min_len to max_len integers from low to high."""
+    if not isinstance(value, (list, tuple)) or not min_len <= len(value) <= max_len:
+        raise _refuse(name, value, f"a list of {min_len} to {max_len} integers")
+    return [integer(f"{name}[{i}]", v, low, high) for i, v in enumerate(value)]
+
+
+def flag(name: str, value: object) -> bool:
+    """value, unless it is not a bool."""
+    if type(value) is not bool:
+        raise _refuse(name, value, "True or False")
+    return value
+
+
+def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> None:
+    """Raise ArchitectureError unless the UNet arguments (args holds all of them, and may hold more) and the Block
+    arguments (defaults filled in) describe a U-Net that can be built and run: each in its range, the resolution halving at every level, and
+    the channels of every level with attention splitting into whole heads."""
+    unknown = sorted(map(shown, set(block_args) - set(BLOCK_ARGS)))
+    if unknown:
+        raise ArchitectureError(f"unknown network argument {unknown[0]}")
+    resolution = integer("img_resolution", args["img_resolution"], 1, MAX_RESOLUTION)
+    integer("img_channels", args["img_channels"], 1, MAX_IMG_CHANNELS)
+    integer("label_dim", args["label_dim"], 0, MAX_LABELS)
+    channels = integer("model_channels", args["model_channels"], 1, MAX_CHANNELS)
+    mult = integers("channel_mult", args["channel_mult"], 1, MAX_MULT, 1, MAX_LEVELS)
+    for name in ("channel_mult_noise", "channel_mult_emb"):
+        if args[name] is not None:
+            integer(name, args[name], 1, MAX_MULT)
+    integer("num_blocks", args["num_blocks"], 1, MAX_BLOCKS)
+    attention = integers("attn_resolutions", args["attn_resolutions"], 1, MAX_RESOLUTION, 0, MAX_LEVELS)
+    for name in ("label_balance", "concat_balance", "res_balance", "attn_balance"):
+        real(name, {**args, **block_args}[name], 0, 1)
+    real("dropout", block_args["dropout"], 0, 1)
+    if block_args["clip_act"] is not None:
+        real("clip_act", block_args["clip_act"], 0, MAX_SCALE, low_open=True)
+    per_head = integer("channels_per_head", block_args["channels_per_head"], 1, MAX_CHANNELS)
+    levels = len(mult)
+    if resolution % 2 ** (levels - 1):
+        raise ArchitectureError(f"img_resolution={resolution} does not divide by 2^{levels - 1}, as the "
+                                f"{levels} levels of channel_mult={mult} need")
+    for level, m in enumerate(mult):
+        width, res = channels * m, resolution >> level
+        heads = width // per_head
+        # The lowest level's first decoder block always has attention.
+        if (res in attention or level == levels - 1) and heads and width % heads:
+            raise ArchitectureError(f"attention at {res}x{res} splits {width} channels into {heads} heads of "
+                                    f"channels_per_head={per_head}: they do not divide evenly")
+
+
+def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object) -> None:
+    """Raise ArchitectureError unless Precond's own arguments are in range (the U-Net checks the rest)."""
+    real("sigma_data", sigma_data, 0, MAX_SCALE, low_open=True)
+    integer("logvar_channels", logvar_channels, 1, MAX_CHANNELS)
+    flag("use_fp16", use_fp16)
+    flag("use_bf16", use_bf16)
+
+
+def check_toy(in_dim: object, num_layers: object, hidden_dim: object, sigma_data: object) -> None:
+    """Raise ArchitectureError unless the toy denoiser's arguments are in range."""
+    integer("in_dim", in_dim, 1, MAX_CHANNELS)
+    integer("num_layers", num_layers, 1, MAX_BLOCKS)
+    integer("hidden_dim", hidden_dim, 1, MAX_CHANNELS)
+    real("sigma_data", sigma_data, 0, MAX_SCALE, low_open=True)
