@@ -149,7 +149,7 @@ def test_bad_datasets_raise_one_line_naming_the_path(tmp_path, case):
 
 # dataset.json variants beside two release-named images; each must be refused in one line naming the file.
 BAD_LABELS = {
-    "not JSON": (b'{"labels": [', ["not in the release format", "JSONDecodeError"]),
+    "not JSON": (b'{"labels": [', ["not in the release format", "not valid JSON"]),
     "not UTF-8": (b"\xff\xfe\x00", ["not in the release format"]),
     "no labels key": (b'{"classes": []}', ["no 'labels' key"]),
     "a list": (b"[]", ["not in the release format"]),
@@ -160,6 +160,10 @@ BAD_LABELS = {
     "bool label": (b"true", ["non-negative integers", "true"]),
     "negative label": (b"-1", ["non-negative integers", "-1"]),
     "null label": (b"null", ["non-negative integers", "null"]),
+    # Hostile sizes: refused before a one-hot of that many classes, or a parse that recurses 100,000 times.
+    "label 10**30": (b"1" + b"0" * 30, ["not in the release format", "more than 20 digits"]),
+    "label 2**40": (str(2**40).encode(), ["integers below 1048576", str(2**40)]),
+    "nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, ["not in the release format", "nested 100000 levels"]),
 }
 
 
