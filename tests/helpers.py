@@ -541,6 +541,14 @@ def black_png(width: int, height: int, channels: int = 3) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", stream) + png_chunk(b"IEND", b"")
 
 
+def png_bomb_zip(root: Path, side: int, channels: int = 3, name: str = "00000/img00000000.png") -> Path:
+    """root/bomb.zip, deflated, holding one black_png of side x side (3 GiB at side 32768, in a ZIP of about 8 KB)."""
+    path = root / "bomb.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(name, black_png(side, side, channels))
+    return path
+
+
 # The address space (RLIMIT_AS) of a command's process at its end, printed to stderr by a wrapper.
 _PEAK_LINE = "address space peak: "
 _WRAPPER = """

@@ -17,7 +17,8 @@ import train_edm2
 from edm2.dataset import (MAX_IMAGE_PIXELS, DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname,
                           read_labels)
 from edm2.errors import EDM2Error
-from tests.helpers import assert_refused, black_png, png_file, write_members
+from tests.helpers import (assert_refused, black_png, png_bomb_zip, png_file, run_python_script, run_training,
+                           write_image_dataset, write_members)
 
 # The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
@@ -381,6 +382,17 @@ def test_non_finite_latents_are_refused_when_read_naming_the_file(tmp_path, valu
         ImageFolderDataset(latents_zip(tmp_path, [np.full((8, 4, 4), np.nan, np.float32)], "nan.zip"))
 
 
+@pytest.mark.bad_input
+def test_a_non_finite_latent_met_by_a_data_loader_worker_ends_training_in_one_line(tmp_path):
+    # The first batch (32 of 16 images) holds image 9; the worker's error reaches the user as one line naming the
+    # file, and the process ends (workers ignore SIGTERM, which once left it waiting for them forever).
+    arrays = [np.random.default_rng(i).standard_normal((8, 8, 8)).astype(np.float32) for i in range(16)]
+    arrays[9][0, 0, 0] = np.nan
+    data = latents_zip(tmp_path, arrays)
+    assert_refused(tmp_path, lambda: run_training(data, tmp_path / "run", "--cond=False", "--workers=1"),
+                   "--data", f"{data}: {latent_fname(9)} holds non-finite values")
+
+
 def test_latents_of_other_dtypes_and_fortran_order_read_as_float32(tmp_path):
     rng = np.random.default_rng(2)
     values = rng.standard_normal((8, 4, 4))
@@ -469,3 +481,51 @@ def test_symlinked_folders_are_followed_and_loops_are_not(tmp_path):
     (root / "a" / "loop").symlink_to(root, target_is_directory=True)  # back to an ancestor
     (outside / "deep" / "up").symlink_to(outside, target_is_directory=True)
     assert FileTree(root).names == ["a/x.png", "b/deep/z.png", "b/y.png"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each hostile size is refused in one line by the command that reads it, within a memory bound: its address
+# space capped at what it needs for a good dataset of the same kind plus 1 GiB.
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def dry_run_peak(tmp_path_factory):
+    """The peak address space of train_edm2.py --dry-run on a good 8x8 dataset."""
+    root = tmp_path_factory.mktemp("baseline")
+    data = write_image_dataset(root / "data", num=4)
+    result, peak = run_python_script(["train_edm2.py", "--preset=toy-tiny", f"--data={data}",
+                                      f"--outdir={root / 'run'}", "--dry-run"])
+    assert result.returncode == 0 and peak > 0, result.stdout + result.stderr
+    return peak
+
+
+def labeled_zip(tmp_path, dataset_json: bytes):
+    """Two 8x8 images with the given dataset.json."""
+    image = png_file(np.zeros((8, 8, 3), np.uint8))
+    return write_members(tmp_path, {image_fname(0): image, image_fname(1): image, "dataset.json": dataset_json},
+                         "data.zip")
+
+
+HOSTILE_DATASETS = {
+    "latent declaring (8, 1e6, 1e6)": (lambda t: latents_zip(t, [npy_with_header((8, 10**6, 10**6))]),
+                                       ["declares shape 8x1000000x1000000"]),
+    "PNG inflating to 3 GiB": (lambda t: png_bomb_zip(t, 32768), [image_fname(0), "decompression bomb"]),
+    "PNG inflating to 256 MiB, beyond the pixel bound": (lambda t: png_bomb_zip(t, 8200, 4),
+                                                         [image_fname(0), "declares 8200x8200 pixels"]),
+    "dataset.json nested 100,000 lists deep": (lambda t: labeled_zip(t, b"[" * 100_000 + b"]" * 100_000),
+                                               ["dataset.json", "nested 100000 levels"]),
+    "label 10**30": (lambda t: labeled_zip(t, labels_file(b"1" + b"0" * 30)), ["dataset.json", "20 digits"]),
+    "a 2**40-class one-hot": (lambda t: labeled_zip(t, labels_file(str(2**40).encode())),
+                              ["dataset.json", "below 1048576", str(2**40)]),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", HOSTILE_DATASETS)
+def test_hostile_sizes_are_refused_within_a_memory_bound(tmp_path, case, dry_run_peak):
+    build, words = HOSTILE_DATASETS[case]
+    data = build(tmp_path)
+    args = ["train_edm2.py", "--preset=toy-tiny", f"--data={data}", f"--outdir={tmp_path / 'run'}", "--dry-run"]
+    assert_refused(tmp_path, lambda: run_python_script(args, dry_run_peak + GIB)[0], "--data", *words)
