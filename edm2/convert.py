@@ -16,8 +16,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.dataset import (IMAGE_ERRORS, LABELS_FILE, DatasetError, FileTree, image_fname, open_image,
-                          read_labels, source_image_names)
+from edm2.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
+from edm2.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.dataset_writer import DatasetWriter, png_bytes
 from edm2.errors import one_line
 
@@ -123,7 +123,7 @@ class ConvertedImages(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
         try:
             image = self.transform(read_image(self.files.read(self.names[idx]), self.mode))
-        except (*IMAGE_ERRORS, DatasetError) as e:  # DatasetError: a file larger than a dataset file may be
+        except (*IMAGE_ERRORS, DatasetError) as e:  # DatasetError: a file beyond FileTree.read's bounds
             return None, f"{type(e).__name__}: {one_line(e)}"
         return png_bytes(image), image.shape[:2]
 

@@ -309,9 +309,9 @@ def three_channel_latents(tmp_path):
     return write_members(tmp_path / "odd", {latent_fname(0): data, "dataset.json": b'{"labels": null}'})
 
 
-def not_an_encode(tmp_path):
+def not_an_encode(tmp_path, manifest="[1, 2]"):
     (tmp_path / "e.zip.partial").mkdir()
-    (tmp_path / "e.zip.partial" / "encode.json").write_text("[1, 2]")
+    (tmp_path / "e.zip.partial" / "encode.json").write_text(manifest)
     return tmp_path / "e.zip"
 
 
@@ -437,6 +437,10 @@ BAD_INPUT = {
     "encode: progress folder of something else": (
         lambda t, s, c: ["encode", "--source", s[0] / "toy.zip", "--dest", not_an_encode(t), "--vae", s[1]],
         ["e.zip.partial", "not an unfinished encode"], None),
+    "encode: progress manifest nested 100,000 lists deep": (
+        lambda t, s, c: ["encode", "--source", s[0] / "toy.zip", "--vae", s[1],
+                         "--dest", not_an_encode(t, "[" * 100_000 + "]" * 100_000)],
+        ["e.zip.partial", "not an unfinished encode", "nested 100000 levels"], None),
     "decode: PNG source": (
         lambda t, s, c: ["decode", "--source", s[0] / "toy.zip", "--dest", t / "d.zip"], ["--source", ".npy"], None),
     "decode: odd channel count": (
