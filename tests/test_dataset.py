@@ -321,10 +321,10 @@ def test_any_format_reads_what_pil_reads_and_only_then(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Hostile files: sizes declared in headers, bombs, duplicates, non-finite latents.
 
-def npy_with_header(shape, values: bytes = b"\0" * 16, descr="<f4") -> bytes:
-    """A .npy file whose header declares `shape`, followed by the raw `values` whatever their size."""
+def npy_with_header(shape, values: bytes = b"\0" * 16) -> bytes:
+    """A float32 .npy file whose header declares `shape`, followed by the raw `values` whatever their size."""
     buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
     return buffer.getvalue() + values
 
 
