@@ -130,7 +130,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
-    Top-level class folders give the labels, numbered in sorted folder order (printed at the end).
+    Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order (printed
+    at the end).
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
     with any colour image among them all become RGB. Alpha is dropped.
 

@@ -16,8 +16,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.dataset import (IMAGE_ERRORS, LABELS_FILE, DatasetError, FileTree, image_fname, read_labels,
-                          source_image_names)
+from edm2.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
+from edm2.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.dataset_writer import DatasetWriter, png_bytes
 from edm2.errors import one_line
 
@@ -84,7 +84,7 @@ def choose_mode(source: ImageSource, channels: str, max_images: int | None = Non
         return CHANNEL_MODES[channels]
     for name in source.names[:max_images]:
         try:
-            with source.files.open(name) as stream, PIL.Image.open(stream) as image:
+            with source.files.open(name) as stream, open_image(stream) as image:
                 mode = image.mode
         except IMAGE_ERRORS:
             continue
@@ -97,9 +97,10 @@ def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
     """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted).
 
     16-bit grayscale (PIL's I;16 modes: 16-bit PNG and TIFF, common for scientific images) is scaled to 8 bits as
-    round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white.
+    round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white. An image declaring
+    more than MAX_IMAGE_PIXELS pixels is refused before decoding (open_image).
     """
-    with PIL.Image.open(io.BytesIO(data)) as image:
+    with open_image(io.BytesIO(data)) as image:
         if image.mode.startswith("I;16"):
             wide = np.asarray(image).astype(np.uint32)
             image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
@@ -122,7 +123,7 @@ class ConvertedImages(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
         try:
             image = self.transform(read_image(self.files.read(self.names[idx]), self.mode))
-        except IMAGE_ERRORS as e:
+        except (*IMAGE_ERRORS, DatasetError) as e:  # DatasetError: a file beyond FileTree.read's bounds
             return None, f"{type(e).__name__}: {one_line(e)}"
         return png_bytes(image), image.shape[:2]
 

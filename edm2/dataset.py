@@ -8,32 +8,30 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import zipfile
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import PIL.Image
 import torch
 
-from edm2.errors import EDM2Error
+from edm2 import bounded_json
+from edm2.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
 
 IMAGE_SUFFIXES = (".png", ".npy")
-# Reading any image format (for metrics), images of these PIL modes are decoded as RGB: a folder may mix them
-# (ImageNet's JPEGs include grayscale and CMYK ones), and gray repeated to RGB is what metrics do with gray anyway.
-# Alpha and 16-bit images stay as they are, for the reader to refuse.
-TO_RGB_MODES = {"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV"}
+# The one rule, for training and metrics alike: images in a PIL mode that is no channel layout of its own are
+# decoded as the gray or colour image they show (a palette PNG's indices are no gray levels). Other modes stay
+# as they are (RGBA trains as 4 channels; 16-bit images are refused as not 8-bit).
+DECODED_MODES = {"1": "L", "P": "RGB", "PA": "RGBA", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB"}
+# Reading any image format (for metrics), gray is decoded as RGB too: a folder may mix them (ImageNet's JPEGs
+# include grayscale ones), and gray repeated to RGB is what metrics do with gray anyway.
+MAX_CLASSES = 1 << 20  # 48x ImageNet-21k's classes; a one-hot label of 2**20 already takes 4 MiB per image
 LABELS_FILE = "dataset.json"
 # The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
 RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
-# What PIL raises for files that are not (complete) images; SyntaxError comes from broken PNG chunks.
-IMAGE_ERRORS = (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError)
-
-
-class DatasetError(EDM2Error):
-    """A dataset that cannot be used; the message names its path and what is wrong."""
 
 
 def image_fname(idx: int) -> str:
@@ -63,64 +61,16 @@ def convert_hint(path: str | os.PathLike) -> str:
             f"--dest=DATASET.zip` first")
 
 
-class FileTree:
-    """Read-only files of a directory or ZIP, usable from several processes (each opens the ZIP itself)."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._zip: zipfile.ZipFile | None = None
-        self._zip_pid: int | None = None
-        if self.path.is_dir():
-            self.is_zip = False
-            names = [Path(root, name).relative_to(self.path).as_posix()
-                     for root, _dirs, fnames in os.walk(self.path) for name in fnames]
-        elif self.path.is_file():
-            self.is_zip = True
-            names = [name for name in self._archive().namelist() if not name.endswith("/")]
-        else:
-            raise DatasetError(f"{self.path}: no such directory or ZIP file")
-        self.names: list[str] = sorted(names)
-
-    def _archive(self) -> zipfile.ZipFile:
-        # A ZipFile shares its file offset, so each process (DataLoader worker) opens its own.
-        if self._zip is None or self._zip_pid != os.getpid():
-            try:
-                self._zip = zipfile.ZipFile(self.path)
-            except (zipfile.BadZipFile, OSError) as e:
-                raise DatasetError(f"{self.path}: not a readable ZIP file ({e})") from None
-            self._zip_pid = os.getpid()
-        return self._zip
-
-    def read(self, name: str) -> bytes:
-        """The bytes of one file, named by its relative path."""
-        if self.is_zip:
-            return self._archive().read(name)
-        return (self.path / name).read_bytes()
-
-    def open(self, name: str) -> IO[bytes]:
-        """One file as a binary stream, to read its header without the rest."""
-        return self._archive().open(name) if self.is_zip else open(self.path / name, "rb")
-
-    def close(self) -> None:
-        """Close the ZIP file if this process opened it."""
-        if self._zip is not None and self._zip_pid == os.getpid():
-            self._zip.close()
-        self._zip = None
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__, _zip=None, _zip_pid=None)
-
-
 def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
     """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels.
 
     The one reader of dataset.json ({"labels": [[name, class], ...]} or {"labels": null}, the release's
-    format): every name must be listed, with a non-negative integer class.
+    format): every name must be listed, with a class (is_class).
     """
     if LABELS_FILE not in files.names:
         return None
     try:
-        text = files.read(LABELS_FILE)
+        text = files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES)
     except (OSError, zipfile.BadZipFile) as e:
         raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
     labels = parse_labels(text, files.path)
@@ -133,24 +83,32 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
     values = [labels[name] for name in names]
     wrong = [v for v in values if not is_class(v)]
     if wrong:
-        raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers, "
-                           f"found {json.dumps(wrong[0])}")
+        raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers below "
+                           f"{MAX_CLASSES} (classes), found {json.dumps(wrong[0])}")
     return values
 
 
 def is_class(label: object) -> bool:
-    """Whether a dataset.json label is a class: a non-negative integer (JSON's true and false are not)."""
-    return isinstance(label, int) and not isinstance(label, bool) and label >= 0
+    """Whether a dataset.json label is a class: an integer in [0, MAX_CLASSES) (JSON's true and false are not)."""
+    return isinstance(label, int) and not isinstance(label, bool) and 0 <= label < MAX_CLASSES
 
 
 def parse_labels(text: bytes, path: str | os.PathLike) -> dict[str, object] | None:
     """{name: label} of a dataset.json text, None for null labels; the labels themselves are checked later."""
+    source = f"{path}: {LABELS_FILE}"
     try:
-        listed = json.loads(text)["labels"]
-    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        reason = "no 'labels' key" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        listed = bounded_json.parse(text, source)["labels"]
+    except bounded_json.JSONFileError as e:  # malformed, too large, too deep, or a number out of bounds
+        reason = str(e).removeprefix(f"{source}: ")
+    except KeyError:
+        reason = "no 'labels' key"
+    except TypeError as e:  # JSON that is not an object
+        reason = f"TypeError: {e}"
+    else:
+        reason = None
+    if reason is not None:
         raise DatasetError(f"{path}: {LABELS_FILE} is not in the release format "
-                           f'{{"labels": [[name, class], ...]}} ({reason})') from None
+                           f'{{"labels": [[name, class], ...]}} ({reason})')
     if listed is None:
         return None
     if not isinstance(listed, list) or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
@@ -171,14 +129,15 @@ def is_raw_image_folder(files: FileTree) -> bool:
 class ImageFolderDataset(torch.utils.data.Dataset):
     """Images (uint8 CHW from PNG, float32 CHW from NPY) and one-hot labels of a release-format dataset.
 
-    The first image fixes the shape; every later image is checked against it when read, because
-    reading all headers up front would take minutes on ImageNet-sized datasets. Images that
+    The first image fixes the shape; every later image's header is checked against it when read, before it is
+    decoded, because reading all headers up front would take minutes on ImageNet-sized datasets. Palette and
+    other modes are decoded by one rule (DECODED_MODES); .npy latents must be finite. Images that
     dataset_tool.py did not write (is_raw_image_folder) are checked a little more up front: no other
     image formats beside them, and the first image of every sub-folder has the first image's size; every
     error about them ends with a pointer to `dataset_tool.py convert`.
 
     With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
-    beside .npy), and every 8-bit image without alpha is decoded as RGB (TO_RGB_MODES).
+    beside .npy), and grayscale images are decoded as RGB too.
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
@@ -186,6 +145,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         self.path = Path(path)
         self._files = FileTree(path)
         self._any_format = any_format
+        self.image_shape: list[int] | None = None  # CHW, set by the first image
         self._raw = is_raw_image_folder(self._files)
         try:
             self._open(resolution, use_labels, max_size)
@@ -241,27 +201,57 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
     def _image_size(self, raw_idx: int) -> list[int]:
         fname = self._all_fnames[raw_idx]
-        if fname.lower().endswith(".npy"):
-            return list(self._load(raw_idx).shape[1:])
         try:
-            with self._files.open(fname) as stream, PIL.Image.open(stream) as image:
+            if fname.lower().endswith(".npy"):
+                return list(npy_header(self._files.read(fname))[0][1:])
+            with self._files.open(fname) as stream, open_image(stream) as image:
                 return [image.height, image.width]
         except IMAGE_ERRORS as e:
             raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
 
     def _load(self, raw_idx: int) -> np.ndarray:
+        """Image raw_idx as CHW; its header is checked against the first image's shape before it is decoded."""
         fname = self._all_fnames[raw_idx]
         try:
-            data = io.BytesIO(self._files.read(fname))
+            data = self._files.read(fname)
             if fname.lower().endswith(".npy"):
-                return np.load(data, allow_pickle=False).astype(np.float32, copy=False)
-            with PIL.Image.open(data) as pil:
-                image = np.asarray(pil.convert("RGB") if self._any_format and pil.mode in TO_RGB_MODES else pil)
+                return self._load_npy(raw_idx, data)
+            with open_image(io.BytesIO(data)) as pil:
+                mode = DECODED_MODES.get(pil.mode, pil.mode)
+                mode = "RGB" if self._any_format and mode == "L" else mode
+                self._check_shape(raw_idx, [PIL.Image.getmodebands(mode), pil.height, pil.width])
+                image = np.asarray(pil if mode == pil.mode else pil.convert(mode))
         except IMAGE_ERRORS as e:
             raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
         if image.dtype != np.uint8:
             raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
         return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
+
+    def _load_npy(self, raw_idx: int, data: bytes) -> np.ndarray:
+        """Float32 latents of a .npy file whose header agrees with its size and the first image's shape."""
+        fname = self._all_fnames[raw_idx]
+        shape, fortran, dtype, offset = npy_header(data)
+        if dtype.kind not in "fiu":
+            raise DatasetError(f"{self.path}: {fname} holds {dtype} values; latents are real numbers")
+        count = math.prod(shape)  # Python integers: a hostile shape cannot overflow
+        if count * dtype.itemsize != len(data) - offset:
+            raise DatasetError(f"{self.path}: {fname} declares shape {_shape_text(shape)} of {dtype} "
+                               f"({count * dtype.itemsize} bytes) but holds {len(data) - offset} bytes of values")
+        self._check_shape(raw_idx, list(shape))
+        values = np.frombuffer(data, dtype, count=count, offset=offset).reshape(shape, order="F" if fortran else "C")
+        latents = np.array(values, dtype=np.float32, order="C")
+        if not np.isfinite(latents).all():
+            raise DatasetError(f"{self.path}: {fname} holds non-finite values (NaN or infinity)")
+        return latents
+
+    def _check_shape(self, raw_idx: int, shape: list[int]) -> None:
+        """Refuse an image whose (declared) shape differs from the first image's; the first sets it."""
+        if self.image_shape is None or shape == self.image_shape:
+            return
+        hint = convert_hint(self.path) if self._raw else ""
+        mixed = "resolutions" if shape[1:] != self.image_shape[1:] else "channel counts (gray and colour)"
+        raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(shape)} "
+                           f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
 
     def close(self) -> None:
         """Close the ZIP file if this process opened it."""
@@ -271,14 +261,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return int(self._raw_idx.size)
 
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
-        raw_idx = self._raw_idx[idx]
-        image = self._load(raw_idx)
-        if list(image.shape) != self.image_shape:
-            hint = convert_hint(self.path) if self._raw else ""
-            mixed = "resolutions" if list(image.shape[1:]) != self.image_shape[1:] else "channel counts (gray and colour)"
-            raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(image.shape)} "
-                               f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
-        return image, self.get_label(idx)
+        return self._load(self._raw_idx[idx]), self.get_label(idx)
 
     def get_label(self, idx: int) -> np.ndarray:
         """One-hot float32 label of item idx; a zero-length array when the dataset has no labels."""

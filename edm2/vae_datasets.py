@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from edm2 import distributed, files
+from edm2 import bounded_json, distributed, files
 from edm2.dataset import LABELS_FILE, DatasetError, ImageFolderDataset, latent_fname
 from edm2.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
 from edm2.encoders import StabilityVAEEncoder
@@ -78,10 +78,10 @@ def prepare_work_dir(work: Path, manifest: dict) -> None:
         _write_manifest(work, manifest)
         return
     try:
-        previous = json.loads((work / ENCODE_MANIFEST).read_text())
+        previous = bounded_json.read(work / ENCODE_MANIFEST)
         changed = [f"{key} {previous.get(key)!r} -> {value!r}" for key, value in manifest.items()
                    if previous.get(key) != value]
-    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+    except (OSError, bounded_json.JSONFileError, AttributeError) as e:  # AttributeError: JSON that is not an object
         raise EncodeWorkError(f"{work} exists but is not an unfinished encode ({type(e).__name__}: {one_line(e)}); "
                               f"delete it or choose another destination") from None
     if changed and not any(work.glob(_LATENT_GLOB)):

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -539,3 +540,61 @@ def run_with_memory_limit(headroom: int, script: str, *args: str) -> subprocess.
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")  # threads and arenas reserve address space
     return subprocess.run([sys.executable, "-c", _LIMITED, str(headroom), script, *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, type, data and the CRC of type and data."""
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+
+def black_png(width: int, height: int, channels: int = 3) -> bytes:
+    """A valid 8-bit PNG (1 channel gray, 3 RGB, 4 RGBA) of black pixels, built without ever holding them: a
+    decompression bomb, a few MB inflating to gigabytes for large sizes.
+
+    Its IDAT repeats one deflate block of 1 MiB of zeros (a full flush makes each block independent of the ones
+    before); the zlib checksum of n zeros is (n mod 65521) << 16 | 1, since Adler-32's first sum stays 1."""
+    row = 1 + width * channels  # a filter byte (0: none) before each row
+    total = row * height
+    chunk = 1 << 20
+    block = zlib.compressobj(9, zlib.DEFLATED, -15)
+    full = block.compress(bytes(chunk)) + block.flush(zlib.Z_FULL_FLUSH)
+    last = zlib.compressobj(9, zlib.DEFLATED, -15)
+    tail = last.compress(bytes(total % chunk)) + last.flush(zlib.Z_FINISH)
+    stream = b"\x78\xda" + full * (total // chunk) + tail + ((total % 65521) << 16 | 1).to_bytes(4, "big")
+    color_type = {1: 0, 3: 2, 4: 6}[channels]
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, color_type, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", stream) + png_chunk(b"IEND", b"")
+
+
+def png_bomb_zip(root: Path, side: int, channels: int = 3, name: str = "00000/img00000000.png") -> Path:
+    """root/bomb.zip, deflated, holding one black_png of side x side (3 GiB at side 32768, in a ZIP of about 8 KB)."""
+    path = root / "bomb.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(name, black_png(side, side, channels))
+    return path
+
+
+# The address space (RLIMIT_AS) of a command's process at its end, printed to stderr by a wrapper.
+_PEAK_LINE = "address space peak: "
+_WRAPPER = """
+import atexit, resource, runpy, sys
+limit = int(sys.argv[1])
+if limit:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+peak = lambda: [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmPeak:")][0]
+atexit.register(lambda: print("%s%s" % ({marker!r}, peak()), file=sys.stderr))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_python_script(args: Sequence, address_limit: int = 0) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `python SCRIPT ARGS...` (args) from the repository with its address space capped at address_limit
+    bytes (0: no cap); return the finished process (its peak line removed from stderr) and its peak in bytes."""
+    wrapper = _WRAPPER.format(marker=_PEAK_LINE)
+    result = subprocess.run([sys.executable, "-c", wrapper, str(address_limit), *map(str, args)], cwd=REPO,
+                            env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.splitlines(keepends=True)
+    peaks = [int(line.removeprefix(_PEAK_LINE)) * 1024 for line in lines if line.startswith(_PEAK_LINE)]
+    result.stderr = "".join(line for line in lines if not line.startswith(_PEAK_LINE))
+    return result, max(peaks, default=0)

@@ -27,7 +27,8 @@ from edm2.generation import generate_images
 from edm2.locks import hold_destination
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
-                           free_port, pin_detector_file, random_dinov2_state_dict, randomized, tiny_precond)
+                           free_port, pin_detector_file, png_bomb_zip, png_file, random_dinov2_state_dict, randomized,
+                           run_python_script, tiny_precond)
 
 # One 64-channel head keeps the 64x64 covariances cheap for scipy's sqrtm.
 DINOV2_CONFIG = dict(width=64, depth=1, patch=14, grid=5, mlp=128)
@@ -556,3 +557,22 @@ def test_ref_removes_what_a_killed_run_left(setup, tmp_path):
     assert len(list(tmp_path.glob(".a.npz.*.tmp"))) == 1
     results_of(run("ref", "--data", setup["a"], "--dest", dest, "--workers", 0, *setup["weights"]))
     assert [p.name for p in tmp_path.iterdir()] == ["a.npz"]
+
+
+@pytest.mark.bad_input
+def test_ref_refuses_a_decompression_bomb_within_a_memory_bound(tmp_path):
+    # Its address space capped at what reading two small images needs (the run then stops at a missing detector
+    # file) plus 1 GiB: a PNG of 8200x8200 RGBA (256 MiB, beyond edm2.dataset_files.MAX_IMAGE_PIXELS) is refused
+    # from its header.
+    small = tmp_path / "small"
+    small.mkdir()
+    for name in ("a.png", "b.png"):
+        (small / name).write_bytes(png_file(np.zeros((8, 8, 3), np.uint8)))
+    common = [f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid", f"--inception={tmp_path / 'missing.pt'}"]
+    result, peak = run_python_script(["calculate_metrics.py", "ref", f"--data={small}", *common])
+    assert_one_error_line(result, "missing.pt")
+    (tmp_path / "bombs").mkdir()
+    bomb = png_bomb_zip(tmp_path / "bombs", 8200, 4, name="a.png")
+    args = ["calculate_metrics.py", "ref", f"--data={bomb}", *common]
+    assert_refused(tmp_path, lambda: run_python_script(args, peak + (1 << 30))[0], "--data", "a.png",
+                   "declares 8200x8200 pixels")

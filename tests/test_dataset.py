@@ -3,7 +3,9 @@ to `dataset_tool.py convert` for folders of raw images (also through train_edm2.
 
 import io
 import json
+import math
 import pickle
+import zipfile
 
 import numpy as np
 import PIL.Image
@@ -13,8 +15,10 @@ from click.testing import CliRunner
 
 import train_edm2
 from edm2.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
+from edm2.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error
-from tests.helpers import assert_refused, png_file, write_members
+from tests.helpers import (assert_refused, black_png, png_bomb_zip, png_file, run_python_script, run_training,
+                           write_image_dataset, write_members)
 
 # The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
@@ -149,7 +153,7 @@ def test_bad_datasets_raise_one_line_naming_the_path(tmp_path, case):
 
 # dataset.json variants beside two release-named images; each must be refused in one line naming the file.
 BAD_LABELS = {
-    "not JSON": (b'{"labels": [', ["not in the release format", "JSONDecodeError"]),
+    "not JSON": (b'{"labels": [', ["not in the release format", "not valid JSON"]),
     "not UTF-8": (b"\xff\xfe\x00", ["not in the release format"]),
     "no labels key": (b'{"classes": []}', ["no 'labels' key"]),
     "a list": (b"[]", ["not in the release format"]),
@@ -160,6 +164,10 @@ BAD_LABELS = {
     "bool label": (b"true", ["non-negative integers", "true"]),
     "negative label": (b"-1", ["non-negative integers", "-1"]),
     "null label": (b"null", ["non-negative integers", "null"]),
+    # Hostile sizes: refused before a one-hot of that many classes, or a parse that recurses 100,000 times.
+    "label 10**30": (b"1" + b"0" * 30, ["not in the release format", "more than 20 digits"]),
+    "label 2**40": (str(2**40).encode(), ["integers below 1048576", str(2**40)]),
+    "nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, ["not in the release format", "nested 100000 levels"]),
 }
 
 
@@ -308,3 +316,216 @@ def test_any_format_reads_what_pil_reads_and_only_then(tmp_path):
     dataset = ImageFolderDataset(path, any_format=True)
     assert dataset.fnames == ["a.jpg", "b.png"] and dataset.image_shape == [3, 8, 8]
     assert (dataset[0][0] == 90).all()  # a flat gray JPEG decodes exactly, repeated to RGB
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hostile files: sizes declared in headers, bombs, duplicates, non-finite latents.
+
+def npy_with_header(shape, values: bytes = b"\0" * 16) -> bytes:
+    """A float32 .npy file whose header declares `shape`, followed by the raw `values` whatever their size."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buffer.getvalue() + values
+
+
+def npy_file(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def latents_zip(tmp_path, arrays, name="latents.zip"):
+    """A latent dataset (no labels) whose image i holds arrays[i] (arrays or raw .npy bytes)."""
+    members = {latent_fname(i): a if isinstance(a, bytes) else npy_file(a) for i, a in enumerate(arrays)}
+    return write_members(tmp_path, members, name)
+
+
+GOOD_LATENT = np.zeros((8, 4, 4), np.float32)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("header, words", [
+    ((8, 10**6, 10**6), ["declares shape 8x1000000x1000000 of float32 (32000000000000 bytes) but holds 16 bytes"]),
+    ((8, -2, 1), ["declares shape 8x-2x1"]),
+    ((2, 2), ["declares shape 2x2 of float32 (16 bytes) but holds 4 bytes"]),
+])
+def test_a_latent_header_must_agree_with_the_files_size(tmp_path, header, words):
+    path = latents_zip(tmp_path, [npy_with_header(header, b"\0" * (4 if header == (2, 2) else 16))])
+    with pytest.raises(DatasetError) as info:
+        ImageFolderDataset(path)
+    assert all(word in str(info.value) for word in [str(path), latent_fname(0), *words]), info.value
+
+
+@pytest.mark.bad_input
+def test_a_later_latent_of_another_shape_is_refused_by_its_header(tmp_path):
+    # Its values (16 bytes) fit its header, but the header disagrees with the first image: refused before loading.
+    path = latents_zip(tmp_path, [GOOD_LATENT, npy_with_header((1, 2, 2)), npy_with_header((8, 10**6, 10**6))])
+    dataset = ImageFolderDataset(path)
+    with pytest.raises(DatasetError, match=f"{latent_fname(1)} has shape 1x2x2 but the first image has 8x4x4"):
+        dataset[1]
+    with pytest.raises(DatasetError, match=f"{latent_fname(2)} declares shape 8x1000000x1000000"):
+        dataset[2]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_latents_are_refused_when_read_naming_the_file(tmp_path, value):
+    bad = GOOD_LATENT.copy()
+    bad[3, 2, 1] = value
+    path = latents_zip(tmp_path, [GOOD_LATENT, bad])
+    dataset = ImageFolderDataset(path)
+    assert np.array_equal(dataset[0][0], GOOD_LATENT)
+    with pytest.raises(DatasetError) as info:
+        dataset[1]
+    assert f"{path}: {latent_fname(1)} holds non-finite values" in str(info.value)
+    with pytest.raises(DatasetError, match="non-finite"):  # all NaN, as the first image: refused when opened
+        ImageFolderDataset(latents_zip(tmp_path, [np.full((8, 4, 4), np.nan, np.float32)], "nan.zip"))
+
+
+@pytest.mark.bad_input
+def test_a_non_finite_latent_met_by_a_data_loader_worker_ends_training_in_one_line(tmp_path):
+    # The first batch (32 of 16 images) holds image 9; the worker's error reaches the user as one line naming the
+    # file, and the process ends (workers ignore SIGTERM, which once left it waiting for them forever).
+    arrays = [np.random.default_rng(i).standard_normal((8, 8, 8)).astype(np.float32) for i in range(16)]
+    arrays[9][0, 0, 0] = np.nan
+    data = latents_zip(tmp_path, arrays)
+    assert_refused(tmp_path, lambda: run_training(data, tmp_path / "run", "--cond=False", "--workers=1"),
+                   "--data", f"{data}: {latent_fname(9)} holds non-finite values")
+
+
+def test_latents_of_other_dtypes_and_fortran_order_read_as_float32(tmp_path):
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((8, 4, 4))
+    path = latents_zip(tmp_path, [values.astype(">f8"), np.asfortranarray(values.astype(np.float16))])
+    dataset = ImageFolderDataset(path)
+    assert np.array_equal(dataset[0][0], values.astype(np.float32))
+    assert np.array_equal(dataset[1][0], values.astype(np.float16).astype(np.float32))
+    assert all(dataset[i][0].dtype == np.float32 and dataset[i][0].flags.c_contiguous for i in range(2))
+
+
+@pytest.mark.bad_input
+def test_a_zip_naming_a_member_twice_is_refused(tmp_path):
+    path = tmp_path / "twice.zip"
+    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(image_fname(0), png_file(np.zeros((8, 8, 3), np.uint8)))
+        archive.writestr(image_fname(1), png_file(np.zeros((8, 8, 3), np.uint8)))
+        archive.writestr(image_fname(0), png_file(np.full((8, 8, 3), 255, np.uint8)))
+    with pytest.raises(DatasetError, match=f"{path}: holds the member {image_fname(0)} twice"):
+        ImageFolderDataset(path)
+    args = ["--preset", "toy-tiny", "--data", str(path), "--outdir", str(tmp_path / "run"), "--dry-run"]
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, args), "--data", "twice")
+
+
+@pytest.mark.bad_input
+def test_a_zip_member_inflating_beyond_deflate_is_a_bomb(tmp_path):
+    # bzip2 packs 4 MiB of zeros into under a hundred bytes; deflate cannot exceed 1032:1.
+    path = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as archive:
+        archive.writestr(image_fname(0), bytes(4 << 20))
+    with pytest.raises(DatasetError, match=f"{image_fname(0)} declares 4194304 bytes from .* a decompression bomb"):
+        ImageFolderDataset(path)
+
+
+@pytest.mark.parametrize("as_zip", [False, True])
+def test_no_file_is_read_beyond_the_limit(tmp_path, as_zip):
+    files = FileTree(write_members(tmp_path, {"a.bin": bytes(101)}, "d.zip" if as_zip else None))
+    assert files.read("a.bin", limit=101) == bytes(101)
+    with pytest.raises(DatasetError, match="a.bin .*more than the 100"):
+        files.read("a.bin", limit=100)
+
+
+@pytest.mark.bad_input
+def test_an_image_declaring_more_pixels_than_the_bound_is_refused_from_its_header(tmp_path):
+    side = math.isqrt(MAX_IMAGE_PIXELS) + 1
+    path = write_members(tmp_path, {image_fname(0): black_png(side, side, 1)}, "big.zip")
+    with pytest.raises(DatasetError, match=f"cannot read {image_fname(0)} .*declares {side}x{side} pixels"):
+        ImageFolderDataset(path)
+
+
+def test_palette_pngs_are_read_as_the_rgb_they_show_by_training_and_metrics(tmp_path):
+    # Palette indices are no gray levels: both readers decode the colours, as PIL's conversion gives them.
+    rng = np.random.default_rng(3)
+    palette = rng.integers(0, 256, 256 * 3, dtype=np.uint8)
+    members, expected = {}, []
+    for i in range(2):
+        image = PIL.Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "P")
+        image.putpalette(palette.tolist())
+        buffer = io.BytesIO()
+        image.save(buffer, format="png")
+        assert PIL.Image.open(io.BytesIO(buffer.getvalue())).mode == "P"
+        members[image_fname(i)] = buffer.getvalue()
+        expected.append(np.asarray(image.convert("RGB")).transpose(2, 0, 1))
+    path = write_members(tmp_path, members, "palette.zip")
+    for dataset in (ImageFolderDataset(path), ImageFolderDataset(path, any_format=True)):
+        assert dataset.num_channels == 3 and all(np.array_equal(dataset[i][0], expected[i]) for i in range(2))
+    args = ["--preset", "toy-tiny", "--data", str(path), "--outdir", str(tmp_path / "run"), "--dry-run",
+            "--cond=False"]
+    result = CliRunner().invoke(train_edm2.main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[: result.output.rindex("}") + 1])["dataset"]["num_channels"] == 3
+
+
+def test_bilevel_pngs_are_read_as_gray(tmp_path):
+    pixels = np.random.default_rng(4).integers(0, 2, (8, 8)).astype(bool)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buffer, format="png")
+    dataset = ImageFolderDataset(write_members(tmp_path, {image_fname(0): buffer.getvalue()}, "bits.zip"))
+    assert np.array_equal(dataset[0][0], pixels[None].astype(np.uint8) * 255)
+
+
+def test_symlinked_folders_are_followed_and_loops_are_not(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write_members(root, {"a/x.png": b"x"})
+    write_members(outside, {"y.png": b"y", "deep/z.png": b"z"})
+    (root / "b").symlink_to(outside, target_is_directory=True)
+    (root / "a" / "loop").symlink_to(root, target_is_directory=True)  # back to an ancestor
+    (outside / "deep" / "up").symlink_to(outside, target_is_directory=True)
+    assert FileTree(root).names == ["a/x.png", "b/deep/z.png", "b/y.png"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each hostile size is refused in one line by the command that reads it, within a memory bound: its address
+# space capped at what it needs for a good dataset of the same kind plus 1 GiB.
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def dry_run_peak(tmp_path_factory):
+    """The peak address space of train_edm2.py --dry-run on a good 8x8 dataset."""
+    root = tmp_path_factory.mktemp("baseline")
+    data = write_image_dataset(root / "data", num=4)
+    result, peak = run_python_script(["train_edm2.py", "--preset=toy-tiny", f"--data={data}",
+                                      f"--outdir={root / 'run'}", "--dry-run"])
+    assert result.returncode == 0 and peak > 0, result.stdout + result.stderr
+    return peak
+
+
+def labeled_zip(tmp_path, dataset_json: bytes):
+    """Two 8x8 images with the given dataset.json."""
+    image = png_file(np.zeros((8, 8, 3), np.uint8))
+    return write_members(tmp_path, {image_fname(0): image, image_fname(1): image, "dataset.json": dataset_json},
+                         "data.zip")
+
+
+HOSTILE_DATASETS = {
+    "latent declaring (8, 1e6, 1e6)": (lambda t: latents_zip(t, [npy_with_header((8, 10**6, 10**6))]),
+                                       ["declares shape 8x1000000x1000000"]),
+    "PNG inflating to 3 GiB": (lambda t: png_bomb_zip(t, 32768), [image_fname(0), "decompression bomb"]),
+    "PNG inflating to 256 MiB, beyond the pixel bound": (lambda t: png_bomb_zip(t, 8200, 4),
+                                                         [image_fname(0), "declares 8200x8200 pixels"]),
+    "dataset.json nested 100,000 lists deep": (lambda t: labeled_zip(t, b"[" * 100_000 + b"]" * 100_000),
+                                               ["dataset.json", "nested 100000 levels"]),
+    "label 10**30": (lambda t: labeled_zip(t, labels_file(b"1" + b"0" * 30)), ["dataset.json", "20 digits"]),
+    "a 2**40-class one-hot": (lambda t: labeled_zip(t, labels_file(str(2**40).encode())),
+                              ["dataset.json", "below 1048576", str(2**40)]),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case", HOSTILE_DATASETS)
+def test_hostile_sizes_are_refused_within_a_memory_bound(tmp_path, case, dry_run_peak):
+    build, words = HOSTILE_DATASETS[case]
+    data = build(tmp_path)
+    args = ["train_edm2.py", "--preset=toy-tiny", f"--data={data}", f"--outdir={tmp_path / 'run'}", "--dry-run"]
+    assert_refused(tmp_path, lambda: run_python_script(args, dry_run_peak + GIB)[0], "--data", *words)

@@ -21,8 +21,8 @@ from edm2 import toy_shapes
 from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
 from edm2.locks import DestinationLock
-from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_file, save_tiny_vae,
-                           write_members)
+from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_bomb_zip, png_file,
+                           run_python_script, save_tiny_vae, write_members)
 
 
 def run(*args, env=None):
@@ -96,6 +96,35 @@ def test_convert_reads_back_with_labels_in_release_layout(tmp_path, class_folder
         # (x1.772 at most) makes <= 1.25, plus <= 0.5 for each of the two colour conversions' rounding and
         # 0.5 for the resize's: < 3. The PNGs are exact (the resize of a flat image is flat).
         assert np.abs(image.reshape(3, -1).mean(axis=1) - colour).max() < 3
+
+
+def test_convert_follows_symlinked_class_folders(tmp_path, class_folders):
+    # A class folder that is a link to a folder elsewhere (a newcomer's layout), and a link looping back.
+    elsewhere = tmp_path / "elsewhere"
+    (class_folders / "dog").rename(elsewhere)
+    (class_folders / "dog").symlink_to(elsewhere, target_is_directory=True)
+    (class_folders / "cat" / "loop").symlink_to(class_folders, target_is_directory=True)
+    result = run("convert", "--source", class_folders, "--dest", tmp_path / "out.zip", "--resolution", 8,
+                 "--transform", "center-crop", "--workers", 0)
+    assert_ok(result)
+    assert "wrote 5 RGB images" in result.output and "  1: dog" in result.output
+    ds = ImageFolderDataset(tmp_path / "out.zip")
+    assert [int(ds.get_label(i).argmax()) for i in range(len(ds))] == [0, 0, 1, 1, 2]
+
+
+@pytest.mark.bad_input
+def test_convert_refuses_decompression_bombs_within_a_memory_bound(tmp_path):
+    # Its address space capped at what converting a small image needs plus 1 GiB: a PNG inflating to 3 GiB (PIL's
+    # own bound) and one of 256 MiB (8200x8200 RGBA, beyond edm2.dataset.MAX_IMAGE_PIXELS) are refused unread.
+    small = write_members(tmp_path / "small", {"a.png": png_file(np.zeros((8, 8, 3), np.uint8))})
+    result, peak = run_python_script(["dataset_tool.py", "convert", f"--source={small}",
+                                      f"--dest={tmp_path / 'small.zip'}", "--workers=0"])
+    assert result.returncode == 0 and peak > 0, result.stdout + result.stderr
+    for side, channels, words in [(32768, 3, "decompression bomb"), (8200, 4, "declares 8200x8200 pixels")]:
+        (tmp_path / "bombs").mkdir(exist_ok=True)
+        source = png_bomb_zip(tmp_path / "bombs", side, channels, name="a.png")
+        args = ["dataset_tool.py", "convert", f"--source={source}", f"--dest={tmp_path / 'out.zip'}", "--workers=0"]
+        assert_refused(tmp_path, lambda: run_python_script(args, peak + (1 << 30))[0], "a.png", words)
 
 
 def test_convert_honours_release_dataset_json(tmp_path, class_folders):
@@ -280,9 +309,9 @@ def three_channel_latents(tmp_path):
     return write_members(tmp_path / "odd", {latent_fname(0): data, "dataset.json": b'{"labels": null}'})
 
 
-def not_an_encode(tmp_path):
+def not_an_encode(tmp_path, manifest="[1, 2]"):
     (tmp_path / "e.zip.partial").mkdir()
-    (tmp_path / "e.zip.partial" / "encode.json").write_text("[1, 2]")
+    (tmp_path / "e.zip.partial" / "encode.json").write_text(manifest)
     return tmp_path / "e.zip"
 
 
@@ -408,6 +437,10 @@ BAD_INPUT = {
     "encode: progress folder of something else": (
         lambda t, s, c: ["encode", "--source", s[0] / "toy.zip", "--dest", not_an_encode(t), "--vae", s[1]],
         ["e.zip.partial", "not an unfinished encode"], None),
+    "encode: progress manifest nested 100,000 lists deep": (
+        lambda t, s, c: ["encode", "--source", s[0] / "toy.zip", "--vae", s[1],
+                         "--dest", not_an_encode(t, "[" * 100_000 + "]" * 100_000)],
+        ["e.zip.partial", "not an unfinished encode", "nested 100000 levels"], None),
     "decode: PNG source": (
         lambda t, s, c: ["decode", "--source", s[0] / "toy.zip", "--dest", t / "d.zip"], ["--source", ".npy"], None),
     "decode: odd channel count": (

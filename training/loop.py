@@ -118,8 +118,16 @@ def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFo
 
 
 def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
-    """The data loader's batches, its worker processes started only when the first batch is asked for."""
-    yield from data_loader(dataset, order, workers, device)
+    """The data loader's batches, its worker processes started only when the first batch is asked for and stopped
+    when the batches end, also by an error (an image a worker could not use)."""
+    batches = iter(data_loader(dataset, order, workers, device))
+    try:
+        yield from batches
+    finally:
+        if workers:
+            # The workers ignore SIGTERM (data_order), and an error's traceback keeps the loader alive until exit,
+            # where multiprocessing terminates its children by SIGTERM and joins them: it would wait forever.
+            batches._shutdown_workers()
 
 
 def _on_main_rank(fn: Callable[[], T]) -> T | None:
