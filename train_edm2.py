@@ -9,14 +9,17 @@ import click
 import numpy as np
 
 from cli.command import Command
+from cli.config import config_option
 from cli.types import ImageCount, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
-from training.architecture import check_architecture, check_init, read_init, unet_options
+from training.architecture import UNET_OPTIONS, check_architecture, check_init, read_init, unet_options
 from training.loop import train
-from training.options import PRECISIONS, OptionsError, TrainingOptions, rounds_per_step
+from training.options import (
+    DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
+)
 from training.presets import PRESETS, get_preset
 from training.signals import die_by
 
@@ -93,9 +96,21 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
+def config_params(values: dict, path: str) -> dict:
+    """A training_options.json (or --dry-run output) as parameters: the U-Net shape options taken out of its
+    network, the fields derived from the data and the preset left out (check_derived compares them later)."""
+    network = values.get("network", {})
+    if not isinstance(network, dict):
+        raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
+    params = {k: v for k, v in values.items() if k not in DATA_FIELDS + RECIPE_FIELDS}
+    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
+
+
 @click.command(cls=Command, epilog=EXAMPLES)
+@config_option(config_params, exclude=("dry_run",), help="Read options from a JSON file: a run's "
+               "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
-@click.option("--outdir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
+@click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
 @click.option("--data", metavar="ZIP|DIR", help="Dataset  [default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
 @click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
@@ -116,7 +131,7 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed")
 @click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True, help="Data loader processes per GPU")
-@click.option("--compile/--no-compile", "compile_", default=None,
+@click.option("--compile/--no-compile", "compile", default=None,
               help="torch.compile the network and loss  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None,
               help="Channels-last (NHWC) convolutions  [default: on CUDA only]")
@@ -133,9 +148,9 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
-def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
-         seed: int, workers: int, compile_: bool | None, channels_last: bool | None, checkpoint_activations: bool,
-         cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
+def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
+         precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
+         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
          attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
@@ -159,17 +174,21 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
     opts = TrainingOptions.from_preset(
         preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
                              label_dim=dataset.label_dim),
-        encoder=encoder.config(), run_dir=outdir, data=data, cond=cond, batch_gpu=batch_gpu,
-        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile_, channels_last=channels_last,
+        encoder=encoder.config(), run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu,
+        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
         checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit, **overrides,
     )
+    try:
+        check_derived(config or {}, opts.to_json(), UNET_OPTIONS)
+    except OptionsError as e:
+        raise click.BadParameter(str(e), param_hint="--config") from None
     try:
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     if dry_run:
         click.echo(json.dumps(opts.to_json(), indent=2))
-        click.echo(f"Dataset: {len(dataset)} images. Dry run: nothing written.")
+        click.echo(f"Dataset: {len(dataset)} images. Dry run: nothing written.", err=True)
         return
     files.check_writable_dir(opts.run_dir)
     try:
