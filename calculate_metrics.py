@@ -13,6 +13,7 @@ import torch
 
 from cli import sweep as sweep_cli
 from cli.command import Group
+from cli.config import config_option
 from cli.speed import sampling_speed_options
 from cli.types import Number, SigmaInterval
 from edm2 import distributed, files, snapshot
@@ -256,6 +257,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 
 
 @main.command()
+@config_option()
 @click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
               required=True)
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
@@ -298,6 +300,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 
 
 @main.command(epilog=sweep_cli.EPILOG)
+@config_option()
 @sweep_cli.options
 @metric_options(batch_default=32)
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,

@@ -14,6 +14,7 @@ import PIL.Image
 import torch
 
 from cli.command import Command
+from cli.config import config_option
 from cli.speed import sampling_speed_options
 from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files
@@ -138,6 +139,7 @@ Examples:
   # Our own snapshot, class 88 only, plus grid.png for a quick look
   python generate.py --net=training-runs/run/network-snapshot-0008388-0.100.safetensors --class=88 --seeds=0-15 --grid
 """)
+@config_option()
 @click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
 @click.option("--net", help="Main network: our .safetensors snapshot or a release .pkl, path or URL")
 @click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL")

@@ -107,7 +107,7 @@ def config_params(values: dict, path: str) -> dict:
 
 
 @click.command(cls=Command, epilog=EXAMPLES)
-@config_option(config_params, exclude=("dry_run",), help="Read options from a JSON file: a run's "
+@config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
 @click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")

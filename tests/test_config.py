@@ -1,14 +1,19 @@
-"""--config=FILE.json: options from a file (a run's training_options.json, --dry-run output), overridden by the
-command line, with unknown keys and bad values refused in one line."""
+"""--config=FILE.json: options from a file (a run's training_options.json, --dry-run output; generate.py and
+calculate_metrics.py gen/sweep too), overridden by the command line, unknown keys and bad values refused in one line."""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+import calculate_metrics
+import generate
 import train_edm2
-from tests.helpers import TRAIN_ARGS, assert_refused
+from edm2.encoders import StandardRGBEncoder
+from edm2.snapshot import save_network
+from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, tiny_precond
 
 
 def train(*args: str):
@@ -104,3 +109,44 @@ def test_unreadable_files_are_refused(tmp_path, text, message):
         config.write_text(text)
     assert_refused(tmp_path, lambda: train(f"--config={config}", "--preset=toy-tiny"), "--config", str(config),
                    message)
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory) -> Path:
+    """A tiny class-conditional snapshot (5 classes, 8x8 RGB)."""
+    path = tmp_path_factory.mktemp("net") / "net.safetensors"
+    torch.manual_seed(0)
+    save_network(path, tiny_precond(8, 3, 5).eval().requires_grad_(False), {"encoder": StandardRGBEncoder().config()})
+    return path
+
+
+def test_generate_reads_its_options_from_a_file_under_the_command_line(net, tmp_path):
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "g.json", {"net": str(net), "seeds": "0-3", "class": 3, "steps": 2,
+                                                "S_churn": 0, "outdir": str(out)})
+    result = CliRunner().invoke(generate.main, [f"--config={config}", "--seeds=5,6"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "labels.json").read_text())["labels"] == [["000005.png", 3], ["000006.png", 3]]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("command, values, message", [
+    (["generate.py"], {"seeds": "0-3", "colour": 1}, "unknown key(s) colour"),
+    (["generate.py"], {"batch": 2, "batch_size": 3}, "keys batch, batch_size set the same option"),
+    (["generate.py"], {"guidance-interval": [1, 0.5]}, "guidance-interval: '1,0.5': needs 0 <= SIGMA_LO"),
+    (["calculate_metrics.py", "gen"], {"num": 1}, "num: 1 is not in the range x>=2"),
+    (["calculate_metrics.py", "sweep"], {"std": [0.5]}, "std: 0.5 is outside"),
+    (["calculate_metrics.py", "sweep"], {"indir": "x", "x": 1, **{f"k{i}": i for i in range(20)}},
+     "unknown key(s) k0, k1, k10, k11, k12, k13, k14, k15, k16, k17 and 11 more"),
+])
+def test_generate_and_metrics_refuse_bad_files(tmp_path, command, values, message):
+    config = write_config(tmp_path / "c.json", values)
+    main = {"generate.py": generate.main, "calculate_metrics.py": calculate_metrics.main}[command[0]]
+    assert_refused(tmp_path, lambda: CliRunner().invoke(main, [*command[1:], f"--config={config}"]),
+                   "--config", str(config), message)
+
+
+def test_metrics_sweep_uses_the_files_metrics(tmp_path):
+    config = write_config(tmp_path / "c.json", {"metrics": ["loss"], "std": [0.05, 0.1]})
+    result = CliRunner().invoke(calculate_metrics.main, ["sweep", f"--config={config}", f"--indir={tmp_path}"])
+    assert_one_error_line(result, "--metrics=loss needs the dataset")
