@@ -15,7 +15,7 @@ import torch
 
 from cli.command import Command
 from cli.config import config_option
-from cli.speed import sampling_speed_options
+from cli.speed import sampling_speed_options, threads_option
 from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files
 from edm2.errors import EDM2Error, one_line
@@ -163,6 +163,7 @@ Examples:
               help="Guide only the steps whose noise level sigma lies in (SIGMA_LO, SIGMA_HI], e.g. 0.28,5.42 "
                    "(Kynkaanniemi et al. 2024); unguided elsewhere  [default: every step]")
 @sampling_speed_options
+@threads_option
 def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, guidance_interval, speed,
          **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG.

@@ -12,6 +12,7 @@ import click
 import tqdm
 
 from cli.command import Command
+from cli.speed import threads_option
 from cli.types import StdList
 from edm2 import distributed, files, posthoc
 from edm2.snapshot import save_network, snapshot_name
@@ -89,6 +90,7 @@ Examples:
 @click.option("--skip", is_flag=True, help="Skip outputs that already exist")
 @click.option("--prefix", "--outprefix", "prefix", type=str, default="phema", show_default=True,
               help="Output file name prefix")
+@threads_option
 def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
     """Synthesize EMA profiles of any length from the EMA snapshots of a training run.
 

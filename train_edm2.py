@@ -10,6 +10,7 @@ import numpy as np
 
 from cli.command import Command
 from cli.config import config_option
+from cli.speed import threads_option
 from cli.types import ImageCount, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
@@ -148,6 +149,7 @@ def config_params(values: dict, path: str) -> dict:
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
+@threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
          checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,

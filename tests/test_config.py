@@ -150,3 +150,27 @@ def test_metrics_sweep_uses_the_files_metrics(tmp_path):
     config = write_config(tmp_path / "c.json", {"metrics": ["loss"], "std": [0.05, 0.1]})
     result = CliRunner().invoke(calculate_metrics.main, ["sweep", f"--config={config}", f"--indir={tmp_path}"])
     assert_one_error_line(result, "--metrics=loss needs the dataset")
+
+
+@pytest.mark.parametrize("script, args", [
+    (train_edm2, [*TRAIN_ARGS, "--dry-run"]), (generate, ["--steps=2", "--seeds=0"]),
+    (calculate_metrics, ["sweep", "--metrics=loss", "--std=0.05"]),
+])
+def test_threads_sets_pytorchs_cpu_threads(script, args, train_data, net, tmp_path):
+    before = torch.get_num_threads()
+    wanted = before + 1  # differs from the current count whatever the machine
+    extra = {train_edm2: [f"--data={train_data}", f"--outdir={tmp_path}/run"],
+             generate: [f"--net={net}", f"--outdir={tmp_path}/out"],
+             calculate_metrics: [f"--indir={tmp_path}", f"--data={train_data}"]}[script]
+    try:
+        CliRunner().invoke(script.main, [*args, *extra, f"--threads={wanted}"])
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value", ["0", "-1", "two", "100000"])
+def test_threads_out_of_range_is_refused(value, tmp_path):
+    assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [f"--threads={value}", f"--outdir={tmp_path}"]),
+                   "--threads")
