@@ -58,7 +58,7 @@ def write_outputs(inputs: list[posthoc.Snapshot], out_nimg: int, outdir: Path, t
         with contextlib.closing(outputs):
             for std, net, metadata in outputs:
                 save_network(paths[std], net, metadata)
-                tqdm.tqdm.write(f"{paths[std]} (relative profile error {metadata['phema']['profile_error']:.1e})")
+                tqdm.tqdm.write(f"{paths[std]} ({posthoc.describe_profile_error(metadata['phema']['profile_error'])})")
                 del net, metadata  # a pass's network must not outlive it: memory stays one input plus --batch outputs
     except BaseException:
         if created:
