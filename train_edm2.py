@@ -17,6 +17,7 @@ from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
 from training.architecture import UNET_OPTIONS, check_architecture, check_init, read_init, unet_options
+from training.dry_run import parameter_count, start_or_resume
 from training.loop import train
 from training.options import (
     DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
@@ -107,6 +108,16 @@ def config_params(values: dict, path: str) -> dict:
     return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
 
 
+def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) -> None:
+    """The options as JSON on stdout (a valid --config); on stderr, the data, the network's size and where the
+    run would start or resume."""
+    click.echo(json.dumps(opts.to_json(), indent=2))
+    count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
+    click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
+    click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+    click.echo("Dry run: nothing written.", err=True)
+
+
 @click.command(cls=Command, epilog=EXAMPLES)
 @config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
@@ -139,7 +150,8 @@ def config_params(values: dict, path: str) -> dict:
 @click.option("--checkpoint-activations", is_flag=True,
               help="Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute")
 @click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
-@click.option("-n", "--dry-run", is_flag=True, help="Print the options and exit")
+@click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
+              "the run would start or resume (stderr), and exit")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
 @click.option("--channel-mult", type=IntList(min=1), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
@@ -152,8 +164,8 @@ def config_params(values: dict, path: str) -> dict:
 @threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
-         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
-         attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
+         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None,
+         num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -189,8 +201,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     if dry_run:
-        click.echo(json.dumps(opts.to_json(), indent=2))
-        click.echo(f"Dataset: {len(dataset)} images. Dry run: nothing written.", err=True)
+        print_dry_run(opts, dataset, encoder)
         return
     files.check_writable_dir(opts.run_dir)
     try:
