@@ -38,9 +38,13 @@ def stats_columns(run) -> dict[str, list[float]]:
 
 def test_training_records_and_draws_the_dashboard(reference_run):
     plots = reference_run / "plots"
-    assert sorted(p.name for p in plots.iterdir()) == ["magnitudes.json", "training.json", "training.png"]
+    # magnitudes.png is drawn at the run's last snapshot, as redraw() (plot_run.py) draws it.
+    assert sorted(p.name for p in plots.iterdir()) == ["magnitudes.json", "magnitudes.png", "training.json",
+                                                       "training.png"]
     with PIL.Image.open(plots / "training.png") as image:
         assert image.format == "PNG" and image.size == (880, 520)
+    with PIL.Image.open(plots / "magnitudes.png") as image:
+        assert image.format == "PNG" and image.size == (1100, 450)
     training = json.loads((plots / "training.json").read_text())
     assert training["stats"] == stats_columns(reference_run)
     # Eq. 16's bulk, P_mean +- 2.5 P_std, in 11 steps even in ln(sigma).

@@ -1,12 +1,13 @@
 """The run dashboard under RUN/plots/: at every snapshot, rank 0 measures the EMA network on a fixed batch and
-redraws training.png; redraw() draws the dashboard and the magnitudes again from the run's files alone.
+redraws training.png, and at the run's last snapshot magnitudes.png; redraw() draws both again from the run's files
+alone.
 
 Files, each written atomically:
   plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
                          and per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma'
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
-  plots/magnitudes.png   drawn by redraw() (plot_run.py), not during training
+  plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
 The fixed batch is PROBE_IMAGES dataset images evenly spaced through the dataset with the draws of seeds
 0..PROBE_IMAGES-1 (edm2.validation.ValidationSamples): the same at every snapshot and on every resume. They are
 training images, as EDM2 trains on the whole dataset; what is fixed is the batch and its draws. The network is
@@ -110,6 +111,15 @@ def write_dashboard(run_dir: Path, training: dict) -> Path:
     return folder / TRAINING_PNG
 
 
+def write_magnitudes(run_dir: Path, magnitudes: dict) -> Path:
+    """magnitudes.png drawn from the records (edm2.plots.run.magnitudes_figure)."""
+    from edm2 import plots
+    from edm2.plots.run import magnitudes_figure
+    folder = run_dir / PLOTS_DIR
+    plots.save_png(_figure(magnitudes_figure, magnitudes, folder / MAGNITUDES_JSON), folder / MAGNITUDES_PNG)
+    return folder / MAGNITUDES_PNG
+
+
 def redraw(run_dir: str | os.PathLike) -> tuple[list[Path], list[str]]:
     """Draw training.png and magnitudes.png of a run directory from its files; returns (PNGs written, notes).
 
@@ -140,7 +150,7 @@ class Dashboard:
 
     def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
                  cur_nimg: int):
-        self.run_dir = run_dir
+        self.run_dir, self.duration = run_dir, opts.duration
         samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, opts.P_mean, opts.P_std)
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
@@ -176,3 +186,5 @@ class Dashboard:
             records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
         save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
         write_dashboard(self.run_dir, self.training)
+        if nimg >= self.duration:
+            write_magnitudes(self.run_dir, self.magnitudes)
