@@ -4,7 +4,8 @@ alone.
 
 Files, each written atomically:
   plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
-                         and per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma'
+                         per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma', and
+                         the image counts where the run resumed ('resumes')
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
   plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
@@ -33,6 +34,7 @@ PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
 MAGNITUDES_JSON, MAGNITUDES_PNG = "magnitudes.json", "magnitudes.png"
 PROBE_IMAGES = 8
+ROW_KEYS = ("noise_levels", "resumes", "rows")  # the record files' lists that grow as the run goes on
 DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
 STATS_KEYS = ("kimg", "loss", "lr", "images_per_s")
 
@@ -159,6 +161,10 @@ class Dashboard:
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, self.training, "noise_levels", cur_nimg)
+        # Where earlier invocations went on after an interruption, and this one if it resumes: marked in the plots.
+        resumes = [r for r in self._earlier_rows(TRAINING_JSON, self.training, "resumes", cur_nimg)
+                   if r["nimg"] < cur_nimg]
+        self.training["resumes"] = resumes + ([dict(nimg=cur_nimg, kimg=cur_nimg / 1000)] if cur_nimg else [])
         self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, self.magnitudes, "rows", cur_nimg)
 
     def _earlier_rows(self, name: str, mine: dict, key: str, cur_nimg: int) -> list[dict]:
@@ -170,7 +176,7 @@ class Dashboard:
         except DashboardError as e:
             print(f"{e}; its records start afresh.", flush=True)
             return []
-        same = stored and all(stored.get(k) == v for k, v in mine.items() if k != key)
+        same = stored and all(stored.get(k) == v for k, v in mine.items() if k not in ROW_KEYS)
         if not same or not isinstance(stored.get(key), list):
             return []
         return [row for row in stored[key] if isinstance(row, dict) and isinstance(row.get("nimg"), int)
