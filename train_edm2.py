@@ -17,7 +17,7 @@ from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
 from training.architecture import UNET_OPTIONS, check_architecture, check_init, read_init, unet_options
-from training.dry_run import parameter_count, start_or_resume
+from training.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
     DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
@@ -108,13 +108,15 @@ def config_params(values: dict, path: str) -> dict:
     return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
 
 
-def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) -> None:
-    """The options as JSON on stdout (a valid --config); on stderr, the data, the network's size and where the
-    run would start or resume."""
+def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, time_steps: int) -> None:
+    """The options as JSON on stdout (a valid --config); on stderr, the data, the network's size, where the run
+    would start or resume and, with time_steps, its speed."""
     click.echo(json.dumps(opts.to_json(), indent=2))
     count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
     click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
     click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+    if time_steps:
+        click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
     click.echo("Dry run: nothing written.", err=True)
 
 
@@ -152,6 +154,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
               "the run would start or resume (stderr), and exit")
+@click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
+              help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
+                   "estimate images/s and the run's remaining time")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
 @click.option("--channel-mult", type=IntList(min=1), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
@@ -164,8 +169,8 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
-         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None,
-         num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
+         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int,
+         channel_mult: tuple[int, ...] | None, num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -176,6 +181,9 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
+    if time_steps and not dry_run:
+        raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
+                                 param_hint="--time-steps")
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
@@ -201,7 +209,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     if dry_run:
-        print_dry_run(opts, dataset, encoder)
+        print_dry_run(opts, dataset, encoder, time_steps)
         return
     files.check_writable_dir(opts.run_dir)
     try:
