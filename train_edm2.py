@@ -7,6 +7,7 @@ import signal
 
 import click
 import numpy as np
+import torch
 
 from cli.command import Command
 from cli.config import config_option
@@ -116,7 +117,11 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
     click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
     click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
     if time_steps:
-        click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
+        try:
+            click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
+        except torch.OutOfMemoryError:
+            raise click.BadParameter(f"{opts.batch_gpu or opts.batch} images per round do not fit in this device's "
+                                     "memory; give a smaller --batch-gpu", param_hint="--time-steps") from None
     click.echo("Dry run: nothing written.", err=True)
 
 

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import train_edm2
@@ -58,3 +59,15 @@ def test_time_steps_bad_input_is_refused(train_data, tmp_path, args, message):
     run = tmp_path / "run"
     assert_refused(tmp_path, lambda: CliRunner().invoke(
         train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={run}", *args]), "--time-steps", message)
+
+
+@pytest.mark.bad_input
+def test_time_steps_that_run_out_of_memory_say_so(train_data, tmp_path, monkeypatch):
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(train_edm2, "timed_speed", out_of_memory)
+    run = tmp_path / "run"
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+        *TRAIN_ARGS, f"--data={train_data}", f"--outdir={run}", "--dry-run", "--time-steps=1", "--batch-gpu=16"]),
+        "--time-steps", "16 images per round do not fit", "smaller --batch-gpu")
