@@ -13,7 +13,8 @@ import torch
 
 from cli import sweep as sweep_cli
 from cli.command import Group
-from cli.speed import sampling_speed_options
+from cli.config import config_option
+from cli.speed import sampling_speed_options, threads_option
 from cli.types import Number, SigmaInterval
 from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
@@ -203,6 +204,7 @@ def main() -> None:
               metavar="NPZ|PKL", required=True)
 @metric_options(batch_default=64)
 @workers_option
+@threads_option
 def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num_workers: int,
         inception: str | None, dinov2: str | None) -> None:
     """Calculate reference statistics of all images of a dataset for 'calc' and 'gen'."""
@@ -235,6 +237,7 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
 @click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=click.IntRange(min=0),
               default=0, show_default=True)
 @workers_option
+@threads_option
 def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None,
          dinov2: str | None, num_images: int, seed: int, num_workers: int) -> None:
     """Calculate metrics of a set of images."""
@@ -256,6 +259,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 
 
 @main.command()
+@config_option()
 @click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
               required=True)
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
@@ -270,6 +274,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
               type=click.IntRange(min=0), default=0, show_default=True)
 @sampling_speed_options
+@threads_option
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
         ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
         seed: int, speed: SamplingSpeed) -> None:
@@ -298,8 +303,10 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 
 
 @main.command(epilog=sweep_cli.EPILOG)
+@config_option()
 @sweep_cli.options
 @metric_options(batch_default=32)
+@threads_option
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
           seed: int, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,

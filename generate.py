@@ -14,12 +14,13 @@ import PIL.Image
 import torch
 
 from cli.command import Command
-from cli.speed import sampling_speed_options
+from cli.config import config_option
+from cli.speed import sampling_speed_options, threads_option
 from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
-                             read_generated_labels, save_generated_labels)
+from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guidance_pair,
+                             generate_labeled_images, read_generated_labels, save_generated_labels)
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
@@ -73,7 +74,7 @@ def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str)
         raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
-def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_idx: int | None):
+def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None):
     """(net, gnet or None, encoder) on this rank's device; gnet is loaded only when guidance uses it."""
     net, encoder, _ = load_for_option("--net", load_generator, net_path)
     gnet = load_for_option("--gnet", load_network, gnet_path)[0] if guidance != 1 else None
@@ -82,8 +83,10 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_i
             check_guidance_pair(net, gnet)
         except GenerationError as e:
             raise click.BadParameter(str(e), param_hint="--gnet") from None
-    if class_idx is not None and class_idx >= net.label_dim:
-        raise click.BadParameter(f"{class_idx} is not a class of this network ({net.label_dim} classes)", param_hint="--class")
+    highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None
+    if highest is not None and highest >= net.label_dim:
+        raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
+                                 param_hint="--class")
     device = distributed.device()
     return net.to(device), (gnet.to(device) if gnet is not None else None), encoder
 
@@ -95,20 +98,20 @@ def save_png(path: Path, image: np.ndarray) -> None:
         pil.save(tmp, format="PNG")
 
 
-def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
-    """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere), with a one-pixel
-    gap of GRID_GAP_VALUE between them."""
+def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.ndarray | None:
+    """Tile every rank's images, in the order of keys (seeds, or (class, seed) pairs), into one HWC array on rank 0
+    (None elsewhere), cols images wide (default: a square), with a one-pixel gap of GRID_GAP_VALUE between them."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
-    stack = torch.zeros([len(seeds), *shape], dtype=torch.uint8, device=distributed.device())
-    for i, seed in enumerate(seeds):
-        if seed in generated:
-            stack[i] = torch.from_numpy(generated[seed])
+    stack = torch.zeros([len(keys), *shape], dtype=torch.uint8, device=distributed.device())
+    for i, key in enumerate(keys):
+        if key in generated:
+            stack[i] = torch.from_numpy(generated[key])
     # Each image comes from exactly one rank, so a sum gathers them without overflow.
     stack = distributed.all_reduce_sum(stack).cpu().numpy()
     if not distributed.is_main():
         return None
-    cols = math.ceil(math.sqrt(len(seeds)))
-    rows = math.ceil(len(seeds) / cols)
+    cols = cols or math.ceil(math.sqrt(len(keys)))
+    rows = math.ceil(len(keys) / cols)
     h, w, c = shape
     grid = np.full([rows * (h + 1) - 1, cols * (w + 1) - 1, c], GRID_GAP_VALUE, dtype=np.uint8)
     for i, image in enumerate(stack):
@@ -117,9 +120,26 @@ def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.nd
     return grid
 
 
-def image_path(outdir: Path, seed: int, subdirs: bool) -> Path:
-    """Where the image of a seed goes: OUTDIR/SEED.png, or OUTDIR/BLOCK/SEED.png with --subdirs."""
-    return outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{seed:06d}.png"
+def image_path(outdir: Path, seed: int, subdirs: bool, class_idx: int | None = None) -> Path:
+    """Where the image of a seed goes: OUTDIR/SEED.png, or OUTDIR/BLOCK/SEED.png with --subdirs; SEED-cCLASS.png
+    when one run samples several classes."""
+    name = f"{seed:06d}" + ("" if class_idx is None else f"-c{class_idx:04d}")
+    return outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{name}.png"
+
+
+def save_images(batches, outdir: Path, subdirs: bool, class_idx: int | None, labels: dict[str, int],
+                generated: dict | None) -> None:
+    """Save each batch's images as PNG, noting their classes in labels and, for the grid, keeping them in
+    generated under (class_idx, seed)."""
+    with contextlib.closing(batches):  # on an error, the progress bar ends before the error line
+        for batch_seeds, images, classes in batches:
+            for i, (seed, image) in enumerate(zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy())):
+                path = image_path(outdir, seed, subdirs, class_idx)
+                save_png(path, image)
+                if classes is not None:
+                    labels[path.relative_to(outdir).as_posix()] = classes[i]
+                if generated is not None:
+                    generated[class_idx, seed] = image
 
 
 def save_labels(outdir: Path, earlier: dict[str, int], labels: dict[str, int]) -> None:
@@ -141,13 +161,16 @@ Examples:
   # Our own snapshot, class 88 only, plus grid.png for a quick look
   python generate.py --net=training-runs/run/network-snapshot-0008388-0.100.safetensors --class=88 --seeds=0-15 --grid
 """)
+@config_option()
 @click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
 @click.option("--net", help="Main network: our .safetensors snapshot or a release .pkl, path or URL")
 @click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL")
 @click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
 @click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
 @click.option("--seeds", type=SeedList(), default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
-@click.option("--class", "class_idx", type=click.IntRange(min=0), help="Class label for every image [default: random per seed]")
+@click.option("--class", "classes", type=SeedList(noun="class"), metavar="CLASSES",
+              help="Classes, e.g. 3 or 0-9 or 1,5,7: every seed in each class, the networks loaded once  "
+                   "[default: random per seed]")
 @click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
 @click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
@@ -159,12 +182,14 @@ Examples:
 @click.option("--S_max", "S_max", type=Number(min=0, allow_inf=True), default=float("inf"), show_default=True,
               help="Stochasticity up to this noise level")
 @click.option("--S_noise", "S_noise", type=Number(min=0), default=1, show_default=True, help="Stochastic noise inflation")
-@click.option("--grid", is_flag=True, help="Also save all images, in seed order, as one grid.png (one-pixel white gaps)")
+@click.option("--grid", is_flag=True, help="Also save all images as one grid.png (one-pixel white gaps): in seed "
+              "order, or with several --class one row per class")
 @click.option("--guidance-interval", type=SigmaInterval(), default=None,
               help="Guide only the steps whose noise level sigma lies in (SIGMA_LO, SIGMA_HI], e.g. 0.28,5.42 "
                    "(Kynkaanniemi et al. 2024); unguided elsewhere  [default: every step]")
 @sampling_speed_options
-def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guidance, grid, guidance_interval, speed,
+@threads_option
+def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidance, grid, guidance_interval, speed,
          **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG.
 
@@ -179,33 +204,31 @@ def main(preset, net, gnet, outdir, subdirs, seeds, class_idx, batch_size, guida
         earlier = distributed.main_rank_first(functools.partial(earlier_labels, outdir))
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
-        net, gnet, encoder = load_networks(net_path, gnet_path, guidance, class_idx)
+        net, gnet, encoder = load_networks(net_path, gnet_path, guidance, classes)
         net, gnet = (speed.apply(n, distributed.device()) if n is not None else None for n in (net, gnet))
+        rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
         interval = "" if guidance_interval is None else " for sigma in ({:g}, {:g}]".format(*guidance_interval)
-        distributed.print0(f"Generating {len(seeds)} images from {net_path}"
+        distributed.print0(f"Generating {len(seeds) * len(rows)} images from {net_path}"
+                           + (f", {len(seeds)} in each of {len(rows)} classes" if len(rows) > 1 else "")
                            + (f", guided by {gnet_path} at {guidance:g}{interval}" if gnet is not None else ""))
-        batches = generate_labeled_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
-                                          batch_size=batch_size, device=distributed.device(),
-                                          guidance_interval=guidance_interval, **sampler_kwargs)
         generated, labels = {}, {}
-        with contextlib.closing(batches):  # on an error, the progress bar ends before the error line
-            for batch_seeds, images, classes in batches:
-                for i, (seed, image) in enumerate(zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy())):
-                    path = image_path(outdir, seed, subdirs)
-                    save_png(path, image)
-                    if classes is not None:
-                        labels[path.relative_to(outdir).as_posix()] = classes[i]
-                    if grid:
-                        generated[seed] = image
+        for class_idx in rows:
+            batches = generate_labeled_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
+                                              batch_size=batch_size, device=distributed.device(),
+                                              guidance_interval=guidance_interval, **sampler_kwargs)
+            save_images(batches, outdir, subdirs, class_idx if len(rows) > 1 else None, labels,
+                        generated if grid else None)
         if net.label_dim:
             save_labels(outdir, earlier, labels)
         if grid:
-            tiles = gather_grid(seeds, generated)
+            keys = [(c, seed) for c in rows for seed in seeds]  # one row per class when there are several
+            tiles = gather_grid(keys, generated, cols=len(seeds) if len(rows) > 1 else None)
             if tiles is not None:
                 save_png(outdir / GRID_FILE, tiles)
         distributed.barrier()
         extras = [name for name, made in ((LABELS_FILE, net.label_dim), (GRID_FILE, grid)) if made]
-        listed = ", ".join([f"{len(seeds)} images", *extras[:-1]]) + "".join(f" and {name}" for name in extras[-1:])
+        listed = (", ".join([f"{len(seeds) * len(rows)} images", *extras[:-1]])
+                  + "".join(f" and {name}" for name in extras[-1:]))
         distributed.print0(f"Saved {listed} in {outdir}")
 
 

@@ -12,6 +12,7 @@ import click
 import tqdm
 
 from cli.command import Command
+from cli.speed import threads_option
 from cli.types import StdList
 from edm2 import distributed, files, locks, posthoc
 from edm2.snapshot import save_network, snapshot_name
@@ -54,7 +55,7 @@ def write_outputs(inputs: list[posthoc.Snapshot], out_nimg: int, todo: list[tupl
     with contextlib.closing(outputs):
         for std, net, metadata in outputs:
             save_network(paths[std], net, metadata)
-            tqdm.tqdm.write(f"{paths[std]} (relative profile error {metadata['phema']['profile_error']:.1e})")
+            tqdm.tqdm.write(f"{paths[std]} ({posthoc.describe_profile_error(metadata['phema']['profile_error'])})")
             del net, metadata  # a pass's network must not outlive it: memory stays one input plus --batch outputs
 
 
@@ -81,6 +82,7 @@ Examples:
 @click.option("--skip", is_flag=True, help="Skip outputs that already exist")
 @click.option("--prefix", "--outprefix", "prefix", type=str, default="phema", show_default=True,
               help="Output file name prefix")
+@threads_option
 def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
     """Synthesize EMA profiles of any length from the EMA snapshots of a training run.
 

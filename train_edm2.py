@@ -7,16 +7,22 @@ import signal
 
 import click
 import numpy as np
+import torch
 
 from cli.command import Command
+from cli.config import config_option
+from cli.speed import threads_option
 from cli.types import ImageCount, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
-from training.architecture import check_architecture, check_init, read_init, unet_options
+from training.architecture import UNET_OPTIONS, check_architecture, check_init, read_init, unet_options
+from training.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
-from training.options import PRECISIONS, OptionsError, TrainingOptions, rounds_per_step
+from training.options import (
+    DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
+)
 from training.presets import PRESETS, get_preset
 from training.signals import die_by
 
@@ -93,9 +99,37 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
+def config_params(values: dict, path: str) -> dict:
+    """A training_options.json (or --dry-run output) as parameters: the U-Net shape options taken out of its
+    network, the fields derived from the data and the preset left out (check_derived compares them later)."""
+    network = values.get("network", {})
+    if not isinstance(network, dict):
+        raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
+    params = {k: v for k, v in values.items() if k not in DATA_FIELDS + RECIPE_FIELDS}
+    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
+
+
+def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, time_steps: int) -> None:
+    """The options as JSON on stdout (a valid --config); on stderr, the data, the network's size, where the run
+    would start or resume and, with time_steps, its speed."""
+    click.echo(json.dumps(opts.to_json(), indent=2))
+    count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
+    click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
+    click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+    if time_steps:
+        try:
+            click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
+        except torch.OutOfMemoryError:
+            raise click.BadParameter(f"{opts.batch_gpu or opts.batch} images per round do not fit in this device's "
+                                     "memory; give a smaller --batch-gpu", param_hint="--time-steps") from None
+    click.echo("Dry run: nothing written.", err=True)
+
+
 @click.command(cls=Command, epilog=EXAMPLES)
+@config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
+               "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
-@click.option("--outdir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
+@click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
 @click.option("--data", metavar="ZIP|DIR", help="Dataset  [default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
 @click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
@@ -116,14 +150,18 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed")
 @click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True, help="Data loader processes per GPU")
-@click.option("--compile/--no-compile", "compile_", default=None,
+@click.option("--compile/--no-compile", "compile", default=None,
               help="torch.compile the network and loss  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None,
               help="Channels-last (NHWC) convolutions  [default: on CUDA only]")
 @click.option("--checkpoint-activations", is_flag=True,
               help="Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute")
 @click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
-@click.option("-n", "--dry-run", is_flag=True, help="Print the options and exit")
+@click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
+              "the run would start or resume (stderr), and exit")
+@click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
+              help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
+                   "estimate images/s and the run's remaining time")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
 @click.option("--channel-mult", type=IntList(min=1), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
@@ -133,10 +171,11 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
-def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
-         seed: int, workers: int, compile_: bool | None, channels_last: bool | None, checkpoint_activations: bool,
-         cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
-         attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
+@threads_option
+def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
+         precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
+         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int,
+         channel_mult: tuple[int, ...] | None, num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -147,6 +186,9 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
+    if time_steps and not dry_run:
+        raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
+                                 param_hint="--time-steps")
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
@@ -159,17 +201,20 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
     opts = TrainingOptions.from_preset(
         preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
                              label_dim=dataset.label_dim),
-        encoder=encoder.config(), run_dir=outdir, data=data, cond=cond, batch_gpu=batch_gpu,
-        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile_, channels_last=channels_last,
+        encoder=encoder.config(), run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu,
+        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
         checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit, **overrides,
     )
+    try:
+        check_derived(config or {}, opts.to_json(), UNET_OPTIONS)
+    except OptionsError as e:
+        raise click.BadParameter(str(e), param_hint="--config") from None
     try:
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     if dry_run:
-        click.echo(json.dumps(opts.to_json(), indent=2))
-        click.echo(f"Dataset: {len(dataset)} images. Dry run: nothing written.")
+        print_dry_run(opts, dataset, encoder, time_steps)
         return
     files.check_writable_dir(opts.run_dir)
     try:

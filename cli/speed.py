@@ -1,4 +1,5 @@
-"""The speed options shared by the sampling command lines (generate.py, calculate_metrics.py gen)."""
+"""The speed options shared by the sampling command lines (generate.py, calculate_metrics.py gen), and --threads
+shared by every command line that computes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 from typing import Callable
 
 import click
+import torch
 
 from edm2.speed import PRECISIONS, SamplingSpeed
 
@@ -33,3 +35,18 @@ def sampling_speed_options(fn: Callable) -> Callable:
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None) -> None:
+    """Limit PyTorch's CPU threads (OpenMP included) before the command computes anything."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+# On a machine shared with other processes, OpenMP threads that spin waiting for each other can make a step
+# several times slower (bfloat16 on 2 busy cores: 8x slower with two threads than with one).
+threads_option = click.option(
+    "--threads", type=click.IntRange(min=1, max=1024), expose_value=False, callback=_set_threads,
+    help="CPU threads per process for PyTorch (OpenMP)  [default: PyTorch's, one per core]; 1 is often fastest "
+         "on a machine busy with other work",
+)

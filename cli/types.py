@@ -45,6 +45,9 @@ class SeedList(click.ParamType):
     name = "seeds"
     _PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
 
+    def __init__(self, noun: str = "seed"):
+        self.noun = noun  # 'class' for generate.py --class, which takes the same lists and ranges
+
     def convert(self, value, param, ctx) -> SeedRanges:
         """Parse value into a SeedRanges; refuse malformed parts, reversed ranges and seeds out of range."""
         if isinstance(value, SeedRanges):
@@ -64,8 +67,8 @@ class SeedList(click.ParamType):
         """One seed; compared as text first, so a thousand-digit number is refused without converting it."""
         digits = text.lstrip("0") or "0"
         if len(digits) > len(str(MAX_SEED)) or int(digits) >= MAX_SEED:
-            self.fail(f"seed {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} (2**32)",
-                      param, ctx)
+            self.fail(f"{self.noun} {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} "
+                      "(2**32)", param, ctx)
         return int(digits)
 
 

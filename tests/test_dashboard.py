@@ -7,6 +7,7 @@ import math
 import shutil
 import weakref
 
+import matplotlib.colors
 import numpy as np
 import PIL.Image
 import pytest
@@ -38,9 +39,13 @@ def stats_columns(run) -> dict[str, list[float]]:
 
 def test_training_records_and_draws_the_dashboard(reference_run):
     plots = reference_run / "plots"
-    assert sorted(p.name for p in plots.iterdir()) == ["magnitudes.json", "training.json", "training.png"]
+    # magnitudes.png is drawn at the run's last snapshot, as redraw() (plot_run.py) draws it.
+    assert sorted(p.name for p in plots.iterdir()) == ["magnitudes.json", "magnitudes.png", "training.json",
+                                                       "training.png"]
     with PIL.Image.open(plots / "training.png") as image:
         assert image.format == "PNG" and image.size == (880, 520)
+    with PIL.Image.open(plots / "magnitudes.png") as image:
+        assert image.format == "PNG" and image.size == (1100, 450)
     training = json.loads((plots / "training.json").read_text())
     assert training["stats"] == stats_columns(reference_run)
     # Eq. 16's bulk, P_mean +- 2.5 P_std, in 11 steps even in ln(sigma).
@@ -241,3 +246,59 @@ def test_plot_run_bad_input_is_one_line_and_writes_nothing(reference_run, tmp_pa
     (tmp_path / "file").write_text("not a run")
     prepare(tmp_path / name) if name != "run" else prepare(run)
     assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(tmp_path / name)]), *fragments)
+
+
+def top_panels(figure) -> dict:
+    """The dashboard's three curve panels by title."""
+    titles = ("training loss (Eq. 21)", "learning rate (Eq. 67)", "images/s")
+    return {ax.get_title(): ax for ax in figure.axes if ax.get_title() in titles}
+
+
+def test_curve_panels_have_y_labels_a_minimum_span_and_resume_marks():
+    kimg = [0.5, 1.0, 1.5, 2.0]
+    lr = [0.01, 0.01 * (1 + 2**-23), 0.01, 0.01]  # constant up to float32 rounding
+    stats = dict(kimg=kimg, loss=[0.9, 0.5, 0.4, 0.35], lr=lr, images_per_s=[100.0, 101.0, 100.5, 100.0])
+    figure = dashboard_figure(dict(stats=stats, resumes=[dict(nimg=1024, kimg=1.024)]))
+    panels = top_panels(figure)
+    assert {title: ax.get_ylabel() for title, ax in panels.items()} == {
+        "training loss (Eq. 21)": "loss", "learning rate (Eq. 67)": "learning rate", "images/s": "images/s"}
+    for ax in panels.values():
+        marks = [line for line in ax.get_lines() if line.get_label() == "resumed"]
+        assert len(marks) == 1 and list(marks[0].get_xdata()) == [1.024, 1.024]
+    # Jitter of 2^-23 and of 1% is drawn on an axis spanning at least a tenth of the values, so it looks flat.
+    for title, values in (("learning rate (Eq. 67)", lr), ("images/s", stats["images_per_s"])):
+        low, high = panels[title].get_ylim()
+        assert high - low >= 0.1 * max(values) * (1 - 1e-12) and low <= min(values) and high >= max(values)
+    low, high = panels["training loss (Eq. 21)"].get_ylim()  # a real change keeps matplotlib's own range
+    assert low <= 0.35 and high >= 0.9 and high - low < 0.55 * 1.2
+
+
+def test_each_block_of_a_level_has_its_own_shade():
+    names = ["enc.8x8_block0", "enc.8x8_block1", "enc.8x8_block2", "enc.4x4_block0", "dec.8x8_block0"]
+    rows = [dict(nimg=n, kimg=n / 1000, activations={name: 1.0 for name in names}, weights={"out_conv": 1.0})
+            for n in (1024, 2048)]
+    figure = magnitudes_figure(dict(rows=rows, ema_std=0.05))
+    [activations] = [ax for ax in figure.axes if ax.get_title().startswith("block outputs")]
+    colours = [matplotlib.colors.to_rgb(line.get_color()) for line in activations.get_lines() if len(line.get_xdata())]
+    assert len(colours) == len(names) == len(set(colours))
+    # The three enc 8x8 blocks share the level's hue, lighter block by block (mixed towards white).
+    enc8 = np.array(colours[:3])
+    assert np.all(np.diff(enc8.sum(axis=1)) > 0) and np.allclose(enc8[0], matplotlib.colors.to_rgb("C0"))
+
+
+def test_the_dashboard_records_where_the_run_resumed(train_data, tmp_path):
+    net = tiny_precond(label_dim=4).eval()
+    dataset = ImageFolderDataset(train_data)
+    opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
+                                       StandardRGBEncoder().config(), run_dir=str(tmp_path), data=str(train_data))
+
+    def invocation(cur_nimg: int, snapshot_at: int) -> list[int]:
+        """A training (re)started at cur_nimg that reaches a snapshot; the resumes training.json then holds."""
+        Dashboard(tmp_path, opts, dataset, StandardRGBEncoder(), net, torch.device("cpu"), cur_nimg).update(
+            net, snapshot_at)
+        return [r["nimg"] for r in json.loads((tmp_path / "plots" / "training.json").read_text())["resumes"]]
+
+    assert invocation(0, 1024) == []
+    assert invocation(1024, 2048) == [1024]
+    assert invocation(1024, 2048) == [1024]  # resumed from the same state again: one mark
+    assert invocation(2048, 3072) == [1024, 2048]

@@ -360,3 +360,32 @@ def test_full_disk_is_one_line_and_leaves_nothing_half_written(nets, tmp_path):
     # The listing of out/ (the last lines of stdout) holds neither an image nor a temporary.
     assert "Generating 4 images" in result.stdout
     assert not [name for name in result.stdout.split() if name.endswith((".png", TMP_SUFFIX))], result.stdout
+
+
+def test_class_lists_sample_every_seed_in_each_class_and_grid_rows_are_classes(nets, tmp_path):
+    out, single = tmp_path / "out", tmp_path / "single"
+    assert run_cli(["--net", nets["net"], "--seeds=0-1", "--class=1-3", "--grid", *FAST, "--outdir", out]).exit_code == 0
+    images = read_pngs(out)
+    names = [f"{seed:06d}-c{c:04d}.png" for c in (1, 2, 3) for seed in (0, 1)]
+    assert sorted(images) == sorted([*names, "grid.png"])
+    assert dict(json.loads((out / "labels.json").read_text())["labels"]) == {n: int(n[-6:-4]) for n in names}
+    # One class per row, seeds across: 3 rows and 2 columns of 8x8 images with one-pixel gaps.
+    grid = images["grid.png"]
+    assert grid.shape == (3 * 9 - 1, 2 * 9 - 1, 3)
+    for row, c in enumerate((1, 2, 3)):
+        for col, seed in enumerate((0, 1)):
+            tile = grid[row * 9:row * 9 + 8, col * 9:col * 9 + 8]
+            np.testing.assert_array_equal(tile, images[f"{seed:06d}-c{c:04d}.png"])
+    # The same images as a run for that one class.
+    assert run_cli(["--net", nets["net"], "--seeds=0-1", "--class=2", *FAST, "--outdir", single]).exit_code == 0
+    np.testing.assert_array_equal(read_pngs(single)["000001.png"], images["000001-c0002.png"])
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("classes, message", [("0-9", "9 is not a class of this network (5 classes)"),
+                                              ("3-1", "'3-1': a range must not end before it starts"),
+                                              ("1,x", "expected numbers and ranges")])
+def test_class_lists_out_of_range_are_refused(nets, tmp_path, classes, message):
+    out = tmp_path / "out"
+    assert_refused(tmp_path, lambda: run_cli(["--net", nets["net"], f"--class={classes}", *FAST, "--outdir", out]),
+                   "--class", message)

@@ -143,3 +143,33 @@ def test_library_errors(tmp_path):
               posthoc.Track("b", 2048, 0.05, lambda: (tiny_precond(model_channels=32), {}))]
     with pytest.raises(posthoc.PosthocError, match="b: network architecture differs from a"):
         next(posthoc.combine(tracks, 2048, [0.07]))
+
+
+def profile_errors(total: int, every: int, targets: list[float]) -> np.ndarray:
+    """Eq. 134 for two tracks (0.05, 0.10) with a snapshot every `every` of `total` images, reconstructed at the end."""
+    nimg = np.repeat(np.arange(every, total + 1, every, dtype=np.float64), 2)
+    stds = np.tile([0.05, 0.10], len(nimg) // 2)
+    coefs = phema.solve_posthoc_coefficients(nimg, stds, total, targets)
+    return phema.reconstruction_error(nimg, stds, total, targets, coefs)
+
+
+def test_profile_error_is_described_by_its_rms_distance_and_a_verdict_grounded_in_measured_settings():
+    # The rule of thumb's grounds (posthoc.GOOD_PROFILE_ERROR): the paper's setting (a snapshot every 8Mi of
+    # 2Gi images) is as good as tracking for 0.02-0.25; the toy demo's four snapshots are fair for 0.03-0.2.
+    paper = profile_errors(2048 << 20, 8 << 20, [0.02, 0.03, 0.07, 0.15, 0.2, 0.25])
+    assert all("as good as a tracked EMA" in posthoc.describe_profile_error(e) for e in paper)
+    demo = profile_errors(32 << 10, 8 << 10, [0.03, 0.07, 0.15, 0.2])
+    assert all("fair" in posthoc.describe_profile_error(e) for e in demo)
+    far = profile_errors(32 << 10, 8 << 10, [0.01])[0]
+    assert "poor" in posthoc.describe_profile_error(far)
+    # A relative squared L2 distance of 0.0121 is an RMS distance of sqrt(0.0121) = 11%.
+    assert "1.2e-02: the averaging profile is 11.0% (RMS)" in posthoc.describe_profile_error(0.0121)
+    assert posthoc.describe_profile_error(-1e-17).startswith("profile error 0.0e+00")  # rounding below zero
+
+
+def test_reconstruct_phema_says_what_the_profile_error_means(tmp_path):
+    run = fake_training_run(tmp_path / "run", num_snapshots=3)
+    result = CliRunner().invoke(reconstruct_phema.main, [f"--indir={run}", "--std=0.10"])
+    assert result.exit_code == 0, result.output
+    _, metadata = snapshot.load_network(run / "phema" / "phema-0000003-0.100.safetensors")
+    assert posthoc.describe_profile_error(metadata["phema"]["profile_error"]) in result.output

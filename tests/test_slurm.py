@@ -54,7 +54,7 @@ def test_the_training_command_inside_parses(train_data, tmp_path):
                              f"--outdir={tmp_path / 'run'}", "--dry-run"],
                             cwd=REPO, env=slurm_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert '"preset": "toy-tiny"' in result.stdout and "Dry run: nothing written." in result.stdout
+    assert '"preset": "toy-tiny"' in result.stdout and "Dry run: nothing written." in result.stderr
     assert not (tmp_path / "run").exists() and calls(tmp_path) == ["scontrol show hostnames localhost"]
 
 

@@ -1,12 +1,14 @@
 """The run dashboard under RUN/plots/: at every snapshot, rank 0 measures the EMA network on a fixed batch and
-redraws training.png; redraw() draws the dashboard and the magnitudes again from the run's files alone.
+redraws training.png, and at the run's last snapshot magnitudes.png; redraw() draws both again from the run's files
+alone.
 
 Files, each written atomically:
   plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
-                         and per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma'
+                         per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma', and
+                         the image counts where the run resumed ('resumes')
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
-  plots/magnitudes.png   drawn by redraw() (plot_run.py), not during training
+  plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
 The fixed batch is PROBE_IMAGES dataset images evenly spaced through the dataset with the draws of seeds
 0..PROBE_IMAGES-1 (edm2.validation.ValidationSamples): the same at every snapshot and on every resume. They are
 training images, as EDM2 trains on the whole dataset; what is fixed is the batch and its draws. The network is
@@ -32,6 +34,7 @@ PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
 MAGNITUDES_JSON, MAGNITUDES_PNG = "magnitudes.json", "magnitudes.png"
 PROBE_IMAGES = 8
+ROW_KEYS = ("noise_levels", "resumes", "rows")  # the record files' lists that grow as the run goes on
 DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
 STATS_KEYS = ("kimg", "loss", "lr", "images_per_s")
 
@@ -110,6 +113,15 @@ def write_dashboard(run_dir: Path, training: dict) -> Path:
     return folder / TRAINING_PNG
 
 
+def write_magnitudes(run_dir: Path, magnitudes: dict) -> Path:
+    """magnitudes.png drawn from the records (edm2.plots.run.magnitudes_figure)."""
+    from edm2 import plots
+    from edm2.plots.run import magnitudes_figure
+    folder = run_dir / PLOTS_DIR
+    plots.save_png(_figure(magnitudes_figure, magnitudes, folder / MAGNITUDES_JSON), folder / MAGNITUDES_PNG)
+    return folder / MAGNITUDES_PNG
+
+
 def redraw(run_dir: str | os.PathLike) -> tuple[list[Path], list[str]]:
     """Draw training.png and magnitudes.png of a run directory from its files; returns (PNGs written, notes).
 
@@ -140,7 +152,7 @@ class Dashboard:
 
     def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
                  cur_nimg: int):
-        self.run_dir = run_dir
+        self.run_dir, self.duration = run_dir, opts.duration
         samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, opts.P_mean, opts.P_std)
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
@@ -149,6 +161,10 @@ class Dashboard:
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, self.training, "noise_levels", cur_nimg)
+        # Where earlier invocations went on after an interruption, and this one if it resumes: marked in the plots.
+        resumes = [r for r in self._earlier_rows(TRAINING_JSON, self.training, "resumes", cur_nimg)
+                   if r["nimg"] < cur_nimg]
+        self.training["resumes"] = resumes + ([dict(nimg=cur_nimg, kimg=cur_nimg / 1000)] if cur_nimg else [])
         self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, self.magnitudes, "rows", cur_nimg)
 
     def _earlier_rows(self, name: str, mine: dict, key: str, cur_nimg: int) -> list[dict]:
@@ -160,7 +176,7 @@ class Dashboard:
         except DashboardError as e:
             print(f"{e}; its records start afresh.", flush=True)
             return []
-        same = stored and all(stored.get(k) == v for k, v in mine.items() if k != key)
+        same = stored and all(stored.get(k) == v for k, v in mine.items() if k not in ROW_KEYS)
         if not same or not isinstance(stored.get(key), list):
             return []
         return [row for row in stored[key] if isinstance(row, dict) and isinstance(row.get("nimg"), int)
@@ -176,3 +192,5 @@ class Dashboard:
             records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
         save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
         write_dashboard(self.run_dir, self.training)
+        if nimg >= self.duration:
+            write_magnitudes(self.run_dir, self.magnitudes)

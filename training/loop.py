@@ -95,7 +95,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     distributed.print0(
         f"{'Resuming from ' + Path(path).name if path else 'Starting'} at {state.cur_nimg} images; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
-        f"images; precision {opts.precision}, computing in {dtype} on {device.type}"
+        f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
     )
     model = None  # DistributedDataParallel averages the gradients over ranks
     if world_size > 1:
@@ -107,6 +107,13 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
         device=device,
     )
+
+
+def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> str:
+    """Why the computing dtype is not --precision's, when it is not: the CPU computes in float32 by default."""
+    if dtype == {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[opts.precision]:
+        return ""
+    return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
 
 
 def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,

@@ -20,6 +20,11 @@ HYPERPARAMETERS = (
     "ema_stds", "network", "precision", "ls", "seed", "dataset", "init",
 )
 
+# The fields that are no command-line option: dataset and encoder describe the data (read from it again), network
+# holds the U-Net shape options and otherwise comes from the preset or --init, as rampup_Mimg and ema_stds do.
+DATA_FIELDS = ("dataset", "encoder")
+RECIPE_FIELDS = ("network", "rampup_Mimg", "ema_stds")
+
 
 class OptionsError(EDM2Error):
     """Options that cannot work together, e.g. a batch that does not split evenly over the processes."""
@@ -72,6 +77,8 @@ class TrainingOptions:
         values = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe) if f.name in _FIELDS}
         values.update(run_dir=os.path.join("training-runs", preset), network=dict(recipe.network))
         values.update({k: v for k, v in overrides.items() if v is not None})
+        # A preset's decay=100 and --decay=100 are one value: floats throughout, so the options print alike.
+        values.update({k: float(values[k]) for k in _FLOAT_FIELDS if k in values})
         return cls(preset=preset, dataset=dataset, encoder=encoder, **values)
 
     def to_json(self) -> dict:
@@ -93,6 +100,7 @@ class TrainingOptions:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainingOptions)}
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainingOptions) if f.type == "float"}
 
 
 def rounds_per_step(batch: int, batch_gpu: int, world_size: int) -> tuple[int, int]:
@@ -111,3 +119,17 @@ def check_same_hyperparameters(stored: dict, current: dict) -> None:
     if differing:
         details = ", ".join(f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in differing)
         raise OptionsMismatch(f"cannot resume with different hyperparameters ({details})")
+
+
+def check_derived(stored: dict, current: dict, option_keys: tuple[str, ...]) -> None:
+    """Raise OptionsError naming each RECIPE_FIELDS value of stored options (a --config file) that the current options
+    do not reproduce; the data's description is read again, and network's option_keys are options of their own."""
+    def comparable(values: dict, key: str):
+        value = values.get(key)
+        return {k: v for k, v in value.items() if k not in option_keys} if key == "network" else value
+
+    differing = [k for k in RECIPE_FIELDS if k in stored and comparable(stored, k) != comparable(current, k)]
+    if differing:
+        details = ", ".join(f"{k}: file has {comparable(stored, k)!r}, the preset or --init gives "
+                            f"{comparable(current, k)!r}" for k in differing)
+        raise OptionsError(f"values no option can set ({details})")

@@ -37,6 +37,15 @@ def hms(seconds: float) -> str:
     return f"{s // 3600}h{s // 60 % 60:02d}m{s % 60:02d}s"
 
 
+def status_text(row: dict, duration: int) -> str:
+    """A stats row as a status line; kimg is padded to the duration's width, so the columns never shift."""
+    total = f"{duration / 1000:.1f}"
+    eta = hms(max(duration - row["nimg"], 0) / max(row["images_per_s"], 1e-9))
+    return (f"kimg {row['kimg']:>{len(total)}.1f}/{total} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
+            f"img/s {row['images_per_s']:<9.1f} sec/kimg {row['sec_per_kimg']:<8.3f} "
+            f"maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} ETA {eta}")
+
+
 class Outputs:
     """The writers of one run. Every rank makes the same calls (they hold collectives); rank 0 writes."""
 
@@ -46,6 +55,7 @@ class Outputs:
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
         self._tick_nimg = state.cur_nimg
+        self._first_step = True
 
     def add_loss(self, loss_sum: torch.Tensor, rounds: int) -> None:
         """Count one step's summed per-round mean losses toward the next status line."""
@@ -60,8 +70,14 @@ class Outputs:
         self._clock = now
         cur, opts = self.state.cur_nimg, self.opts
         prev = cur - opts.batch
+        if self._first_step and self.run is not None and opts.status:
+            # A sign of life long before the first status line (2Ki images take over a minute on a CPU).
+            print(f"First step done: {opts.batch} images in {now - self._tick_time:.1f} s, start-up included; a "
+                  f"status line every {opts.status} images", flush=True)
+        self._first_step = False
         if done or stopping or crossed(prev, cur, opts.status):
-            self.status()
+            self.status(partial=not crossed(prev, cur, opts.status))
+        writing = time.monotonic()
         if done or crossed(prev, cur, opts.snapshot):
             if self.run:
                 self.run.save_snapshots(self.state.ema, cur, opts)
@@ -69,13 +85,17 @@ class Outputs:
                 self.dashboard.update(self.state.ema.get()[0][0], cur)
         if done or stopping or crossed(prev, cur, opts.checkpoint):
             self.training_state()
+        # The next status line's images/s measures training, not the seconds spent writing these files.
+        self._tick_time += time.monotonic() - writing
 
-    def status(self) -> None:
-        """Print a status line and append its stats.jsonl row (loss averaged over ranks since the last one)."""
+    def status(self, partial: bool = False) -> None:
+        """Print a status line and append its stats.jsonl row (loss averaged over ranks since the last one);
+        partial: the line ends an interval early (a stop, or the duration), which the line says."""
         stats = distributed.all_reduce_sum(self.loss_stats.clone()).tolist()
         self.loss_stats.zero_()
         cur, opts, now = self.state.cur_nimg, self.opts, time.monotonic()
-        images_per_s = (cur - self._tick_nimg) / max(now - self._tick_time, 1e-9)
+        interval = cur - self._tick_nimg
+        images_per_s = interval / max(now - self._tick_time, 1e-9)
         self._tick_nimg, self._tick_time = cur, now
         row = dict(
             kimg=cur / 1000, nimg=cur, loss=stats[0] / max(stats[1], 1),
@@ -85,13 +105,8 @@ class Outputs:
         )
         if self.run is None:
             return
-        print(
-            f"kimg {row['kimg']:.1f}/{opts.duration / 1000:<8.1f} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
-            f"img/s {images_per_s:<9.1f} "
-            f"sec/kimg {row['sec_per_kimg']:<8.3f} maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} "
-            f"ETA {hms(max(opts.duration - cur, 0) / max(images_per_s, 1e-9))}",
-            flush=True,
-        )
+        print(status_text(row, opts.duration) + (f" (partial interval: {interval} images)" if partial else ""),
+              flush=True)
         self.run.append_stats(row)
 
     def training_state(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+import matplotlib.colors
 import matplotlib.figure
 import matplotlib.ticker
 import numpy as np
@@ -18,6 +19,11 @@ from edm2.magnitudes import bucket
 # frames of whoever drew the figure until the garbage collector runs; in a training those frames hold the data
 # loader, whose worker processes then kept the interpreter from exiting at the end of the run.
 PLAIN = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+# A curve's y axis spans at least this fraction of its largest |value|: a learning rate that is constant up to
+# rounding, or images/s that jitter by 1%, read as flat lines, not as swings across the whole panel.
+MIN_RELATIVE_SPAN = 0.1
+# Blocks of one level share its colour, each a shade lighter than the one before, up to this mix with white.
+MAX_SHADE = 0.6
 
 
 def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
@@ -31,11 +37,17 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
                                   ["halves", "halves", "halves", "fit", "fit", "fit"]])
     figure.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.35, wspace=1.2)
     stats = data["stats"]
-    for key, name, label in (("loss", "loss", "training loss (Eq. 21)"), ("lr", "lr", "learning rate (Eq. 67)"),
-                             ("speed", "images_per_s", "images/s")):
+    for key, name, label, ylabel in (("loss", "loss", "training loss (Eq. 21)", "loss"),
+                                     ("lr", "lr", "learning rate (Eq. 67)", "learning rate"),
+                                     ("speed", "images_per_s", "images/s", "images/s")):
         ax = axes[key]
         ax.plot(stats["kimg"], stats[name], color="C0", linewidth=1)
-        ax.set(xlabel="kimg", title=label)
+        ax.set(xlabel="kimg", ylabel=ylabel, title=label)
+        keep_span(ax, stats[name])
+        for i, resume in enumerate(data.get("resumes") or []):  # where an interrupted run went on
+            ax.axvline(resume["kimg"], color="0.5", linestyle=":", linewidth=1, label="resumed" if i == 0 else None)
+        if data.get("resumes"):
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     rows = data.get("noise_levels") or []
     if rows:
@@ -46,6 +58,25 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
                            transform=axes[key].transAxes)
             axes[key].set_axis_off()
     return figure
+
+
+def keep_span(ax, values) -> None:
+    """Widen the y axis around the values to at least MIN_RELATIVE_SPAN of their largest magnitude."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return
+    low, high = min(finite), max(finite)
+    span = MIN_RELATIVE_SPAN * max(abs(low), abs(high))
+    if high - low < span:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - span / 2, middle + span / 2)
+
+
+def shade(k: int, j: int, count: int) -> tuple[float, float, float]:
+    """Colour of block j of count in bucket k: the bucket's colour, mixed with white the more the later the block."""
+    base = np.array(matplotlib.colors.to_rgb(f"C{k % 10}"))
+    mix = MAX_SHADE * j / max(count - 1, 1)
+    return tuple(base + (1 - base) * mix)
 
 
 def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
@@ -71,7 +102,8 @@ def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
 
 
 def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
-    """RMS of each block's output and each layer's raw weight against kimg, coloured by the paper's buckets.
+    """RMS of each block's output and each layer's raw weight against kimg, coloured by the paper's buckets, the
+    blocks of one bucket in lighter and lighter shades of its colour.
 
     The y axes start at 0, so magnitudes that stay at unit scale read as flat lines and a drift stands out.
     """
@@ -84,11 +116,12 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
         ax = figure.add_subplot(1, 2, index + 1)
         names = list(rows[-1][key]) if rows else []
         top = 1.0
+        members = {group: [n for n in names if bucket(n) == group] for group in dict.fromkeys(map(bucket, names))}
         for name in names:
-            k = buckets.index(bucket(name))
+            k, group = buckets.index(bucket(name)), members[bucket(name)]
             values = [row[key].get(name, math.nan) for row in rows]
             top = max([top, *(v for v in values if math.isfinite(v))])
-            ax.plot(kimg, values, marker="o", markersize=2, linewidth=1, color=f"C{k % 10}",
+            ax.plot(kimg, values, marker="o", markersize=2, linewidth=1, color=shade(k, group.index(name), len(group)),
                     linestyle="-" if k < 10 else "--")
         for group in dict.fromkeys(bucket(name) for name in names):
             k = buckets.index(group)

@@ -1,0 +1,69 @@
+"""What a training would do, for --dry-run: the network's size, where the run would start or resume, and on request
+its speed from a few timed steps."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from edm2 import distributed
+from edm2.networks import count_parameters
+from training import checkpoint
+from training.data_order import DataOrder, data_loader
+from training.options import TrainingOptions, rounds_per_step
+from training.outputs import hms
+from training.state import TrainingState, init_network
+from training.step import TrainingStep, training_loss, training_step
+
+if TYPE_CHECKING:
+    from edm2.dataset import ImageFolderDataset
+    from edm2.encoders import Encoder
+
+
+def parameter_count(opts: TrainingOptions, img_channels: int) -> int:
+    """Trainable parameters of the network the options describe, built on the meta device (no memory, no time)."""
+    with torch.device("meta"):
+        return count_parameters(init_network(opts, img_channels))
+
+
+def newest_state(run_dir: str | os.PathLike) -> tuple[str | None, int]:
+    """The newest training state's path in run_dir and its image count; (None, 0) when there is none."""
+    states = checkpoint.list_states(run_dir)
+    if not states:
+        return None, 0
+    return str(states[0]), checkpoint.tagged_images(*checkpoint.STATE_PATTERN.match(states[0].name).groups())
+
+
+def start_or_resume(run_dir: str | os.PathLike, duration: int) -> str:
+    """Where a training in run_dir would begin: a new run, or the newest training state found there."""
+    path, images = newest_state(run_dir)
+    if path is None:
+        return f"Would start a new run in {run_dir} (no training state there)."
+    if images >= duration:
+        return f"Would stop at once: {path} already holds {images} >= {duration} images."
+    return (f"Would resume from {path} at {images} of {duration} images (the newest training state; a "
+            "damaged one falls back to the one before).")
+
+
+def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, steps: int) -> str:
+    """Images/s of `steps` training steps of a fresh network in this process, after one warm-up step (start-up,
+    compilation), and the time the rest of the run would take at that speed; nothing is written."""
+    device = distributed.device()
+    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, 1)
+    state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
+    order = DataOrder(len(dataset), opts.seed, 0, 1, batch_gpu, 0)
+    step = TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
+                        batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds,
+                        device=device)
+    float(training_step(step))  # float(): waits for the device
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = training_step(step)
+    float(loss)
+    rate = steps * opts.batch / (time.perf_counter() - started)
+    remaining = max(opts.duration - newest_state(opts.run_dir)[1], 0)
+    return (f"Timed {steps} step(s) of {opts.batch} images on one {device.type} process after a warm-up step: "
+            f"{rate:.1f} images/s; the {remaining} images to go would take about {hms(remaining / rate)}.")
