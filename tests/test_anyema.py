@@ -213,3 +213,16 @@ def test_synthesize_refuses_tracks_that_do_not_combine(tmp_path):
     save_one(tmp_path, torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Linear(16, 1)), step=12)
     with pytest.raises(AnyEMAError, match="buffers differ"):
         synthesize(tmp_path, 0.07)
+
+
+def test_synthesis_is_algorithm_3_over_the_saved_tracks(training):
+    # The same sum (Eq. 129), in float32 and the same order, over the files and Algorithm 3's weights.
+    folder, _, _, _ = training
+    paths = sorted(folder.iterdir(), key=lambda p: (int(p.name.split("-")[1]), p.name))
+    times = [int(p.name.split("-")[1]) for p in paths]
+    stds = [float(p.name.split("-")[2].removesuffix(".safetensors")) for p in paths]
+    coefs = phema.solve_posthoc_coefficients(times, stds, STEPS, TARGET)[:, 0]
+    expected = torch.zeros_like(synthesize(folder, TARGET)["3.weight"])
+    for path, coef in zip(paths, coefs):
+        expected.add_(safetensors.torch.load_file(str(path))["3.weight"], alpha=float(coef))
+    assert torch.equal(synthesize(folder, TARGET)["3.weight"], expected)
