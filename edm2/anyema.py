@@ -18,7 +18,6 @@ module when a track is saved, as the release does, and a synthesized state dict 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from pathlib import Path
@@ -29,9 +28,9 @@ import safetensors
 import safetensors.torch
 import torch
 
-from edm2 import files, phema, posthoc
+from edm2 import phema, posthoc
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import read_metadata
+from edm2.snapshot import read_metadata, save_state
 
 METADATA_KEY = "edm2-ema"
 FORMAT_VERSION = 1
@@ -82,14 +81,10 @@ class PostHocEMA:
         for ema, std in self.get():
             state = ema.state_dict()
             buffers = sorted(name for name, _ in ema.named_buffers() if name in state)
-            # Copies: tied weights share storage, which safetensors refuses to write.
-            tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().to("cpu").clone()
-                       for name, t in state.items()}
             meta = {"format_version": FORMAT_VERSION, "step": self.step, "std": std, "stds": list(self.tracker.stds),
                     "time": "optimizer steps", "buffers": buffers}
             paths.append(folder / file_name(prefix, self.step, std))
-            with files.atomic_path(paths[-1]) as tmp:
-                safetensors.torch.save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+            save_state(paths[-1], state, meta, METADATA_KEY, dtype)
         return paths
 
     def state_dict(self) -> dict:

@@ -226,3 +226,13 @@ def test_synthesis_is_algorithm_3_over_the_saved_tracks(training):
     for path, coef in zip(paths, coefs):
         expected.add_(safetensors.torch.load_file(str(path))["3.weight"], alpha=float(coef))
     assert torch.equal(synthesize(folder, TARGET)["3.weight"], expected)
+
+
+def test_tied_weights_are_saved_and_synthesized(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # one tensor under two names: safetensors refuses shared storage
+    ema = PostHocEMA(model, stds=STDS)
+    ema.update(1)
+    ema.save(tmp_path)
+    state = synthesize(tmp_path, 0.07)
+    assert torch.equal(state["0.weight"], model[0].weight.detach()) and torch.equal(state["1.weight"], state["0.weight"])
