@@ -30,10 +30,9 @@ import torch
 
 from edm2 import phema, posthoc
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import read_metadata, save_state
+from edm2.snapshot import FORMAT_VERSION, read_metadata, save_state  # read_metadata checks the version
 
 METADATA_KEY = "edm2-ema"
-FORMAT_VERSION = 1
 MAX_STEP = 2**53  # exact as a float64, as any JSON reader holds numbers
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 _STORED_DTYPES = (*_DTYPES.values(), torch.int64, torch.int32, torch.uint8, torch.bool)

@@ -142,11 +142,14 @@ def test_save_in_half_precision_synthesizes_float32(tmp_path):
 
 
 @pytest.mark.bad_input
-def test_tracking_refuses_bad_steps_and_stds():
+def test_tracking_refuses_bad_steps_and_stds(tmp_path):
     ema = PostHocEMA(mlp(), stds=STDS)
     with pytest.raises(AnyEMAError, match="nothing to save"):
-        ema.save("unused")
+        ema.save(tmp_path / "unused")
     ema.update(3)
+    with pytest.raises(AnyEMAError, match="dtype must be one of float16, bfloat16, float32, float64"):
+        ema.save(tmp_path / "unused", dtype=torch.int8)
+    assert not (tmp_path / "unused").exists()
     for step in (3, 2, 2.5, True):
         with pytest.raises(AnyEMAError, match=r"after the previous update \(3\)"):
             ema.update(step)
