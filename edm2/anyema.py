@@ -122,8 +122,10 @@ def _load(path: Path, buffers: list[str]) -> tuple[torch.nn.Module, dict]:
         raise AnyEMAError(f"{path}: metadata names buffers the file does not hold")
     root = torch.nn.Module()
     for name, tensor in sorted(state.items()):
-        if tensor.dtype not in _STORED_DTYPES or (tensor.is_floating_point() and not torch.isfinite(tensor).all()):
-            raise AnyEMAError(f"{path}: tensor {name!r} is {tensor.dtype} or not finite")
+        if tensor.dtype not in _STORED_DTYPES:
+            raise AnyEMAError(f"{path}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, not a weight")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise AnyEMAError(f"{path}: tensor {name!r} is not finite (NaN or infinity)")
         if name not in buffers and not tensor.is_floating_point():
             raise AnyEMAError(f"{path}: tensor {name!r} is averaged but not floating-point")
         *parents, leaf = name.split(".")
@@ -134,7 +136,7 @@ def _load(path: Path, buffers: list[str]) -> tuple[torch.nn.Module, dict]:
                     owner.add_module(part, torch.nn.Module())  # refuses a name a tensor already has
                 owner = owner._modules[part]
             if name in buffers:
-                owner.register_buffer(leaf, tensor)
+                owner.register_buffer(leaf, tensor.float() if tensor.is_floating_point() else tensor)
             else:
                 owner.register_parameter(leaf, torch.nn.Parameter(tensor.float(), requires_grad=False))
         except (KeyError, AttributeError, TypeError) as e:

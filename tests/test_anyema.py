@@ -137,8 +137,9 @@ def test_save_in_half_precision_synthesizes_float32(tmp_path):
     stored = safetensors.torch.load_file(str(tmp_path / file_name("half", 1, 0.10)))
     assert stored["0.weight"].dtype == torch.float16 and stored["1.num_batches_tracked"].dtype == torch.int64
     state = synthesize(tmp_path, 0.07, prefix="half")
-    # At step 1 every profile is the step's weights: the float16 copies, read back as float32.
+    # At step 1 every profile is the step's weights: the float16 copies, read back as float32 (buffers too).
     assert torch.equal(state["0.weight"], model[0].weight.detach().half().float())
+    assert torch.equal(state["1.running_var"], model[1].running_var.half().float())
 
 
 @pytest.mark.bad_input
@@ -187,6 +188,7 @@ def rewrite(path, tensors=None, raw=None, **meta_changes):
     (lambda p: rewrite(p, buffers=["nonexistent"]), "names buffers the file does not hold"),
     (lambda p: rewrite(p, format_version=None), "format_version"),
     (lambda p: rewrite(p, tensors={"0.weight": torch.full((2,), float("nan"))}, buffers=[]), "not finite"),
+    (lambda p: rewrite(p, tensors={"0.weight": torch.zeros(2, dtype=torch.int8)}, buffers=["0.weight"]), "int8, not a"),
     (lambda p: rewrite(p, tensors={"0.weight": torch.zeros(2, dtype=torch.int64)}, buffers=[]), "not floating"),
     (lambda p: rewrite(p, tensors={"a": torch.zeros(2), "a.b": torch.zeros(2)}, buffers=[]), "does not fit a module"),
     (lambda p: rewrite(p, tensors={"a..b": torch.zeros(2)}, buffers=[]), "does not fit a module"),
