@@ -55,15 +55,19 @@ def save_network(path: str | os.PathLike, net: torch.nn.Module, metadata: dict, 
     """Write net's weights (floating-point ones as dtype: float16, like the release) and metadata atomically to a
     .safetensors file; `key` and `dtype` serve another kind of our files (the toy example's, float32)."""
     meta = dict(metadata, format_version=FORMAT_VERSION, network_kwargs=net.init_kwargs)
-    tensors = {}
-    for name, tensor in net.state_dict().items():
-        tensor = tensor.detach()
-        if tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        tensors[name] = tensor.to("cpu").contiguous()
+    save_state(path, net.state_dict(), meta, key, dtype)
+
+
+def save_state(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dict, key: str,
+               dtype: torch.dtype) -> None:
+    """Write a state dict (floating-point tensors as dtype) and JSON metadata under `key` atomically to a
+    .safetensors file; also the post-hoc EMA tracks of any module (edm2.anyema)."""
+    # One fresh CPU tensor per name (a conversion is that copy): safetensors refuses tied weights' shared storage.
+    tensors = {name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
+               for name, t in state.items()}
     with files.atomic_path(path) as tmp:
         try:
-            safetensors.torch.save_file(tensors, str(tmp), metadata={key: json.dumps(meta)})
+            safetensors.torch.save_file(tensors, str(tmp), metadata={key: json.dumps(metadata)})
         except safetensors.SafetensorError as e:  # a full disk reads 'I/O error: No space left on device'
             raise SnapshotError(f"{path}: cannot write: {e}") from None
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 from PIL import Image
 
@@ -98,10 +99,17 @@ def test_demo_runs_end_to_end(tmp_path):
     assert all(math.isfinite(row["loss"]) for row in rows)
 
 
+def readme_python_block(module: str) -> str:
+    """The one Python block of the README that imports from `module`."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    matching = [block for block in blocks if f"from {module} import" in block]
+    assert len(matching) == 1, f"{len(matching)} README Python blocks import from {module}"
+    return matching[0]
+
+
 def test_readme_python_api_runs_on_a_training_run(reference_run, tmp_path, monkeypatch):
     # The README's Python block, run as written in a folder whose training-runs/toy-small is a real (toy-tiny) run.
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
-    assert len(blocks) == 1
+    blocks = [readme_python_block("edm2.posthoc")]
     (tmp_path / "training-runs").mkdir()
     (tmp_path / "training-runs" / "toy-small").symlink_to(reference_run, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
@@ -111,3 +119,16 @@ def test_readme_python_api_runs_on_a_training_run(reference_run, tmp_path, monke
     lines = printed.getvalue().splitlines()
     assert [line.split()[:2] for line in lines] == [["0.03", "2048"], ["0.15", "2048"]]
     assert all(line.endswith("torch.Size([8, 3, 8, 8])") for line in lines)
+
+
+def test_readme_any_model_posthoc_ema_runs(tmp_path, monkeypatch):
+    # The README's plain-PyTorch loop, run as written: ten saves of two tracks, then a synthesized EMA loaded.
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    exec(compile(readme_python_block("edm2.anyema"), "README.md", "exec"), namespace)
+    saved = sorted(p.name for p in (tmp_path / "ema-snapshots").iterdir())
+    assert saved == [f"ema-{step:09d}-{std}.safetensors" for step in range(100, 1001, 100) for std in ("0.050", "0.100")]
+    state = namespace["synthesize"]("ema-snapshots", std=0.08)
+    model = namespace["model"]
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+    assert not torch.equal(state["0.weight"], namespace["ema"].get()[0][0].state_dict()["0.weight"])
