@@ -24,7 +24,7 @@ import tqdm
 
 from edm2 import phema
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import (SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
+from edm2.snapshot import (MAX_NIMG, SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
                            load_network, read_metadata)
 
 # A requested input sigma_rel selects the tracks within half a unit of the file names' third decimal.
@@ -79,10 +79,13 @@ def describe_snapshot(path: Path) -> Snapshot | None:
         raise PosthocError(f"{path}: not named PREFIX-KIMG-STD.safetensors or .pkl")
     if match["ext"] == "pkl":
         check_readable(path)
-        kimg, std = int(match["kimg"]), float(match["std"])
-        nimg = kimg_to_nimg(kimg)
+        kimg, std = match["kimg"], float(match["std"])
+        # A name may hold any number of digits: its length is compared before converting it.
+        nimg = kimg_to_nimg(int(kimg)) if len(kimg) <= len(str(MAX_NIMG)) else MAX_NIMG
         if nimg is None:
-            raise PosthocError(f"{path}: kimg {kimg} is not a whole number of 1024-image batches")
+            raise PosthocError(f"{path}: kimg {int(kimg)} is not a whole number of 1024-image batches")
+        if nimg >= MAX_NIMG:
+            raise PosthocError(f"{path}: kimg {kimg[:30]} means 2**53 images or more")
     else:
         meta = read_metadata(path)
         if "phema" in meta:
@@ -90,7 +93,7 @@ def describe_snapshot(path: Path) -> Snapshot | None:
         nimg, std = meta.get("nimg"), meta.get("ema_std")
         if not all(isinstance(v, t) and not isinstance(v, bool) for v, t in ((nimg, int), (std, (int, float)))):
             raise PosthocError(f"{path}: metadata lacks 'nimg' and 'ema_std'; not a training snapshot")
-    if not 0 < std < phema.MAX_STD:  # also NaN, which JSON metadata may hold
+    if not 0 < std < phema.MAX_STD:
         raise PosthocError(f"{path}: sigma_rel {std} is outside (0, {phema.MAX_STD:.4f})")
     return Snapshot(path, match["prefix"], nimg, float(std))
 

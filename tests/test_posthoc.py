@@ -143,3 +143,13 @@ def test_library_errors(tmp_path):
               posthoc.Track("b", 2048, 0.05, lambda: (tiny_precond(model_channels=32), {}))]
     with pytest.raises(posthoc.PosthocError, match="b: network architecture differs from a"):
         next(posthoc.combine(tracks, 2048, [0.07]))
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("kimg", ["9" * 200, str(2**53 // 1000)], ids=["200 digits", "2**53"])
+def test_a_release_name_past_2_53_images_is_refused_not_believed(tmp_path, kimg):
+    # Release pickles carry their time in the name alone; its digits are counted before converting them.
+    path = tmp_path / f"edm2-img512-xs-{kimg}-0.050.pkl"
+    path.write_bytes(b"never unpickled")
+    with pytest.raises(posthoc.PosthocError, match="means 2\\*\\*53 images or more"):
+        posthoc.list_snapshots(tmp_path)

@@ -206,7 +206,7 @@ BAD_INPUT = {
     "track sigma_rel too large": (["--std=0.1"], ["sigma_rel 0.5 is outside (0, 0.2887)"],
                                   lambda tmp: write_copy(tmp / "training-runs" / "tiny", "x-0000003-0.500.safetensors",
                                                          {"nimg": 3072, "ema_std": 0.5})),
-    "track sigma_rel nan": (["--std=0.1"], ["sigma_rel nan is outside"],
+    "track sigma_rel nan": (["--std=0.1"], ["NaN is not a JSON number"],
                             lambda tmp: write_copy(tmp / "training-runs" / "tiny", "x-0000003-0.050.safetensors",
                                                    {"nimg": 3072, "ema_std": float("nan")})),
     "outdir is a file": (["--std=0.1", "--outdir=file"], ["file is a file, not a folder"],
