@@ -14,7 +14,7 @@ import torch
 from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.speed import sampling_speed_options
-from cli.types import Number, SigmaInterval
+from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
 from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
@@ -50,7 +50,7 @@ def metric_options(batch_default: int) -> Callable:
             click.option("--metrics", help="Metrics to compute", metavar="LIST", callback=parse_metrics,
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
-                         type=click.IntRange(min=1), default=batch_default, show_default=True),
+                         type=Integer(1, MAX_BATCH), default=batch_default, show_default=True),
             click.option("--inception", help="A copy of the published Inception-v3 TorchScript file (FID), verified by its SHA-256  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
                          metavar="PATH|URL", default=None),
             click.option("--dinov2", help="A copy of the published DINOv2 ViT-L/14 weights (FD_DINOv2), verified by their SHA-256  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
@@ -63,7 +63,7 @@ def metric_options(batch_default: int) -> Callable:
 
 
 workers_option = click.option("--workers", "num_workers", help="Data loading processes per GPU", metavar="INT",
-                              type=click.IntRange(min=0), default=2, show_default=True)
+                              type=Integer(0, MAX_WORKERS), default=2, show_default=True)
 
 
 def load_reference(ref_path: str, metrics: list[str]) -> dict:
@@ -231,8 +231,8 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=64)
 @click.option("--num", "num_images", help="Number of images to use (a random subset if there are more)",
-              metavar="INT", type=click.IntRange(min=2), default=50000, show_default=True)
-@click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=click.IntRange(min=0),
+              metavar="INT", type=Integer(2, MAX_IMAGES), default=50000, show_default=True)
+@click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=Integer(0, MAX_SEED_OPTION),
               default=0, show_default=True)
 @workers_option
 def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None,
@@ -265,10 +265,10 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
-@click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=click.IntRange(min=2),
+@click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=Integer(2, MAX_IMAGES),
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
-              type=click.IntRange(min=0), default=0, show_default=True)
+              type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True)
 @sampling_speed_options
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
         ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,

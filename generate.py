@@ -15,7 +15,7 @@ import torch
 
 from cli.command import Command
 from cli.speed import sampling_speed_options
-from cli.types import Number, SeedList, SigmaInterval
+from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
@@ -24,6 +24,8 @@ from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
 
+# --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
+MAX_CLASS, MAX_STEPS = 2**31 - 1, 10**4
 # generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
 GRID_GAP_VALUE = 255
 
@@ -147,9 +149,9 @@ Examples:
 @click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
 @click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
 @click.option("--seeds", type=SeedList(), default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
-@click.option("--class", "class_idx", type=click.IntRange(min=0), help="Class label for every image [default: random per seed]")
-@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
-@click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
+@click.option("--class", "class_idx", type=Integer(0, MAX_CLASS), help="Class label for every image [default: random per seed]")
+@click.option("--batch", "batch_size", type=Integer(1, MAX_BATCH), default=32, show_default=True, help="Images per batch and process")
+@click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=32, show_default=True, help="Sampling steps")
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")

@@ -167,7 +167,7 @@ BAD_INPUT = {
     "snapshots without an encoder": ({"--indir": "fake"}, ["--indir", "not an encoder config"], encoderless_run),
     "no such kimg": ({"--kimg": "7"}, ["--kimg", "no snapshot at kimg 7"], None),
     "kimg not numbers": ({"--kimg": "1,x"}, ["--kimg", "not a comma-separated list"], None),
-    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must be at least 0"], None),
+    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must lie in [0, "], None),
     "std too large": ({"--std": "0.3"}, ["--std", "outside (0, 0.2887)"], None),
     "unknown metric": ({"--metrics": "loss,kid"}, ["--metrics", "unknown metric 'kid'", "loss"], None),
     "loss without data": ({"--data": None}, ["--data", "--metrics=loss needs the dataset"], None),
