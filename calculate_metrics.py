@@ -18,7 +18,7 @@ from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integ
 from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
-from edm2.encoders import Encoder
+from edm2.encoders import Encoder, EncoderError
 from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
@@ -140,6 +140,15 @@ def network_for_option(path: str, option: str, device: torch.device) -> tuple[Pr
     except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
     return net.to(device), encoder
+
+
+def load_decoder(encoder: Encoder, option: str, device: torch.device) -> None:
+    """Load what the encoder decodes with (the VAE of a latent-space network) before any image is generated; a
+    failure names the option of the network."""
+    try:
+        distributed.main_rank_first(functools.partial(encoder.init, device))
+    except EncoderError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 def check_generation_options(gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
@@ -279,6 +288,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         reference = load_reference(ref_path, metrics)
         device = distributed.device()
         net, encoder = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
+        load_decoder(encoder, "--net", device)
         gnet = None
         if gnet_path is not None:
             gnet, _ = distributed.main_rank_first(functools.partial(network_for_option, gnet_path, "--gnet", device))
@@ -316,6 +326,8 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         device = distributed.device()
         gnet = sweep_cli.guiding_network(gnet_path, plan, device) if guidance != 1 else None
         detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
+        if distances:
+            load_decoder(plan.encoder, "--indir", device)
         if reference is not None:
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import click
 import numpy as np
@@ -23,6 +23,8 @@ from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guid
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
+
+T = TypeVar("T")
 
 # --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
 MAX_CLASS, MAX_STEPS = 2**31 - 1, 10**4
@@ -67,18 +69,20 @@ def earlier_labels(outdir: Path) -> dict[str, int]:
         raise click.BadParameter(str(e), param_hint="--outdir") from None
 
 
-def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str) -> tuple:
-    """load(path_or_url) on rank 0 first (it alone downloads); a failure is one line that names the option."""
+def load_for_option(option: str, load: Callable[[], T]) -> T:
+    """load() on rank 0 first (it alone downloads); a failure is one line that names the option."""
     try:
-        return distributed.main_rank_first(functools.partial(load, path_or_url))
+        return distributed.main_rank_first(load)
     except (EDM2Error, OSError) as e:
         raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
 def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_idx: int | None):
-    """(net, gnet or None, encoder) on this rank's device; gnet is loaded only when guidance uses it."""
-    net, encoder, _ = load_for_option("--net", load_generator, net_path)
-    gnet = load_for_option("--gnet", load_network, gnet_path)[0] if guidance != 1 else None
+    """(net, gnet or None, encoder) on this rank's device, the encoder's VAE loaded too (before any sampling); gnet
+    is loaded only when guidance uses it."""
+    net, encoder, _ = load_for_option("--net", functools.partial(load_generator, net_path))
+    load_for_option("--net", functools.partial(encoder.init, distributed.device()))
+    gnet = load_for_option("--gnet", functools.partial(load_network, gnet_path))[0] if guidance != 1 else None
     if gnet is not None:
         try:
             check_guidance_pair(net, gnet)
