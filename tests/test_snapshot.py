@@ -18,7 +18,7 @@ import generate
 import reconstruct_phema
 from edm2.encoders import StandardRGBEncoder
 from edm2.snapshot import FORMAT_VERSION, SnapshotError, load_generator, load_network, read_metadata, save_network
-from tests.helpers import (REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
+from tests.helpers import (FAKE_RUN, REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
 
 
 def test_roundtrip_float16_weights_and_metadata(tmp_path):
@@ -62,8 +62,8 @@ def test_load_generator_needs_encoder_settings(tmp_path):
 
 def snapshot_metadata(**changes) -> str:
     """The JSON metadata our writer gives a tiny training snapshot, with changes (None deletes a key)."""
-    meta = {"nimg": 9216, "ema_std": 0.05, "encoder": {"class": "StandardRGBEncoder"},
-            "format_version": FORMAT_VERSION, "network_kwargs": tiny_precond().init_kwargs}
+    meta = dict(FAKE_RUN, nimg=9216, ema_std=0.05, format_version=FORMAT_VERSION,
+                network_kwargs=tiny_precond().init_kwargs)
     meta.update(changes)
     return json.dumps({k: v for k, v in meta.items() if v is not None})
 
