@@ -15,11 +15,11 @@ from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.config import config_option
 from cli.speed import sampling_speed_options, threads_option
-from cli.types import Number, SigmaInterval
+from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
 from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
-from edm2.encoders import Encoder
+from edm2.encoders import Encoder, EncoderError
 from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
@@ -51,7 +51,7 @@ def metric_options(batch_default: int) -> Callable:
             click.option("--metrics", help="Metrics to compute", metavar="LIST", callback=parse_metrics,
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
-                         type=click.IntRange(min=1), default=batch_default, show_default=True),
+                         type=Integer(1, MAX_BATCH), default=batch_default, show_default=True),
             click.option("--inception", help="A copy of the published Inception-v3 TorchScript file (FID), verified by its SHA-256  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
                          metavar="PATH|URL", default=None),
             click.option("--dinov2", help="A copy of the published DINOv2 ViT-L/14 weights (FD_DINOv2), verified by their SHA-256  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
@@ -64,7 +64,7 @@ def metric_options(batch_default: int) -> Callable:
 
 
 workers_option = click.option("--workers", "num_workers", help="Data loading processes per GPU", metavar="INT",
-                              type=click.IntRange(min=0), default=2, show_default=True)
+                              type=Integer(0, MAX_WORKERS), default=2, show_default=True)
 
 
 def load_reference(ref_path: str, metrics: list[str]) -> dict:
@@ -141,6 +141,15 @@ def network_for_option(path: str, option: str, device: torch.device) -> tuple[Pr
     except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
     return net.to(device), encoder
+
+
+def load_decoder(encoder: Encoder, option: str, device: torch.device) -> None:
+    """Load what the encoder decodes with (the VAE of a latent-space network) before any image is generated; a
+    failure names the option of the network."""
+    try:
+        distributed.main_rank_first(functools.partial(encoder.init, device))
+    except EncoderError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 def check_generation_options(gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
@@ -233,8 +242,8 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=64)
 @click.option("--num", "num_images", help="Number of images to use (a random subset if there are more)",
-              metavar="INT", type=click.IntRange(min=2), default=50000, show_default=True)
-@click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=click.IntRange(min=0),
+              metavar="INT", type=Integer(2, MAX_IMAGES), default=50000, show_default=True)
+@click.option("--seed", help="Random seed for choosing the subset", metavar="INT", type=Integer(0, MAX_SEED_OPTION),
               default=0, show_default=True)
 @workers_option
 @threads_option
@@ -269,10 +278,10 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
-@click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=click.IntRange(min=2),
+@click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=Integer(2, MAX_IMAGES),
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
-              type=click.IntRange(min=0), default=0, show_default=True)
+              type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True)
 @sampling_speed_options
 @threads_option
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
@@ -284,6 +293,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         reference = load_reference(ref_path, metrics)
         device = distributed.device()
         net, encoder = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
+        load_decoder(encoder, "--net", device)
         gnet = None
         if gnet_path is not None:
             gnet, _ = distributed.main_rank_first(functools.partial(network_for_option, gnet_path, "--gnet", device))
@@ -323,6 +333,8 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         device = distributed.device()
         gnet = sweep_cli.guiding_network(gnet_path, plan, device) if guidance != 1 else None
         detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
+        if distances:
+            load_decoder(plan.encoder, "--indir", device)
         if reference is not None:
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -14,6 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cli.command import Group
+from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
 from edm2 import distributed, files, locks
 from edm2.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
                           open_image_source)
@@ -25,21 +25,7 @@ from edm2.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.vae_datasets import decoded_images, encode_dataset, label_of
 
 DEFAULT_ENCODE_BATCH = 8
-
-
-class Resolution(click.ParamType):
-    """N (square) or WxH."""
-
-    name = "N|WxH"
-
-    def convert(self, value, param, ctx) -> tuple[int, int]:
-        """Parse '64' -> (64, 64) and '512x384' -> (512, 384)."""
-        if isinstance(value, tuple):
-            return value
-        match = re.fullmatch(r"\s*(\d+)\s*(?:[x,]\s*(\d+)\s*)?", str(value))
-        if not match or int(match[1]) < 1 or int(match[2] or 1) < 1:
-            self.fail(f"{value!r} is not N or WxH with positive sizes (for example 64 or 512x384)", param, ctx)
-        return int(match[1]), int(match[2] or match[1])
+MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels
 
 
 @contextlib.contextmanager
@@ -117,10 +103,10 @@ def main() -> None:
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @click.option("--resolution", type=Resolution(), help="Output size N or WxH (WxH only for center-crop-wide).")
 @click.option("--transform", type=click.Choice(TRANSFORMS), help="Crop/resize mode (needs --resolution).")
-@click.option("--max-images", type=click.IntRange(min=1), help="Convert only the first N images.")
+@click.option("--max-images", type=Integer(1, MAX_IMAGES), help="Convert only the first N images.")
 @click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
               help="What to do with an image that cannot be read.")
-@click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True, type=click.IntRange(min=0),
+@click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True, type=Integer(0, MAX_WORKERS),
               help="Processes reading and cropping images.")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
@@ -169,9 +155,9 @@ def vae_options(command: Callable) -> Callable:
     for option in reversed([
         click.option("--vae", default=DEFAULT_VAE, show_default=True,
                      help="diffusers AutoencoderKL: hub name or local directory."),
-        click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=click.IntRange(min=1),
+        click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=Integer(1, MAX_BATCH),
                      help="Images per VAE call (per process)."),
-        click.option("--max-images", type=click.IntRange(min=1), help="Process only the first N images."),
+        click.option("--max-images", type=Integer(1, MAX_IMAGES), help="Process only the first N images."),
     ]):
         command = option(command)
     return command
@@ -182,7 +168,7 @@ def vae_options(command: Callable) -> Callable:
               help="Dataset of RGB PNGs (directory or ZIP), e.g. from convert.")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @vae_options
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0),
+@click.option("--workers", default=2, show_default=True, type=Integer(0, MAX_WORKERS),
               help="Data-loading processes per GPU process.")
 def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None, workers: int) -> None:
     """Encode pixels into 8-channel float32 VAE mean/std latents (NNNNN/img-mean-std-IIIIIIII.npy).
@@ -233,11 +219,11 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
 
 @main.command()
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
-@click.option("--resolution", default=32, show_default=True, type=click.IntRange(min=8), help="Image size.")
-@click.option("--num", default=10000, show_default=True, type=click.IntRange(min=1), help="Number of images.")
-@click.option("--classes", default=6, show_default=True, type=click.IntRange(min=1),
+@click.option("--resolution", default=32, show_default=True, type=Integer(8, MAX_TOY_RESOLUTION), help="Image size.")
+@click.option("--num", default=10000, show_default=True, type=Integer(1, MAX_IMAGES), help="Number of images.")
+@click.option("--classes", default=6, show_default=True, type=Integer(1, len(SHAPES)),
               help=f"Number of shape classes, at most {len(SHAPES)}: {', '.join(SHAPES)}.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Random seed.")
+@click.option("--seed", default=0, show_default=True, type=Integer(0, MAX_SEED_OPTION), help="Random seed.")
 def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     """Make a labeled dataset of coloured shapes (class = shape) that a small model learns quickly on a CPU.
 
@@ -247,9 +233,6 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     python dataset_tool.py toy --dest=datasets/toy32.zip --resolution=32 --num=10000 --classes=6
     """
     with distributed.session(single_process=True):
-        if classes > len(SHAPES):
-            raise click.BadParameter(f"{classes} classes asked for, but only {len(SHAPES)} shapes exist "
-                                     f"({', '.join(SHAPES)})", param_hint="'--classes'")
         kinds = list(SHAPES)[:classes]
         with claimed_dest(dest, "toy"), dataset_writer(dest) as writer:
             for idx in tqdm(range(num), desc="toy", unit="img"):

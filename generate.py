@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import click
 import numpy as np
@@ -16,7 +16,7 @@ import torch
 from cli.command import Command
 from cli.config import config_option
 from cli.speed import sampling_speed_options, threads_option
-from cli.types import Number, SeedList, SigmaInterval
+from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guidance_pair,
@@ -25,6 +25,10 @@ from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
 
+T = TypeVar("T")
+
+# --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
+MAX_STEPS = 10**4
 # generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
 GRID_GAP_VALUE = 255
 
@@ -66,18 +70,20 @@ def earlier_labels(outdir: Path) -> dict[str, int]:
         raise click.BadParameter(str(e), param_hint="--outdir") from None
 
 
-def load_for_option(option: str, load: Callable[[str], tuple], path_or_url: str) -> tuple:
-    """load(path_or_url) on rank 0 first (it alone downloads); a failure is one line that names the option."""
+def load_for_option(option: str, load: Callable[[], T]) -> T:
+    """load() on rank 0 first (it alone downloads); a failure is one line that names the option."""
     try:
-        return distributed.main_rank_first(functools.partial(load, path_or_url))
+        return distributed.main_rank_first(load)
     except (EDM2Error, OSError) as e:
         raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
 def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None):
-    """(net, gnet or None, encoder) on this rank's device; gnet is loaded only when guidance uses it."""
-    net, encoder, _ = load_for_option("--net", load_generator, net_path)
-    gnet = load_for_option("--gnet", load_network, gnet_path)[0] if guidance != 1 else None
+    """(net, gnet or None, encoder) on this rank's device, the encoder's VAE loaded too (before any sampling); gnet
+    is loaded only when guidance uses it."""
+    net, encoder, _ = load_for_option("--net", functools.partial(load_generator, net_path))
+    load_for_option("--net", functools.partial(encoder.init, distributed.device()))
+    gnet = load_for_option("--gnet", functools.partial(load_network, gnet_path))[0] if guidance != 1 else None
     if gnet is not None:
         try:
             check_guidance_pair(net, gnet)
@@ -171,8 +177,8 @@ Examples:
 @click.option("--class", "classes", type=SeedList(noun="class"), metavar="CLASSES",
               help="Classes, e.g. 3 or 0-9 or 1,5,7: every seed in each class, the networks loaded once  "
                    "[default: random per seed]")
-@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
-@click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
+@click.option("--batch", "batch_size", type=Integer(1, MAX_BATCH), default=32, show_default=True, help="Images per batch and process")
+@click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=32, show_default=True, help="Sampling steps")
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")

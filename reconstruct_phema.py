@@ -13,7 +13,7 @@ import tqdm
 
 from cli.command import Command
 from cli.speed import threads_option
-from cli.types import StdList
+from cli.types import MAX_KIMG, MAX_STD_COUNT, Integer, StdList
 from edm2 import distributed, files, locks, posthoc
 from edm2.snapshot import save_network, snapshot_name
 
@@ -73,11 +73,11 @@ Examples:
 @click.option("--outdir", type=click.Path(path_type=Path), default=None, help="Output directory  [default: INDIR/phema]")
 @click.option("--std", "--outstd", "stds", type=StdList(), required=True,
               help="sigma_rel values to reconstruct, e.g. 0.05,0.1 or 0.010,0.015,...,0.250")
-@click.option("--kimg", "--outkimg", "kimg", type=click.IntRange(min=0), default=None,
+@click.option("--kimg", "--outkimg", "kimg", type=Integer(0, MAX_KIMG), default=None,
               help="Training time to reconstruct, in thousands of images  [default: newest snapshot]")
 @click.option("--inprefix", type=str, default=None, help="Use only inputs with this file name prefix")
 @click.option("--instd", type=StdList(), default=None, help="Use only inputs with these sigma_rel values")
-@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--batch", type=Integer(1, MAX_STD_COUNT), default=8, show_default=True,
               help="Outputs built per pass over the inputs (memory: one input plus this many outputs)")
 @click.option("--skip", is_flag=True, help="Skip outputs that already exist")
 @click.option("--prefix", "--outprefix", "prefix", type=str, default="phema", show_default=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from cli.command import Group
-from cli.types import Number
+from cli.types import Integer, Number
 from edm2 import distributed, files, locks, plots
 from edm2.errors import EDM2Error, one_line
 from edm2.plots.toy import progress_figure, toy_figure
@@ -54,11 +54,11 @@ def main() -> None:
               help="Where the snapshots iterNNNN.safetensors go (a new or empty folder)")
 @click.option("--cls", type=click.Choice(["A", "B", "AB"]), default="A", show_default=True,
               help="Classes of the ground truth to learn")
-@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Number of hidden layers")
-@click.option("--dim", type=click.IntRange(min=1), default=64, show_default=True, help="Hidden dimension")
+@click.option("--layers", type=Integer(1, 64), default=4, show_default=True, help="Number of hidden layers")
+@click.option("--dim", type=Integer(1, 4096), default=64, show_default=True, help="Hidden dimension")
 @click.option("--viz", type=bool, default=True, show_default=True,
               help="Draw the samples of every snapshot into OUTDIR/progress.png")
-@click.option("--iters", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--iters", type=Integer(1, 10**7), default=4096, show_default=True,
               help="Training iterations of 4096 points (a snapshot every 256 and at the end)")
 def train(outdir: Path, cls: str, layers: int, dim: int, viz: bool, iters: int) -> None:
     """Train a toy denoiser on the ground truth of the given classes."""

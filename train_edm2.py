@@ -12,7 +12,7 @@ import torch
 from cli.command import Command
 from cli.config import config_option
 from cli.speed import threads_option
-from cli.types import ImageCount, IntList, Number
+from cli.types import MAX_BATCH, MAX_RESOLUTION, MAX_SEED_OPTION, MAX_WORKERS, ImageCount, Integer, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
@@ -25,6 +25,9 @@ from training.options import (
 )
 from training.presets import PRESETS, get_preset
 from training.signals import die_by
+
+# The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
+MAX_CHANNELS, MAX_BLOCKS, MAX_LEVEL_MULT = 4096, 64, 64
 
 EXAMPLES = """
 \b
@@ -133,14 +136,14 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--data", metavar="ZIP|DIR", help="Dataset  [default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
 @click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
-@click.option("--batch", type=click.IntRange(min=1), help="Total batch size  [default: preset]")
-@click.option("--channels", type=click.IntRange(min=1), help="Channel multiplier  [default: preset]")
+@click.option("--batch", type=Integer(1, MAX_BATCH), help="Total batch size  [default: preset]")
+@click.option("--channels", type=Integer(1, MAX_CHANNELS), help="Channel multiplier  [default: preset]")
 @click.option("--dropout", type=Number(0, 1, max_open=True), help="Dropout probability  [default: preset]")
 @click.option("--P_mean", "P_mean", type=Number(), help="Noise level mean  [default: preset]")
 @click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
 @click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
 @click.option("--decay", type=Number(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
-@click.option("--batch-gpu", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--batch-gpu", type=Integer(0, MAX_BATCH), default=0, show_default=True,
               help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
               help="U-Net activations on CUDA (on the CPU float32 unless --cpu-16bit)")
@@ -148,8 +151,8 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--status", type=ImageCount(), help="Status line interval, 0 = none  [default: preset]")
 @click.option("--snapshot", type=ImageCount(), help="Snapshot interval, 0 = only at the end  [default: preset]")
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed")
-@click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True, help="Data loader processes per GPU")
+@click.option("--seed", type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True, help="Random seed")
+@click.option("--workers", type=Integer(0, MAX_WORKERS), default=2, show_default=True, help="Data loader processes per GPU")
 @click.option("--compile/--no-compile", "compile", default=None,
               help="torch.compile the network and loss  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None,
@@ -163,11 +166,11 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
                    "estimate images/s and the run's remaining time")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
-@click.option("--channel-mult", type=IntList(min=1), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
+@click.option("--channel-mult", type=IntList(1, MAX_LEVEL_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
-@click.option("--num-blocks", type=click.IntRange(min=1), help="Encoder blocks per level (decoder: one more)  "
+@click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
               "[default: preset]")
-@click.option("--attn-resolutions", type=IntList(min=1, allow_empty=True), help="Resolutions with self-attention, "
+@click.option("--attn-resolutions", type=IntList(1, MAX_RESOLUTION, allow_empty=True), help="Resolutions with self-attention, "
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")

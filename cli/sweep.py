@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import click
 import torch
 
-from cli.types import IntList, Number, SigmaInterval, StdList
+from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, Number, SigmaInterval, StdList
 
 from edm2 import distributed, files, locks, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
@@ -45,13 +45,13 @@ def options(fn: Callable) -> Callable:
         click.option("--std", "stds", help="EMA lengths sigma_rel, e.g. 0.010,0.015,...,0.250", type=StdList(),
                      required=True),
         click.option("--kimg", "kimgs", help="Training times in kimg, one curve each  [default: the newest snapshot]",
-                     type=IntList(min=0)),
+                     type=IntList(0, MAX_KIMG)),
         click.option("--data", "data_path", help="Dataset for --metrics=loss (the validation loss)", metavar="PATH|ZIP"),
         click.option("--ref", "ref_path", help="Reference statistics for fid and fd_dinov2", metavar="NPZ|PKL|URL"),
         click.option("--num", "num_images", help="Images generated per EMA length; samples of the loss", metavar="INT",
-                     type=click.IntRange(min=2), default=50000, show_default=True),
+                     type=Integer(2, MAX_IMAGES), default=50000, show_default=True),
         click.option("--seed", help="First seed of the images and of the loss's samples", metavar="INT",
-                     type=click.IntRange(min=0), default=0, show_default=True),
+                     type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True),
         click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL"),
         click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance)", metavar="FLOAT",
                      type=Number(), default=1.0, show_default=True),
@@ -62,7 +62,7 @@ def options(fn: Callable) -> Callable:
         click.option("--save", "save_dir", help="Also save every reconstruction here, named as by reconstruct_phema.py",
                      metavar="DIR", type=click.Path(path_type=Path)),
         click.option("--ema-batch", help="EMA lengths built per pass over the snapshots (memory: one snapshot plus "
-                     "this many networks)", metavar="INT", type=click.IntRange(min=1), default=8, show_default=True),
+                     "this many networks)", metavar="INT", type=Integer(1, MAX_STD_COUNT), default=8, show_default=True),
     ]):
         fn = option(fn)
     return fn

@@ -9,6 +9,40 @@ import click
 
 from edm2 import phema, sampler
 from edm2.generation import MAX_SEED, SeedRanges
+from edm2.snapshot import MAX_NIMG
+
+# Bounds of the integer options that several commands share.
+MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
+MAX_WORKERS = 1024  # data-loading processes per GPU
+MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.snapshot.MAX_NIMG)
+MAX_IMAGES = 10**8  # images to read, write or generate: dataset file names number them with 8 digits
+MAX_RESOLUTION = 8192  # image sizes: 16 times ImageNet-512's, 200 MB per RGB image
+MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.generation.MAX_SEED)
+
+
+def shown(text: str) -> str:
+    """Text as an error message shows it: at most 30 characters (a 5,000-digit number is not repeated)."""
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def too_many_digits(text: str, bound: int) -> bool:
+    """Whether the integer in `text` has more digits than `bound`: then it is out of range, decided without
+    converting it (Python refuses more than 4,300 digits with a ValueError and takes quadratic time below)."""
+    return len(text.strip().lstrip("+-").lstrip("0")) > len(str(abs(bound)))
+
+
+class Integer(click.IntRange):
+    """The type of every integer option: an integer in [min, max], both bounds required, so that no option
+    takes a number beyond a sane range (--batch=10**20 overflowed, --steps=10**10 hung)."""
+
+    def __init__(self, min: int, max: int):
+        super().__init__(min=min, max=max)
+
+    def convert(self, value, param, ctx) -> int:
+        """Parse value; more digits than either bound has is refused before converting."""
+        if isinstance(value, str) and too_many_digits(value, max(-self.min, self.max)):
+            self.fail(f"{shown(value.strip())} is not in the range {self._describe_range()}.", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class Number(click.FloatRange):
@@ -43,6 +77,7 @@ class SeedList(click.ParamType):
     """
 
     name = "seeds"
+    min, max = 0, MAX_SEED - 1
     _PART = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
 
     def __init__(self, noun: str = "seed"):
@@ -66,9 +101,8 @@ class SeedList(click.ParamType):
     def _seed(self, text: str, param, ctx) -> int:
         """One seed; compared as text first, so a thousand-digit number is refused without converting it."""
         digits = text.lstrip("0") or "0"
-        if len(digits) > len(str(MAX_SEED)) or int(digits) >= MAX_SEED:
-            self.fail(f"{self.noun} {digits if len(digits) <= 30 else digits[:27] + '...'} is not below {MAX_SEED} "
-                      "(2**32)", param, ctx)
+        if too_many_digits(digits, MAX_SEED) or int(digits) >= MAX_SEED:
+            self.fail(f"{self.noun} {shown(digits)} is not below {MAX_SEED} (2**32)", param, ctx)
         return int(digits)
 
 
@@ -134,26 +168,29 @@ class StdList(click.ParamType):
 
 
 class ImageCount(click.ParamType):
-    """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min`."""
+    """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min` and below 2**53 (edm2.snapshot.MAX_NIMG)."""
 
     name = "NIMG"
     _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
     _PATTERN = re.compile(r"\s*(\d+)\s*(|K|M|G|Ki|Mi|Gi)\s*")
 
     def __init__(self, min: int = 0):
-        self.min = min
+        self.min, self.max = min, MAX_NIMG - 1
 
     def convert(self, value, param, ctx) -> int:
-        """Parse value into a number of images; refuse other text and counts below min."""
+        """Parse value into a number of images; refuse other text and counts outside [min, 2**53)."""
         if isinstance(value, int):
             count = value
         else:
             match = self._PATTERN.fullmatch(str(value))
             if match is None:
-                self.fail(f"{value!r} is not an image count like 2048, 128Ki, 8Mi or 10M", param, ctx)
-            count = int(match.group(1)) * self._SUFFIXES[match.group(2)]
+                self.fail(f"{shown(str(value))!r} is not an image count like 2048, 128Ki, 8Mi or 10M", param, ctx)
+            too_many = too_many_digits(match.group(1), self.max)
+            count = self.max + 1 if too_many else int(match.group(1)) * self._SUFFIXES[match.group(2)]
         if count < self.min:
             self.fail(f"{value!r} is fewer than {self.min} image(s)", param, ctx)
+        if count > self.max:
+            self.fail(f"{shown(str(value).strip())} is 2**53 images or more", param, ctx)
         return count
 
 
@@ -179,15 +216,15 @@ class SigmaInterval(click.ParamType):
 
 
 class IntList(click.ParamType):
-    """Comma-separated integers of at least `min`, like '1,2,2'; with allow_empty, '' is the empty list."""
+    """Comma-separated integers in [min, max], like '1,2,2'; with allow_empty, '' is the empty list."""
 
     name = "LIST"
 
-    def __init__(self, min: int = 1, allow_empty: bool = False):
-        self.min, self.allow_empty = min, allow_empty
+    def __init__(self, min: int, max: int, allow_empty: bool = False):
+        self.min, self.max, self.allow_empty = min, max, allow_empty
 
     def convert(self, value, param, ctx) -> tuple[int, ...]:
-        """Parse value into a tuple of integers; refuse other text, values below min, and '' unless allowed."""
+        """Parse value into a tuple of integers; refuse other text, values out of range, and '' unless allowed."""
         if isinstance(value, tuple):
             return value
         text = str(value).strip()
@@ -196,9 +233,29 @@ class IntList(click.ParamType):
                 return ()
             self.fail("needs at least one number, e.g. 1,2,2", param, ctx)
         parts = [part.strip() for part in text.split(",")]
-        if not all(re.fullmatch(r"[+-]?\d{1,9}", part) for part in parts):
-            self.fail(f"{value!r} is not a comma-separated list of integers like 1,2,2", param, ctx)
+        if not all(re.fullmatch(r"[+-]?\d+", part) for part in parts):
+            self.fail(f"{shown(str(value))!r} is not a comma-separated list of integers like 1,2,2", param, ctx)
+        if any(too_many_digits(part, self.max) for part in parts):
+            self.fail(f"{shown(str(value))!r}: every number must lie in [{self.min}, {self.max}]", param, ctx)
         numbers = tuple(int(part) for part in parts)
-        if min(numbers) < self.min:
-            self.fail(f"{value!r}: every number must be at least {self.min}", param, ctx)
+        if min(numbers) < self.min or max(numbers) > self.max:
+            self.fail(f"{value!r}: every number must lie in [{self.min}, {self.max}]", param, ctx)
         return numbers
+
+
+class Resolution(click.ParamType):
+    """N (square) or WxH, each in [1, MAX_RESOLUTION]."""
+
+    name = "N|WxH"
+    min, max = 1, MAX_RESOLUTION
+
+    def convert(self, value, param, ctx) -> tuple[int, int]:
+        """Parse '64' -> (64, 64) and '512x384' -> (512, 384)."""
+        if isinstance(value, tuple):
+            return value
+        match = re.fullmatch(r"\s*(\d+)\s*(?:[x,]\s*(\d+)\s*)?", str(value))
+        sizes = [size for size in (match[1], match[2]) if size is not None] if match else []
+        if not sizes or any(too_many_digits(size, self.max) or not 1 <= int(size) <= self.max for size in sizes):
+            self.fail(f"{shown(str(value))!r} is not N or WxH with sizes from 1 to {self.max} (for example 64 or "
+                      "512x384)", param, ctx)
+        return int(sizes[0]), int(sizes[-1])

@@ -53,6 +53,9 @@ class Encoder:
         """JSON-serializable settings; encoder_from_config() rebuilds the encoder."""
         raise NotImplementedError
 
+    def init(self, device: torch.device) -> None:
+        """Load now, onto device, what decoding needs (pixels need nothing), so that it fails before any sampling."""
+
 
 class StandardRGBEncoder(Encoder):
     """RGB pixels scaled to [-1, 1] (release)."""

@@ -11,6 +11,7 @@ tracks of Eq. 129, with the least-squares weights of edm2.phema (Algorithm 3):
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ import tqdm
 
 from edm2 import phema
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import (SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
+from edm2.snapshot import (MAX_NIMG, SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
                            load_network, read_metadata)
 
 # A requested input sigma_rel selects the tracks within half a unit of the file names' third decimal.
 STD_TOLERANCE = 5e-4
+# What tells snapshots written before run ids apart: the settings every snapshot of one training shares.
+RUN_SETTINGS = ("preset", "dataset", "encoder", "loss")
 
 
 class PosthocError(EDM2Error):
@@ -55,13 +58,24 @@ class Track:
 
 
 @dataclass(frozen=True)
+class RunOf:
+    """Which training wrote one of our snapshots: its run id, or None for one written before run ids; and the
+    settings (RUN_SETTINGS and the training seed, as JSON) that tell such older snapshots apart."""
+
+    run_id: str | None
+    settings: str
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """One stored EMA track: where it is, its file name prefix, when it was taken (images) and its sigma_rel."""
+    """One stored EMA track: where it is, its file name prefix, when it was taken (images), its sigma_rel, and
+    for ours the training that wrote it (the release's pickles say nothing of it)."""
 
     path: Path
     prefix: str
     nimg: int
     std: float
+    run: RunOf | None = None
 
     def track(self) -> Track:
         """This file as a Track named by its file name, loaded by edm2.snapshot.load_network."""
@@ -79,10 +93,13 @@ def describe_snapshot(path: Path) -> Snapshot | None:
         raise PosthocError(f"{path}: not named PREFIX-KIMG-STD.safetensors or .pkl")
     if match["ext"] == "pkl":
         check_readable(path)
-        kimg, std = int(match["kimg"]), float(match["std"])
-        nimg = kimg_to_nimg(kimg)
+        kimg, std = match["kimg"], float(match["std"])
+        # A name may hold any number of digits: its length is compared before converting it.
+        nimg = kimg_to_nimg(int(kimg)) if len(kimg) <= len(str(MAX_NIMG)) else MAX_NIMG
         if nimg is None:
-            raise PosthocError(f"{path}: kimg {kimg} is not a whole number of 1024-image batches")
+            raise PosthocError(f"{path}: kimg {int(kimg)} is not a whole number of 1024-image batches")
+        if nimg >= MAX_NIMG:
+            raise PosthocError(f"{path}: kimg {kimg[:30]} means 2**53 images or more")
     else:
         meta = read_metadata(path)
         if "phema" in meta:
@@ -90,9 +107,38 @@ def describe_snapshot(path: Path) -> Snapshot | None:
         nimg, std = meta.get("nimg"), meta.get("ema_std")
         if not all(isinstance(v, t) and not isinstance(v, bool) for v, t in ((nimg, int), (std, (int, float)))):
             raise PosthocError(f"{path}: metadata lacks 'nimg' and 'ema_std'; not a training snapshot")
-    if not 0 < std < phema.MAX_STD:  # also NaN, which JSON metadata may hold
+    if not 0 < std < phema.MAX_STD:
         raise PosthocError(f"{path}: sigma_rel {std} is outside (0, {phema.MAX_STD:.4f})")
-    return Snapshot(path, match["prefix"], nimg, float(std))
+    return Snapshot(path, match["prefix"], nimg, float(std), None if match["ext"] == "pkl" else run_of(path, meta))
+
+
+def run_of(path: Path, meta: dict) -> RunOf:
+    """The training that wrote one of our snapshots, from its metadata."""
+    run_id = meta.get("run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise PosthocError(f"{path}: its run_id {json.dumps(run_id)[:40]} is not a run id")
+    options = meta.get("training_options")
+    seed = options.get("seed") if isinstance(options, dict) else None
+    return RunOf(run_id, json.dumps([meta.get(key) for key in RUN_SETTINGS] + [seed], sort_keys=True))
+
+
+def check_one_run(snapshots: Sequence[Snapshot]) -> None:
+    """Refuse our snapshots of different trainings, naming one file of each: two run ids, or, where a snapshot was
+    written before run ids, settings that differ (such snapshots are taken as one run when nothing tells them
+    apart). The release's pickles carry no identity and are not compared."""
+    ours = [s for s in snapshots if s.run is not None]
+    by_id = {s.run.run_id: s.path for s in ours if s.run.run_id is not None}
+    if len(by_id) > 1:
+        (a, first), (b, second) = list(by_id.items())[:2]
+        raise PosthocError(f"{first} and {second} come from different training runs (run ids {a} and {b}); "
+                           "reconstruct each run from its own snapshots")
+    if any(s.run.run_id is None for s in ours):
+        by_settings = {s.run.settings: s.path for s in ours}
+        if len(by_settings) > 1:
+            first, second = list(by_settings.values())[:2]
+            raise PosthocError(f"{first} and {second} come from different training runs (their settings differ, and "
+                               "snapshots written before run ids tell no more); reconstruct each run from its own "
+                               "snapshots")
 
 
 def is_reconstruction(path: str | os.PathLike) -> bool:
@@ -118,7 +164,8 @@ def list_snapshots(source: str | os.PathLike | Iterable[str | os.PathLike], inpr
     """The EMA snapshots in a folder (or among the given files), sorted by time, then sigma_rel.
 
     Only files with name prefix `inprefix` and sigma_rel in `instds` when given; post-hoc outputs are skipped.
-    Refuses two files holding the same track, and our snapshots of different networks (read from headers).
+    Refuses two files holding the same track, our snapshots of different trainings (check_one_run) and of different
+    networks (read from headers).
     """
     snapshots = []
     for path in _candidate_files(source):
@@ -134,6 +181,7 @@ def list_snapshots(source: str | os.PathLike | Iterable[str | os.PathLike], inpr
     for a, b in zip(snapshots, snapshots[1:]):
         if (a.nimg, a.std) == (b.nimg, b.std):
             raise PosthocError(f"{a.path} and {b.path} hold the same track; keep one or select a prefix (--inprefix)")
+    check_one_run(snapshots)
     ours = [s.path for s in snapshots if s.path.suffix == ".safetensors"]
     ref_arch = header_architecture(ours[0]) if ours else None
     for path in ours[1:]:

@@ -12,7 +12,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from edm2 import files
+from edm2 import bounded_json, files
 from edm2.encoders import Encoder, encoder_from_config
 from edm2.errors import SnapshotError, one_line
 from edm2.networks import Precond
@@ -20,6 +20,11 @@ from edm2.release_pickle import load_release_pickle
 
 FORMAT_VERSION = 1
 METADATA_KEY = "edm2"
+# Image counts lie in [0, MAX_NIMG): every such count is exact as a float64 (JSON readers elsewhere), and at the
+# release's 2**31 images per training it leaves a factor of four million.
+MAX_NIMG = 2**53
+# The dtypes a network's weights may be stored in: they are converted to float32 on loading.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # PREFIX-KIMG[-NIMG]-STD.safetensors (ours, see snapshot_name) or .pkl (the release's raw snapshots).
@@ -101,9 +106,9 @@ def read_metadata(path: str | os.PathLike, key: str = METADATA_KEY, kind: str = 
     if raw is None:
         raise SnapshotError(f"{path}: not {kind} (no '{key}' metadata)")
     try:
-        metadata = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; absurd nesting recurses
-        raise SnapshotError(f"{path}: its '{key}' metadata is not valid JSON ({e})") from None
+        metadata = bounded_json.parse(raw, f"its '{key}' metadata")
+    except bounded_json.JSONFileError as e:
+        raise SnapshotError(f"{path}: {e}") from None
     if not isinstance(metadata, dict):
         raise SnapshotError(f"{path}: its '{key}' metadata is a JSON {type(metadata).__name__}, not an object")
     version = metadata.get("format_version")
@@ -112,6 +117,10 @@ def read_metadata(path: str | os.PathLike, key: str = METADATA_KEY, kind: str = 
     if version > FORMAT_VERSION:
         raise SnapshotError(f"{path}: format_version {version}, but this edm2 reads up to {FORMAT_VERSION}: "
                             "made by a newer edm2; upgrade")
+    nimg = metadata.get("nimg", 0)
+    if type(nimg) is not int or not 0 <= nimg < MAX_NIMG:
+        raise SnapshotError(f"{path}: metadata says {nimg!r} images seen; an image count is an integer in "
+                            f"[0, 2**53)")
     return metadata
 
 
@@ -147,8 +156,20 @@ def load_weights(path: str | os.PathLike, net: torch.nn.Module) -> None:
     difference = architecture_difference(architecture(state), architecture(net.state_dict()))
     if difference is not None:
         raise SnapshotError(f"{path}: weights do not match the stored architecture (tensor {difference!r})")
-    state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
-    net.load_state_dict(state, strict=True, assign=True)
+    wrong = next((name for name, t in state.items() if t.dtype not in WEIGHT_DTYPES), None)
+    if wrong is not None:
+        raise SnapshotError(f"{path}: tensor {wrong!r} is stored as {str(state[wrong].dtype).removeprefix('torch.')}; "
+                            "weights are float16, bfloat16, float32 or float64")
+    check_finite(path, state)
+    net.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True, assign=True)
+
+
+def check_finite(path: str | os.PathLike, state: dict[str, torch.Tensor]) -> None:
+    """Refuse weights holding NaN or infinity (a diverged training samples black images without a word)."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SnapshotError(f"{path}: tensor {name!r} holds NaN or infinite weights; the training that wrote it "
+                                "diverged or the file is damaged")
 
 
 def _load_safetensors(path: Path) -> tuple[Precond, dict]:
@@ -163,7 +184,11 @@ def load_network(path_or_url: str | os.PathLike) -> tuple[Precond, dict]:
     """Load (net, metadata) from our .safetensors snapshot or the release's .pkl; net is float32, eval."""
     path = files.cached_path(path_or_url)
     check_readable(path)
-    net, metadata = load_release_pickle(path) if str(path).endswith(".pkl") else _load_safetensors(path)
+    if str(path).endswith(".pkl"):
+        net, metadata = load_release_pickle(path)
+        check_finite(path, net.state_dict())
+    else:
+        net, metadata = _load_safetensors(path)
     net.eval().requires_grad_(False)
     return net, metadata
 

@@ -87,6 +87,10 @@ def randomized(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------
 # EMA snapshot files.
 
+# The settings fake_training_run's snapshots share: another snapshot of the same 'run' has them too.
+FAKE_RUN = {"preset": "tiny"}
+
+
 def fake_training_run(run_dir: Path, num_snapshots: int = 6, steps_per_snapshot: int = 4, batch_size: int = 256,
                       **overrides) -> Path:
     """Random-walk 'training' of a tiny net (tiny_precond(**overrides)) whose two EMA tracks (0.05, 0.10)
@@ -106,7 +110,7 @@ def fake_training_run(run_dir: Path, num_snapshots: int = 6, steps_per_snapshot:
             ema.update(cur_nimg=nimg, batch_size=batch_size)
         for track, std in ema.get():
             save_network(run_dir / snapshot_name("network-snapshot", nimg, std), track,
-                         {"nimg": nimg, "ema_std": std, "preset": "tiny"})
+                         dict(FAKE_RUN, nimg=nimg, ema_std=std))
     return run_dir
 
 
@@ -438,7 +442,8 @@ def wait_for(predicate, proc: subprocess.Popen, timeout=120.0, poll_s=0.02) -> N
 
 def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers")) -> dict[str, tuple]:
     """The EMA snapshots matching pattern: tensors as raw bytes, and metadata less the training options in
-    ignore (those that may differ between invocations of one run)."""
+    ignore (those that may differ between invocations of one run) and the run's identity (which differs between
+    two runs of the same command)."""
     import safetensors.torch
 
     from edm2.snapshot import read_metadata
@@ -447,6 +452,7 @@ def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers"))
     for path in sorted(outdir.glob(pattern)):
         tensors = safetensors.torch.load_file(str(path))
         meta = read_metadata(path)
+        meta.pop("run_id")
         for key in ignore:
             meta["training_options"].pop(key)
         contents[path.name] = ({k: v.view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}, meta)

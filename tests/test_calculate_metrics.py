@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from edm2 import detectors, metrics, stats_files
-from edm2.encoders import StandardRGBEncoder
+from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.generation import generate_images
 from edm2.locks import hold_destination
 from edm2.snapshot import load_network, save_network
@@ -299,6 +299,12 @@ def tiny_snapshot(path, label_dim, seed, resolution=8):
     return path
 
 
+def latent_snapshot(path, vae):
+    """A tiny latent-space snapshot (4 channels) that decodes with the VAE at `vae`."""
+    save_network(path, tiny_precond(img_channels=4, label_dim=0), {"encoder": StabilityVAEEncoder(str(vae)).config()})
+    return path
+
+
 def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path):
     net_path = tiny_snapshot(tmp_path / "net.safetensors", label_dim=4, seed=1)
     gnet_path = tiny_snapshot(tmp_path / "gnet.safetensors", label_dim=0, seed=2)
@@ -456,6 +462,9 @@ BAD_INPUT = {
     "gen guidance without gnet": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1),
                                                    "--ref", r, "--guidance", 2], ["--gnet", "--guidance=2"]),
     "gen net absent": (lambda s, t, r: ["gen", "--net", t / "absent.safetensors", "--ref", r], ["--net"]),
+    # Our own latent-space snapshot whose VAE cannot load (offline): refused before any image is generated.
+    "gen net without its vae": (lambda s, t, r: ["gen", "--net", latent_snapshot(t / "n.safetensors", t / "no-vae"),
+                                                 "--ref", r, "--num", 2], ["--net", "cannot load the VAE", "no-vae"]),
     "gen gnet of another resolution": (lambda s, t, r: ["gen", "--net", t / "net.safetensors", "--gnet",
                                                         snapshot_pair_of_other_resolutions(t), "--guidance", 2,
                                                         "--ref", r], ["--gnet", "resolution"]),

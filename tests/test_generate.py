@@ -19,9 +19,9 @@ from click.testing import CliRunner
 import generate
 from cli.types import SeedList
 from edm2 import presets_generate, snapshot
-from edm2.encoders import StandardRGBEncoder
+from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.files import TMP_SUFFIX
-from edm2.generation import MAX_SEED, generate_images
+from edm2.generation import MAX_SEED, generate_images, generate_labeled_images
 from edm2.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import REPO, assert_one_error_line, assert_refused, free_port, randomized, tiny_precond, tree
 
@@ -277,6 +277,51 @@ def test_bad_input_gets_one_clear_line(case, nets, tmp_path, monkeypatch):
     fill = [text.format(tmp=tmp_path, **names) for text in args]
     assert_refused(tmp_path, lambda: run_cli([*FAST, "--outdir", tmp_path / "out", *fill]),
                    *(text.format(tmp=tmp_path, **names) for text in fragments))
+
+
+
+def latent_snapshot(path: Path, vae: Path) -> Path:
+    """A tiny latent-space snapshot (4 channels) that decodes with the VAE at `vae`."""
+    snapshot.save_network(path, tiny_net(0, channels=4), {"encoder": StabilityVAEEncoder(str(vae)).config()})
+    return path
+
+
+def never_sample(*args, **kwargs):
+    raise AssertionError("sampled before every part the command needs was loaded")
+
+
+@pytest.mark.bad_input
+def test_a_vae_that_cannot_load_is_refused_before_sampling(tmp_path, monkeypatch):
+    # Our own latent-space snapshot whose VAE is not there (offline): refused before the first batch is sampled.
+    net = latent_snapshot(tmp_path / "latent.safetensors", tmp_path / "no-vae")
+    monkeypatch.setattr("edm2.generation.edm_sampler", never_sample)
+    assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [f"--net={net}", f"--outdir={tmp_path / 'out'}",
+                                                                        "--seeds=0-3", "--steps=1"]),
+                   "--net", "cannot load the VAE", "no-vae")
+
+
+def test_a_latent_snapshot_loads_its_vae_before_sampling_and_decodes_with_it(tmp_path, tiny_vae_dir, monkeypatch):
+    real_sampler = generate_labeled_images.__globals__["edm_sampler"]
+    vae_loaded = []
+
+    def sampler(net, *args, **kwargs):
+        vae_loaded.append(all(encoder._vae is not None for encoder in created))
+        return real_sampler(net, *args, **kwargs)
+
+    created = []
+    real_load = generate.load_generator
+
+    def load_generator(path):
+        net, encoder, metadata = real_load(path)
+        created.append(encoder)
+        return net, encoder, metadata
+
+    monkeypatch.setattr(generate, "load_generator", load_generator)
+    monkeypatch.setattr("edm2.generation.edm_sampler", sampler)
+    net = latent_snapshot(tmp_path / "latent.safetensors", tiny_vae_dir)
+    run_cli([f"--net={net}", f"--outdir={tmp_path / 'out'}", "--seeds=0", "--steps=1"])
+    # The tiny VAE upsamples twice: 8x8 latents become 16x16 RGB images.
+    assert vae_loaded == [True] and read_pngs(tmp_path / "out")["000000.png"].shape == (16, 16, 3)
 
 
 def test_all_32_bit_seeds_start_at_once_without_listing_them(nets, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import reconstruct_phema
 from edm2 import phema, posthoc, snapshot
 from edm2.snapshot import save_network
-from tests.helpers import fake_training_run, tiny_precond
+from tests.helpers import FAKE_RUN, fake_training_run, tiny_precond
 
 
 def test_python_api_writes_what_the_command_line_writes(tmp_path):
@@ -72,7 +72,7 @@ def test_combine_networks_in_memory(tmp_path):
 
 def test_listing_and_times(tmp_path):
     run = fake_training_run(tmp_path / "run", num_snapshots=3)
-    save_network(run / "other-0000003-0.100.safetensors", tiny_precond(), {"nimg": 4096, "ema_std": 0.1})
+    save_network(run / "other-0000003-0.100.safetensors", tiny_precond(), dict(FAKE_RUN, nimg=4096, ema_std=0.1))
     snaps = posthoc.list_snapshots(run, inprefix="network-snapshot")
     assert [(s.nimg, s.std) for s in snaps] == [(n, s) for n in (1024, 2048, 3072) for s in (0.05, 0.1)]
     assert snaps[0].path == run / "network-snapshot-0000001-0.050.safetensors" and snaps[0].prefix == "network-snapshot"
@@ -173,3 +173,26 @@ def test_reconstruct_phema_says_what_the_profile_error_means(tmp_path):
     assert result.exit_code == 0, result.output
     _, metadata = snapshot.load_network(run / "phema" / "phema-0000003-0.100.safetensors")
     assert posthoc.describe_profile_error(metadata["phema"]["profile_error"]) in result.output
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("kimg", ["9" * 200, str(2**53 // 1000)], ids=["200 digits", "2**53"])
+def test_a_release_name_past_2_53_images_is_refused_not_believed(tmp_path, kimg):
+    # Release pickles carry their time in the name alone; its digits are counted before converting them.
+    path = tmp_path / f"edm2-img512-xs-{kimg}-0.050.pkl"
+    path.write_bytes(b"never unpickled")
+    with pytest.raises(posthoc.PosthocError, match="means 2\\*\\*53 images or more"):
+        posthoc.list_snapshots(tmp_path)
+
+
+def test_a_run_resumed_by_an_edm2_with_run_ids_is_one_run(tmp_path):
+    # Its first snapshots carry no run id, the later ones one: nothing tells them apart, so they combine, and the
+    # reconstruction carries the run's identity.
+    run = fake_training_run(tmp_path / "run", num_snapshots=3)
+    for path in sorted(run.iterdir())[2:]:
+        net, meta = snapshot.load_network(path)
+        save_network(path, net, dict(meta, run_id="c" * 32))
+    snaps = posthoc.list_snapshots(run)
+    assert [s.run.run_id for s in snaps] == [None, None] + ["c" * 32] * 4
+    _, _, meta = next(posthoc.reconstruct(run, [0.2]))
+    assert meta["run_id"] == "c" * 32 and len(meta["phema"]["inputs"]) == 6

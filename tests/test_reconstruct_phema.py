@@ -20,7 +20,7 @@ from edm2 import files, phema, posthoc
 from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
 from edm2.snapshot import load_network, save_network
-from tests.helpers import (REPO, assert_one_error_line, assert_refused, fake_training_run, forget_release_standins,
+from tests.helpers import (FAKE_RUN, REPO, assert_one_error_line, assert_refused, fake_training_run, forget_release_standins,
                            random_release_tiny_net, tiny_precond, write_release_pickle)
 
 
@@ -156,13 +156,31 @@ def test_std_lists_and_ranges():
 def write_mixed(folder: Path) -> None:
     fake_training_run(folder, num_snapshots=2)
     save_network(folder / "network-snapshot-0000001-0.070.safetensors", tiny_precond(model_channels=32),
-                 {"nimg": 1024, "ema_std": 0.07})
+                 dict(FAKE_RUN, nimg=1024, ema_std=0.07))
 
 
 def write_copy(run: Path, name: str, metadata: dict | None = None) -> None:
     """A copy of the run's first track under another name, with other metadata when given."""
     net, meta = load_network(run / "network-snapshot-0000001-0.050.safetensors")
     save_network(run / name, net, meta if metadata is None else metadata)
+
+
+def stamp(folder: Path, **changes) -> None:
+    """Rewrite the metadata of every training snapshot in folder with changes (a run_id, another preset)."""
+    for path in folder.glob("network-snapshot-*.safetensors"):
+        net, meta = load_network(path)
+        save_network(path, net, dict(meta, **changes))
+
+
+def second_training(run: Path, first: dict, second: dict) -> None:
+    """Snapshots of another training (at other times) added to run's folder; each run's metadata changed by
+    `first` and `second`."""
+    stamp(run, **first)
+    other = fake_training_run(run.parent / "other", num_snapshots=2, batch_size=384)
+    stamp(other, **second)
+    for path in other.iterdir():
+        path.rename(run / path.name)
+    other.rmdir()
 
 
 # case -> (arguments, fragments of the one error line, preparation beyond the run in training-runs/tiny)
@@ -198,6 +216,16 @@ BAD_INPUT = {
     "pickle kimg between batches": (["--std=0.1", "--indir=odd"], ["kimg 42 is not a whole number of 1024-image"],
                                     lambda tmp: (tmp / "odd").mkdir() or (tmp / "odd" / "edm2-s-0000042-0.050.pkl")
                                     .write_bytes(b"never read")),
+    # Two trainings' EMA snapshots in one folder were averaged into one network.
+    "two trainings in one folder": (["--std=0.1"], ["come from different training runs", f"run ids {'a' * 32} and "
+                                                    f"{'b' * 32}"],
+                                    lambda tmp: second_training(tmp / "training-runs" / "tiny", {"run_id": "a" * 32},
+                                                                {"run_id": "b" * 32})),
+    "two older trainings in one folder": (["--std=0.1"], ["come from different training runs", "settings differ"],
+                                          lambda tmp: second_training(tmp / "training-runs" / "tiny", {},
+                                                                      {"preset": "other"})),
+    "run id not a string": (["--std=0.1"], ["network-snapshot-0000001-0.050.safetensors", "its run_id 5 is not a"],
+                            lambda tmp: stamp(tmp / "training-runs" / "tiny", run_id=5)),
     "same track twice": (["--std=0.1"], ["hold the same track"],
                          lambda tmp: write_copy(tmp / "training-runs" / "tiny", "other-0000001-0.050.safetensors")),
     "no training snapshot": (["--std=0.1"], ["metadata lacks 'nimg' and 'ema_std'"],
@@ -206,7 +234,7 @@ BAD_INPUT = {
     "track sigma_rel too large": (["--std=0.1"], ["sigma_rel 0.5 is outside (0, 0.2887)"],
                                   lambda tmp: write_copy(tmp / "training-runs" / "tiny", "x-0000003-0.500.safetensors",
                                                          {"nimg": 3072, "ema_std": 0.5})),
-    "track sigma_rel nan": (["--std=0.1"], ["sigma_rel nan is outside"],
+    "track sigma_rel nan": (["--std=0.1"], ["NaN is not a JSON number"],
                             lambda tmp: write_copy(tmp / "training-runs" / "tiny", "x-0000003-0.050.safetensors",
                                                    {"nimg": 3072, "ema_std": float("nan")})),
     "outdir is a file": (["--std=0.1", "--outdir=file"], ["file is a file, not a folder"],

@@ -18,7 +18,7 @@ import generate
 import reconstruct_phema
 from edm2.encoders import StandardRGBEncoder
 from edm2.snapshot import FORMAT_VERSION, SnapshotError, load_generator, load_network, read_metadata, save_network
-from tests.helpers import (REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
+from tests.helpers import (FAKE_RUN, REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
 
 
 def test_roundtrip_float16_weights_and_metadata(tmp_path):
@@ -62,8 +62,8 @@ def test_load_generator_needs_encoder_settings(tmp_path):
 
 def snapshot_metadata(**changes) -> str:
     """The JSON metadata our writer gives a tiny training snapshot, with changes (None deletes a key)."""
-    meta = {"nimg": 9216, "ema_std": 0.05, "encoder": {"class": "StandardRGBEncoder"},
-            "format_version": FORMAT_VERSION, "network_kwargs": tiny_precond().init_kwargs}
+    meta = dict(FAKE_RUN, nimg=9216, ema_std=0.05, format_version=FORMAT_VERSION,
+                network_kwargs=tiny_precond().init_kwargs)
     meta.update(changes)
     return json.dumps({k: v for k, v in meta.items() if v is not None})
 
@@ -77,7 +77,9 @@ BAD_FILES = {
     "foreign": (lambda path: write_raw_snapshot(path, None), "not an EDM2 snapshot"),
     "folder": (lambda path: path.mkdir(), "is a folder"),
     "fifo": (lambda path: os.mkfifo(path), "not a regular file"),
-    "metadata not json": (lambda path: write_raw_snapshot(path, "{'nimg': 9216,"), "metadata is not valid JSON"),
+    "metadata not json": (lambda path: write_raw_snapshot(path, "{'nimg': 9216,"), "metadata: not valid JSON"),
+    "metadata nested deep": (lambda path: write_raw_snapshot(path, snapshot_metadata(preset=nested(100))),
+                             "metadata: JSON nested 101 levels deep"),
     "metadata a list": (lambda path: write_raw_snapshot(path, "[9216, 0.05]"), "is a JSON list, not an object"),
     "newer format": (lambda path: write_raw_snapshot(path, snapshot_metadata(format_version=FORMAT_VERSION + 1)),
                      f"format_version {FORMAT_VERSION + 1}, but this edm2 reads up to {FORMAT_VERSION}: made by a "
@@ -93,7 +95,49 @@ BAD_FILES = {
                            "unsupported network arguments"),
     "other weights": (lambda path: write_raw_snapshot(path, snapshot_metadata(), tiny_precond(model_channels=32)),
                       "weights do not match the stored architecture"),
+    # float16 weights relabelled in the header as integers of the same size: the bytes fit, the numbers do not.
+    "integer weights": (lambda path: relabel(write_raw_snapshot(path, snapshot_metadata()), "F16", "I16"),
+                        "is stored as int16; weights are float16, bfloat16, float32 or float64"),
+    "NaN weights": (lambda path: write_raw_snapshot(path, snapshot_metadata(), filled(float("nan"))),
+                    "holds NaN or infinite weights"),
+    "infinite weights": (lambda path: write_raw_snapshot(path, snapshot_metadata(), filled(float("inf"))),
+                         "holds NaN or infinite weights"),
+    "negative image count": (lambda path: write_raw_snapshot(path, snapshot_metadata(nimg=-5)),
+                             "metadata says -5 images seen; an image count is an integer in [0, 2**53)"),
+    "image count past 2**53": (lambda path: write_raw_snapshot(path, snapshot_metadata(nimg=2**53)),
+                               f"metadata says {2**53} images seen"),
+    "image count of 31 digits": (lambda path: write_raw_snapshot(path, snapshot_metadata(nimg=10**30)),
+                                 "has more than 20 digits"),
+    "fractional image count": (lambda path: write_raw_snapshot(path, snapshot_metadata(nimg=9216.5)),
+                               "metadata says 9216.5 images seen"),
 }
+
+
+def nested(depth: int) -> list:
+    """A JSON value nested `depth` lists deep."""
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def relabel(path: Path, dtype: str, as_dtype: str) -> Path:
+    """Rewrite every tensor's dtype in a safetensors header (names of equal length, so no offset moves)."""
+    assert len(dtype) == len(as_dtype)
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = bytes(data[8:8 + size]).replace(f'"dtype":"{dtype}"'.encode(), f'"dtype":"{as_dtype}"'.encode())
+    assert len(header) == size and as_dtype.encode() in header
+    path.write_bytes(data[:8] + header + data[8 + size:])
+    return path
+
+
+def filled(value: float) -> torch.nn.Module:
+    """A tiny net whose first parameter is `value` everywhere (a diverged training's weights)."""
+    net = tiny_precond()
+    with torch.no_grad():
+        next(net.parameters()).fill_(value)
+    return net
 
 
 def test_the_bad_files_start_from_a_valid_snapshot(tmp_path):

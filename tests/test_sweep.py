@@ -19,7 +19,8 @@ import calculate_metrics
 from edm2 import posthoc
 from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots.sweep import sweep_figure
-from edm2.snapshot import load_network
+from edm2.encoders import StabilityVAEEncoder
+from edm2.snapshot import load_network, save_network
 from edm2.sweep import SweepResults, run_sweep
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
                            write_image_dataset)
@@ -167,7 +168,7 @@ BAD_INPUT = {
     "snapshots without an encoder": ({"--indir": "fake"}, ["--indir", "not an encoder config"], encoderless_run),
     "no such kimg": ({"--kimg": "7"}, ["--kimg", "no snapshot at kimg 7"], None),
     "kimg not numbers": ({"--kimg": "1,x"}, ["--kimg", "not a comma-separated list"], None),
-    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must be at least 0"], None),
+    "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must lie in [0, "], None),
     "std too large": ({"--std": "0.3"}, ["--std", "outside (0, 0.2887)"], None),
     "unknown metric": ({"--metrics": "loss,kid"}, ["--metrics", "unknown metric 'kid'", "loss"], None),
     "loss without data": ({"--data": None}, ["--data", "--metrics=loss needs the dataset"], None),
@@ -242,3 +243,22 @@ def test_a_sweep_grows_by_the_rows_it_lacks_and_a_finished_one_loads_no_network(
     assert result.exit_code == 0 and "kimg 2 sigma_rel" not in result.output, result.output
     assert (tmp_path / "ema-sweep.png").is_file()  # drawn again from the rows alone
     assert math.isfinite(json.loads((tmp_path / "ema-sweep.json").read_text())["rows"][1]["loss"])
+
+
+@pytest.mark.bad_input
+def test_a_latent_run_whose_vae_cannot_load_is_refused_before_any_image_is_generated(train_data, tmp_path,
+                                                                                    monkeypatch):
+    # Our own latent-space run whose VAE is not there (offline): one line before the first length is measured.
+    run = fake_training_run(tmp_path / "latent", num_snapshots=1, img_channels=4, label_dim=4)
+    for path in run.iterdir():
+        net, meta = load_network(path)
+        save_network(path, net, dict(meta, encoder=StabilityVAEEncoder(str(tmp_path / "no-vae")).config()))
+    torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
+    pin_detector_file(monkeypatch, "fid", tmp_path / "inception.pt")
+    inception = f"--inception={tmp_path / 'inception.pt'}"
+    assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
+                                        inception], standalone_mode=False) is None
+    monkeypatch.setattr(calculate_metrics, "run_sweep", lambda *args, **kwargs: pytest.fail("measured"))
+    assert_refused(tmp_path, lambda: sweep(f"--indir={run}", "--std=0.1", "--metrics=fid", f"--ref={tmp_path / 'ref.npz'}",
+                                           inception, "--num=4", f"--dest={tmp_path / 'out'}"),
+                   "--indir", "cannot load the VAE", "no-vae")

@@ -3,6 +3,7 @@ hyperparameters, torchrun with two Gloo processes (also under SIGTERM), and bad 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.snapshot import load_network
+from edm2.snapshot import load_network, read_metadata
 from training import checkpoint
 from training.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
@@ -30,6 +31,13 @@ def final_snapshots(outdir: Path) -> dict[str, tuple]:
     contents = snapshot_contents(outdir, "network-snapshot-0000002-*.safetensors")
     assert len(contents) == 2
     return contents
+
+
+def run_ids(outdir: Path) -> set:
+    """The run ids a run directory's snapshots, training states and training_options.json carry."""
+    ids = {read_metadata(path).get("run_id") for path in outdir.glob("network-snapshot-*.safetensors")}
+    ids |= {checkpoint.load_state(path).get("run_id") for path in outdir.glob("training-state-*.pt")}
+    return ids | {json.loads((outdir / "training_options.json").read_text()).get("run_id")}
 
 
 def cli(args: list[str], outdir: Path):
@@ -56,6 +64,7 @@ def test_run_directory_contents(reference_run):
 
     net, meta = load_network(reference_run / "network-snapshot-0000002-0.100.safetensors")
     assert meta["nimg"] == 2048 and meta["ema_std"] == 0.1 and meta["preset"] == "toy-tiny"
+    assert len(run_ids(reference_run)) == 1 and re.fullmatch("[0-9a-f]{32}", meta["run_id"])
     assert meta["encoder"] == {"class": "StandardRGBEncoder"}
     assert meta["dataset"] == {"resolution": 8, "num_channels": 3, "label_dim": 4}
     assert meta["training_options"]["lr"] == 0.01 and net.label_dim == 4
@@ -107,6 +116,8 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(train_data, referenc
     assert result.returncode == 0, result.stderr
     assert f"at {stopped_at} images" in result.stdout
     assert final_snapshots(outdir) == final_snapshots(reference_run)
+    # One identity for the run across the stop and the resume; another run of the same command has its own.
+    assert len(run_ids(outdir)) == 1 and run_ids(outdir) != run_ids(reference_run)
 
 
 def test_damaged_newest_checkpoint_falls_back_and_changed_options_are_refused(train_data, reference_run, tmp_path):
@@ -263,22 +274,22 @@ BAD_OPTIONS = [
     (["--duration=2Kx"], "--duration", "is not an image count"),
     (["--duration=-5"], "--duration", "is not an image count"),
     (["--status=1.5Ki"], "--status", "is not an image count"),
-    (["--batch=0"], "--batch", "0 is not in the range x>=1"),
-    (["--channels=0"], "--channels", "0 is not in the range x>=1"),
-    (["--seed=-1"], "--seed", "-1 is not in the range x>=0"),
-    (["--workers=-1"], "--workers", "-1 is not in the range x>=0"),
+    (["--batch=0"], "--batch", "0 is not in the range 1<=x<=1048576"),
+    (["--channels=0"], "--channels", "0 is not in the range 1<=x<=4096"),
+    (["--seed=-1"], "--seed", "-1 is not in the range 0<=x<=4294967295"),
+    (["--workers=-1"], "--workers", "-1 is not in the range 0<=x<=1024"),
     (["--cond=maybe"], "--cond", "'maybe' is not a valid boolean"),
     (["--precision=fp8"], "--precision", "'fp8' is not one of 'fp32', 'fp16', 'bf16'"),
     (["--preset=toy-nope"], "--preset", "'toy-nope' is not one of"),
     (["--batch-gpu=5"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 5"),
     (["--batch-gpu=64"], "--batch", "batch 32 is not divisible by 1 process(es) x batch-gpu 64"),
-    (["--channel-mult=1,0"], "--channel-mult", "'1,0': every number must be at least 1"),
+    (["--channel-mult=1,0"], "--channel-mult", "'1,0': every number must lie in [1, 64]"),
     (["--channel-mult="], "--channel-mult", "needs at least one number"),
     (["--channel-mult=1;2"], "--channel-mult", "'1;2' is not a comma-separated list of integers"),
     (["--channel-mult=1.5"], "--channel-mult", "is not a comma-separated list of integers"),
-    (["--num-blocks=0"], "--num-blocks", "0 is not in the range x>=1"),
+    (["--num-blocks=0"], "--num-blocks", "0 is not in the range 1<=x<=64"),
     (["--attn-resolutions=x"], "--attn-resolutions", "'x' is not a comma-separated list of integers"),
-    (["--attn-resolutions=4,-4"], "--attn-resolutions", "every number must be at least 1"),
+    (["--attn-resolutions=4,-4"], "--attn-resolutions", "every number must lie in [1, 8192]"),
 ]
 
 

@@ -89,7 +89,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         state.load(saved)
         del saved
     if run:
-        checkpoint.save_options(run.path, opts.to_json())
+        checkpoint.save_options(run.path, run.options_json(opts))
         run.trim_stats(state.cur_nimg)
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     distributed.print0(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -25,6 +27,8 @@ from training.run_lock import RunLock
 
 LOG_FILE, STATS_FILE = "log.txt", "stats.jsonl"
 SNAPSHOT_PREFIX = "network-snapshot"
+# A run's identity (uuid4 hex), in its training_options.json, training states and snapshots' metadata.
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
@@ -44,6 +48,7 @@ class RunDirectory:
         self.created: list[Path] = []
         self.has_results = False
         self.lock = RunLock(self.path)
+        self.run_id: str | None = None  # set by resume_point
 
     @classmethod
     @contextlib.contextmanager
@@ -85,9 +90,11 @@ class RunDirectory:
                 folder.rmdir()
 
     def resume_point(self, opts: TrainingOptions) -> tuple[str | None, dict | None]:
-        """The training state to resume from (path, state), after checking that the hyperparameters match."""
+        """The training state to resume from (path, state), after checking that the hyperparameters match; sets
+        run_id to the run's identity."""
         try:
             found = checkpoint.load_newest_state(self.path, report=print)
+            self.run_id = self._kept_run_id(found)
             if found is not None:
                 check_same_hyperparameters(json.loads(found[1]["options"]), opts.hyperparameters())
                 self.has_results = True
@@ -99,6 +106,24 @@ class RunDirectory:
         except OptionsMismatch as e:
             raise OptionsMismatch(f"{self.path}: {e}") from None
         return None, None
+
+    def _kept_run_id(self, found: tuple[Path, dict] | None) -> str:
+        """The identity of the run: the training state's it resumes from, else training_options.json's (a run that
+        wrote snapshots before its first training state), else a new one (a new run, or one begun before run ids)."""
+        if found is not None and "run_id" in found[1]:
+            source, run_id = found[0], found[1]["run_id"]
+        else:
+            source, options = self.path / checkpoint.OPTIONS_FILE, checkpoint.load_options(self.path)
+            run_id = options.get("run_id") if isinstance(options, dict) else None
+            if run_id is None:
+                return uuid.uuid4().hex
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+            raise checkpoint.CheckpointError(f"{source}: its run_id {str(run_id)[:40]!r} is not 32 hex digits")
+        return run_id
+
+    def options_json(self, opts: TrainingOptions) -> dict:
+        """What training_options.json holds: the options and the run's identity."""
+        return dict(opts.to_json(), run_id=self.run_id)
 
     def trim_stats(self, cur_nimg: int) -> None:
         """Keep the stats rows up to cur_nimg: drop rows a killed run wrote after its last training state, and
@@ -136,7 +161,7 @@ class RunDirectory:
         for ema_net, std in ema.get():
             metadata = dict(
                 nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
-                loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(),
+                loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(), run_id=self.run_id,
             )
             save_network(snapshot_path(self.path, cur_nimg, std), ema_net, metadata)
         self.has_results = True
@@ -144,7 +169,7 @@ class RunDirectory:
     def save_state(self, state: dict) -> Path:
         """Write a training state named by its image count; returns its path."""
         path = checkpoint.state_path(self.path, state["cur_nimg"])
-        checkpoint.save_state(path, state)
+        checkpoint.save_state(path, dict(state, run_id=self.run_id))
         self.has_results = True
         return path
 
