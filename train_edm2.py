@@ -24,6 +24,7 @@ from training.options import (
     DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
 )
 from training.presets import PRESETS, get_preset
+from training.run_dir import RUN_ID_KEY
 from training.signals import die_by
 
 # The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
@@ -104,11 +105,12 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
 
 def config_params(values: dict, path: str) -> dict:
     """A training_options.json (or --dry-run output) as parameters: the U-Net shape options taken out of its
-    network, the fields derived from the data and the preset left out (check_derived compares them later)."""
+    network, the fields derived from the data and the preset left out (check_derived compares them later), and the
+    run's identity too: a branch into another directory is another run, a rerun in the same one keeps its own."""
     network = values.get("network", {})
     if not isinstance(network, dict):
         raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
-    params = {k: v for k, v in values.items() if k not in DATA_FIELDS + RECIPE_FIELDS}
+    params = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *RECIPE_FIELDS, RUN_ID_KEY)}
     return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
 
 

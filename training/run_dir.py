@@ -29,6 +29,7 @@ LOG_FILE, STATS_FILE = "log.txt", "stats.jsonl"
 SNAPSHOT_PREFIX = "network-snapshot"
 # A run's identity (uuid4 hex), in its training_options.json, training states and snapshots' metadata.
 RUN_ID = re.compile(r"[0-9a-f]{32}")
+RUN_ID_KEY = "run_id"  # in training_options.json: the run's identity, beside its options
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
@@ -123,7 +124,7 @@ class RunDirectory:
 
     def options_json(self, opts: TrainingOptions) -> dict:
         """What training_options.json holds: the options and the run's identity."""
-        return dict(opts.to_json(), run_id=self.run_id)
+        return {**opts.to_json(), RUN_ID_KEY: self.run_id}
 
     def trim_stats(self, cur_nimg: int) -> None:
         """Keep the stats rows up to cur_nimg: drop rows a killed run wrote after its last training state, and
