@@ -1,6 +1,7 @@
 """train_edm2.py under faults: two trainings on one run directory, repeated SIGKILLs during writes, a torn
-stats.jsonl, image counts off the intervals, and Ctrl-C in a script."""
+stats.jsonl, image counts off the intervals, Ctrl-C in a script, and a signal after the console's pipe died."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -8,9 +9,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from training import checkpoint
 from tests.helpers import (
-    REPO, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, wait_for,
+    REPO, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, train_command, wait_for,
 )
 
 # Options that may differ between the invocations compared below: they change when files are written, not
@@ -156,3 +159,48 @@ def test_ctrl_c_stops_the_demo(tmp_path):
     assert proc.returncode == -signal.SIGINT, output
     assert "Received SIGINT" in output and "== 3/4" not in output and "== done" not in output, output
     assert len(checkpoint.list_states(demo / "run")) == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_dead_pipe_then_a_signal_still_checkpoints_and_resumes_exactly(sig, train_data, reference_run, tmp_path):
+    # `train_edm2.py ... 2>&1 | tee log`, then the reader dies (Ctrl-C at a terminal signals tee too) and the
+    # training is signalled: every later console write fails with EPIPE.
+    outdir = tmp_path / "piped"
+    read_end, write_end = os.pipe()
+    # One page of pipe and a reader that reads nothing: the training blocks on a console write after at most
+    # 4096 / 100 status lines (one per step; each is longer than 100 bytes), so it stops well before 2048 images.
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=read_end)
+    proc = subprocess.Popen(train_command(train_data, outdir, "--workers=2", "--status=32"), cwd=REPO,
+                            env=TRAIN_ENV, stdout=write_end, stderr=write_end)
+    os.close(read_end)
+    os.close(write_end)
+    try:
+        wait_for(lambda: (outdir / "stats.jsonl").exists(), proc, timeout=300)  # at least one step done
+        proc.send_signal(signal.SIGSTOP)  # no step, and no console write, until the reader is gone
+        reader.kill()
+        reader.wait()
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)  # a hang guard only
+    finally:
+        for child in (proc, reader):
+            child.kill()
+            child.wait()
+    assert proc.returncode == (-signal.SIGINT if sig == signal.SIGINT else 0)
+    states = checkpoint.list_states(outdir)
+    assert len(states) == 1
+    stopped_at = checkpoint.load_state(states[0])["cur_nimg"]
+    assert 0 < stopped_at < 2048
+    assert sorted(p.name for p in outdir.iterdir()) == sorted(["log.txt", states[0].name, "stats.jsonl",
+                                                               "training_options.json"])
+    text = (outdir / "log.txt").read_text()
+    log = text.splitlines()
+    assert f"Received {sig.name}: finishing this step and writing a checkpoint." in log and "Traceback" not in text
+    assert log[-2:] == [f"Saved {states[0].name}", f"Stopped at {stopped_at} images; rerun the same command to resume."]
+    assert stats_images(outdir)[-1] == stopped_at
+
+    result = run_training(train_data, outdir, "--workers=2")
+    assert result.returncode == 0, result.stderr
+    assert f"Resuming from {states[0].name} at {stopped_at} images" in result.stdout
+    assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")

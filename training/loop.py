@@ -40,11 +40,11 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     with StopFlag() as stop, contextlib.ExitStack() as stack:
         # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
         run = _on_main_rank(lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
-        if run is not None:
-            stack.enter_context(tee_output(run.path / LOG_FILE))
+        stack.enter_context(tee_output(run.path / LOG_FILE if run is not None else None))
         for note in notes:
             print(note, flush=True)
         step = _resume(opts, dataset, encoder, run)
+        stack.callback(step.batches.close)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
         elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step)), stop):
