@@ -5,15 +5,20 @@ import errno
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from click.testing import CliRunner
+
+import train_edm2
 from edm2.locks import DestinationInUse
 from edm2.snapshot import images_tag
 from training import checkpoint, run_dir
 from training.run_dir import RunDirectory
 from training.run_lock import LOCK_FILE, RunLock
-from tests.helpers import dead_pid
+from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, dead_pid
 
 
 def test_names_keep_the_release_look_and_never_collide():
@@ -162,3 +167,35 @@ def test_a_failed_stats_append_leaves_no_partial_row(tmp_path, monkeypatch):
         run.append_stats({"nimg": 64, "loss": 0.5})
     assert info.value.filename == str(tmp_path / "stats.jsonl")
     assert (tmp_path / "stats.jsonl").read_bytes() == before
+
+
+# Holds a run directory the way a training does, until its standard input closes.
+HOLD = """
+import sys
+from training.run_dir import RunDirectory
+with RunDirectory.open(sys.argv[1]) as run:
+    run.has_results = True
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.bad_input
+def test_a_refused_start_touches_nothing_of_the_training_that_holds_the_run(train_data, tmp_path):
+    run = tmp_path / "runs" / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=REPO, env=TRAIN_ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for name in ("log.txt", "training_options.json", "stats.jsonl"):
+            (run / name).write_text(f"the running training's {name}\n")
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        # The same directory by another path, through a folder that does not exist yet.
+        other_path = tmp_path / "runs" / "new" / ".." / "run"
+        assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+            *TRAIN_ARGS, f"--data={train_data}", f"--outdir={other_path}", "--workers=0"]),
+            f"{run} is in use by the training process {holder.pid}")
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

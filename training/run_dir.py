@@ -35,13 +35,17 @@ def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
 class RunDirectory:
     """Rank 0's hold on a run directory, from taking its lock to giving it back.
 
-    A directory this invocation created is removed again if training fails before its first snapshot or
-    training state, so a bad start leaves nothing behind.
+    A run directory this invocation created is removed again if training fails before its first snapshot or
+    training state, so a bad start leaves nothing behind; only the files this start created go, and only while
+    it holds the lock. A refused start (another training holds the lock) touches nothing but the empty folders
+    it made itself.
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        # Resolved, so that X/new/../run and X/run are one directory to every decision below.
+        self.path = Path(path).resolve()
         self.created: list[Path] = []
+        self.found: set[str] = set()  # names in the directory when this start took the lock
         self.has_results = False
         self.lock = RunLock(self.path)
 
@@ -54,15 +58,21 @@ class RunDirectory:
         run._make_folders()
         try:
             run.lock.acquire(report)
+        except BaseException:
+            run._remove_created_folders()
+            raise
+        try:
+            run.found = {p.name for p in run.path.iterdir()}
             for stale in files.remove_stale_temporaries(run.path, owned=True):
                 report(f"Removed {stale.name}, left by an interrupted write.")
             yield run
         except BaseException:
-            run.lock.release()
             run._remove_if_fruitless()
             raise
         finally:
             run.lock.release()
+            if not run.has_results:
+                run._remove_created_folders()
 
     def _make_folders(self) -> None:
         """Create the run directory and its missing parents, remembering which ones this process made."""
@@ -74,12 +84,15 @@ class RunDirectory:
                 pass
 
     def _remove_if_fruitless(self) -> None:
-        """Delete the folders this invocation created, and its files in them, when it produced no snapshot
-        or training state; the lock must be released first."""
-        if not self.created or self.has_results:
+        """Delete the files this start created in a run directory it created, when it produced no snapshot or
+        training state; called while the lock is held, so no other training's file can be among them."""
+        if self.path not in self.created or self.has_results:
             return
-        for name in (checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE):
+        for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE} - self.found:
             (self.path / name).unlink(missing_ok=True)
+
+    def _remove_created_folders(self) -> None:
+        """Remove the folders this process created, deepest first, where they are empty."""
         for folder in reversed(self.created):
             with contextlib.suppress(OSError):  # not empty: someone else's files; keep them
                 folder.rmdir()
