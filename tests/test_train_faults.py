@@ -10,10 +10,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from click.testing import CliRunner
 
+import train_edm2
 from training import checkpoint
 from tests.helpers import (
-    REPO, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, train_command, wait_for,
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, train_command, wait_for,
 )
 
 # Options that may differ between the invocations compared below: they change when files are written, not
@@ -204,3 +207,56 @@ def test_a_dead_pipe_then_a_signal_still_checkpoints_and_resumes_exactly(sig, tr
     assert result.returncode == 0, result.stderr
     assert f"Resuming from {states[0].name} at {stopped_at} images" in result.stdout
     assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")
+
+
+WEIGHT = "unet.out_conv.weight"
+
+
+def altered(state: dict, case: str) -> tuple[dict, str]:
+    """A training state of 2048 images made damaged or inconsistent as the case says, and the reason a run gives
+    for skipping it."""
+    shape = list(state["net"][WEIGHT].shape)
+    if case == "holds another count":
+        return dict(state, cur_nimg=5), "holds 5 images, but its name says kimg 2"
+    if case == "lacks its options":
+        return {k: v for k, v in state.items() if k != "options"}, "not a training state (missing options)"
+    if case == "a weight of another shape":
+        net = dict(state["net"], **{WEIGHT: state["net"][WEIGHT][:, :-1]})
+        return dict(state, net=net), (f"net {WEIGHT} has shape {[shape[0], shape[1] - 1, *shape[2:]]}, the network's "
+                                      f"has shape {shape}")
+    if case == "an EMA weight of another shape":
+        emas = [dict(ema, **{WEIGHT: ema[WEIGHT][:1]}) for ema in state["ema"]["emas"]]
+        return dict(state, ema=dict(state["ema"], emas=emas)), (f"ema track 0 {WEIGHT} has shape {[1, *shape[1:]]}, "
+                                                                 f"the network's has shape {shape}")
+    assert case == "from a newer version"
+    version = checkpoint.FORMAT_VERSION + 1
+    return dict(state, format_version=version), (f"written by a newer version of this project (format version "
+                                                 f"{version}; this one reads {checkpoint.FORMAT_VERSION})")
+
+
+@pytest.mark.parametrize("case", ["holds another count", "lacks its options", "a weight of another shape",
+                                  "an EMA weight of another shape", "from a newer version"])
+def test_a_newest_state_that_does_not_fit_is_skipped_and_never_replaced(case, train_data, reference_run, tmp_path):
+    outdir = tmp_path / "skipped"
+    shutil.copytree(reference_run, outdir)
+    for snapshot in outdir.glob("network-snapshot-0000002-*"):
+        snapshot.unlink()
+    newest = outdir / "training-state-0000002.pt"
+    state, reason = altered(torch.load(newest, weights_only=True), case)
+    torch.save(state, newest)
+    refused = newest.read_bytes()
+
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}",
+                                                  "--workers=0"])
+    assert result.exit_code == 0, result.output
+    skips = [line for line in result.output.splitlines() if line.startswith("Skipping")]
+    assert skips == [f"Skipping training state {newest}: {reason}"], result.output
+    assert "Resuming from training-state-0000001.pt at 1024 images" in result.output
+    # The file this run refused to read is as it was; this run's state of the same count has a name of its own.
+    assert newest.read_bytes() == refused
+    assert checkpoint.load_state(outdir / "training-state-0000002.1.pt")["cur_nimg"] == 2048
+    assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")
+    # The next start finds this run's state first.
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}"])
+    assert result.exit_code == 0 and "Skipping" not in result.output, result.output
+    assert "Training already complete (2048 >= 2048 images)" in result.output

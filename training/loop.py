@@ -80,11 +80,11 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         # FP32 parts stay true FP32, as in the release.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    path, saved = _on_main_rank(lambda: run.resume_point(opts)) or (None, None)
+    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
+    path, saved = _on_main_rank(lambda: run.resume_point(opts, state.check)) or (None, None)
     path = distributed.broadcast_object(path)
     if path and saved is None:
         saved = checkpoint.load_state(path)
-    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
     if saved is not None:
         state.load(saved)
         del saved

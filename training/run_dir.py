@@ -46,6 +46,7 @@ class RunDirectory:
         self.path = Path(path).resolve()
         self.created: list[Path] = []
         self.found: set[str] = set()  # names in the directory when this start took the lock
+        self.refused: set[str] = set()  # training states this start skipped: never replaced
         self.has_results = False
         self.lock = RunLock(self.path)
 
@@ -97,12 +98,19 @@ class RunDirectory:
             with contextlib.suppress(OSError):  # not empty: someone else's files; keep them
                 folder.rmdir()
 
-    def resume_point(self, opts: TrainingOptions) -> tuple[str | None, dict | None]:
-        """The training state to resume from (path, state), after checking that the hyperparameters match."""
+    def resume_point(self, opts: TrainingOptions, check: Callable[[dict, Path], None]) -> tuple[str | None, dict | None]:
+        """The training state to resume from (path, state): the newest one whose hyperparameters are this run's
+        (OptionsMismatch otherwise) and which passes check (that its tensors fit the network); newer ones that
+        are damaged, inconsistent or from a newer version are skipped with a line each, and never replaced."""
+
+        def fits(state: dict, path: Path) -> None:
+            check_same_hyperparameters(checkpoint.state_options(state, path), opts.hyperparameters())
+            check(state, path)
+
         try:
-            found = checkpoint.load_newest_state(self.path, report=print)
+            found, skipped = checkpoint.load_newest_state(self.path, check=fits, report=print)
+            self.refused = {path.name for path in skipped}
             if found is not None:
-                check_same_hyperparameters(json.loads(found[1]["options"]), opts.hyperparameters())
                 self.has_results = True
                 return str(found[0]), found[1]
             stored_options = checkpoint.load_options(self.path)
@@ -155,8 +163,9 @@ class RunDirectory:
         self.has_results = True
 
     def save_state(self, state: dict) -> Path:
-        """Write a training state named by its image count; returns its path."""
-        path = checkpoint.state_path(self.path, state["cur_nimg"])
+        """Write a training state named by its image count (by another name where that one belongs to a state
+        this start refused to read); returns its path."""
+        path = checkpoint.state_path(self.path, state["cur_nimg"], avoid=self.refused)
         checkpoint.save_state(path, state)
         self.has_results = True
         return path
