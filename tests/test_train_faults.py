@@ -1,5 +1,6 @@
 """train_edm2.py under faults: two trainings on one run directory, repeated SIGKILLs during writes, a torn
-stats.jsonl, image counts off the intervals, Ctrl-C in a script, and a signal after the console's pipe died."""
+stats.jsonl, image counts off the intervals, Ctrl-C in a script, a signal after the console's pipe died, training
+states that do not fit, and JSON files beyond bounds."""
 
 import fcntl
 import json
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 import train_edm2
 from training import checkpoint
 from tests.helpers import (
-    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, train_command, wait_for,
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
+    start_training, train_command, wait_for,
 )
 
 # Options that may differ between the invocations compared below: they change when files are written, not
@@ -260,3 +262,30 @@ def test_a_newest_state_that_does_not_fit_is_skipped_and_never_replaced(case, tr
     result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}"])
     assert result.exit_code == 0 and "Skipping" not in result.output, result.output
     assert "Training already complete (2048 >= 2048 images)" in result.output
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # Python's json module recurses once per level: a RecursionError
+
+
+def test_a_stats_line_nested_deep_is_dropped_on_resume(train_data, reference_run, tmp_path):
+    outdir = tmp_path / "deep"
+    shutil.copytree(reference_run, outdir)
+    with open(outdir / "stats.jsonl", "a") as f:
+        f.write(DEEP + "\n" + '{"nimg": 1' + "0" * 5000 + "}\n")
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}"])
+    assert result.exit_code == 0 and "Training already complete" in result.output, result.output
+    assert stats_images(outdir) == [512, 1024, 1536, 2048]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("text, fragment", [(DEEP, "JSON nested 100000 levels deep"),
+                                            ('{"lr": 1e999}', "the number 1e999 is not finite")])
+def test_training_options_out_of_bounds_are_one_line_and_change_nothing(text, fragment, train_data, tmp_path):
+    outdir = tmp_path / "run"
+    outdir.mkdir()
+    (outdir / "training_options.json").write_text(text)
+    (outdir / "network-snapshot-0000001-0.050.safetensors").write_bytes(b"a snapshot of the run")
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+        *TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}", "--workers=0"]),
+        f"{outdir / 'training_options.json'}: {fragment}")
+    assert (outdir / "training_options.json").read_text() == text

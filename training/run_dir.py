@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
-from edm2 import files
+from edm2 import bounded_json, files
 from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
 from training import checkpoint
@@ -35,9 +35,9 @@ def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
 class RunDirectory:
     """Rank 0's hold on a run directory, from taking its lock to giving it back.
 
-    A run directory this invocation created is removed again if training fails before its first snapshot or
-    training state, so a bad start leaves nothing behind; only the files this start created go, and only while
-    it holds the lock. A refused start (another training holds the lock) touches nothing but the empty folders
+    If training fails before its first snapshot or training state, the files this start created and the folders
+    it made are removed again, so a bad start leaves nothing behind; only those go, the files while it holds the
+    lock. A refused start (another training holds the lock) touches nothing but the empty folders
     it made itself.
     """
 
@@ -85,9 +85,9 @@ class RunDirectory:
                 pass
 
     def _remove_if_fruitless(self) -> None:
-        """Delete the files this start created in a run directory it created, when it produced no snapshot or
-        training state; called while the lock is held, so no other training's file can be among them."""
-        if self.path not in self.created or self.has_results:
+        """Delete the files this start created (those not there when it took the lock) when it produced no
+        snapshot or training state; called while the lock is held, so no other training's file can be among them."""
+        if self.has_results:
             return
         for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE} - self.found:
             (self.path / name).unlink(missing_ok=True)
@@ -172,10 +172,11 @@ class RunDirectory:
 
 
 def _row_images(line: bytes) -> int | None:
-    """The image count of one stats.jsonl line; None for an empty, torn or foreign line."""
+    """The image count of one stats.jsonl line; None for an empty, torn or foreign line (also one beyond
+    edm2.bounded_json's bounds)."""
     try:
-        row = json.loads(line)
-    except ValueError:
+        row = bounded_json.parse(line, STATS_FILE)
+    except bounded_json.JSONFileError:
         return None
     nimg = row.get("nimg") if isinstance(row, dict) else None
     return nimg if isinstance(nimg, int) else None
