@@ -93,7 +93,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         run.trim_stats(state.cur_nimg)
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     distributed.print0(
-        f"{'Resuming from ' + Path(path).name if path else 'Starting'} at {state.cur_nimg} images; "
+        f"{_start(path, opts.init)} at {state.cur_nimg} images; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
     )
@@ -114,6 +114,13 @@ def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> 
     if dtype == {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[opts.precision]:
         return ""
     return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
+
+
+def _start(path: str | None, init: str | None) -> str:
+    """How the first line of a run says where it starts: the training state it resumes, or the --init snapshot."""
+    if path:
+        return f"Resuming from {Path(path).name}"
+    return f"Starting from {init}" if init else "Starting"
 
 
 def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
