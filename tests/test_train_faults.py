@@ -15,7 +15,8 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from training import checkpoint
+from edm2.dataset import ImageFolderDataset
+from training import checkpoint, data_order
 from tests.helpers import (
     REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
     start_training, train_command, wait_for,
@@ -289,3 +290,27 @@ def test_training_options_out_of_bounds_are_one_line_and_change_nothing(text, fr
         *TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}", "--workers=0"]),
         f"{outdir / 'training_options.json'}: {fragment}")
     assert (outdir / "training_options.json").read_text() == text
+
+
+def test_data_loader_workers_never_run_the_training_signal_handler(train_data, tmp_path, monkeypatch):
+    # A worker is forked with the main process's Python signal handler. Ctrl-C at a terminal signals every process
+    # of the group: until the worker ignores the signal it must hold it, not print "Received SIGINT" as a worker.
+    original = data_order._ignore_signals
+
+    def recording(worker_id: int) -> None:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        original(worker_id)
+        after = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        (tmp_path / f"worker{worker_id}.json").write_text(json.dumps([sorted(held), sorted(after)]))
+
+    monkeypatch.setattr(data_order, "_ignore_signals", recording)
+    dataset = ImageFolderDataset(train_data)
+    loaded = data_order.batches(dataset, data_order.DataOrder(len(dataset), 0, 0, 1, 4, 0), 2, torch.device("cpu"))
+    next(loaded)
+    main_held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loaded.close()
+    stop = sorted(data_order.STOP_SIGNALS)
+    for worker in range(2):
+        held, after = json.loads((tmp_path / f"worker{worker}.json").read_text())
+        assert set(stop) <= set(held) and not set(stop) & set(after)
+    assert not set(stop) & main_held

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -15,7 +15,7 @@ from edm2.errors import EDM2Error
 from edm2.networks import count_parameters
 from training import checkpoint
 from training.dashboard import Dashboard
-from training.data_order import DataOrder, data_loader
+from training.data_order import DataOrder, batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
@@ -104,7 +104,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
     return TrainingStep(
         state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-        batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
+        batches=batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
         device=device,
     )
 
@@ -129,19 +129,6 @@ def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFo
     if run is None:
         return None
     return Dashboard(run.path, opts, dataset, encoder, step.state.net, step.device, step.state.cur_nimg)
-
-
-def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
-    """The data loader's batches, its worker processes started only when the first batch is asked for and stopped
-    when the batches end, also by an error (an image a worker could not use)."""
-    batches = iter(data_loader(dataset, order, workers, device))
-    try:
-        yield from batches
-    finally:
-        if workers:
-            # The workers ignore SIGTERM (data_order), and an error's traceback keeps the loader alive until exit,
-            # where multiprocessing terminates its children by SIGTERM and joins them: it would wait forever.
-            batches._shutdown_workers()
 
 
 def _on_main_rank(fn: Callable[[], T]) -> T | None:
