@@ -38,8 +38,7 @@ class RunDirectory:
 
     If training fails before its first snapshot or training state, the files this start created and the folders
     it made are removed again, so a bad start leaves nothing behind; only those go, the files while it holds the
-    lock. A refused start (another training holds the lock) touches nothing but the empty folders
-    it made itself.
+    lock. A refused start (another training holds the lock) touches nothing but the empty folders it made.
     """
 
     def __init__(self, path: str | os.PathLike):
