@@ -173,18 +173,7 @@ def options_hash(hyperparameters: dict) -> str:
 
 def load_options(run_dir: str | os.PathLike) -> dict | None:
     """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new run."""
-    path = Path(run_dir) / OPTIONS_FILE
-    if not path.is_file():
-        return None
-    try:
-        options = bounded_json.read(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
-    except bounded_json.JSONFileError as e:
-        raise CheckpointError(str(e)) from None
-    if not isinstance(options, dict):
-        raise CheckpointError(f"{path}: a JSON {type(options).__name__}, not an object")
-    return options
+    return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, CheckpointError)
 
 
 def save_options(run_dir: str | os.PathLike, options: dict) -> None:

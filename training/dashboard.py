@@ -74,17 +74,7 @@ def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
 
 def load_records(path: Path) -> dict | None:
     """A record file of ours (a JSON object), or None when there is none."""
-    try:
-        data = bounded_json.read(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
-    except bounded_json.JSONFileError as e:
-        raise DashboardError(str(e)) from None
-    if not isinstance(data, dict):
-        raise DashboardError(f"{path}: a JSON {type(data).__name__}, not an object")
-    return data
+    return bounded_json.read_object(path, DashboardError)
 
 
 def save_json(path: Path, data: dict) -> None:
