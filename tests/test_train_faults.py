@@ -17,6 +17,7 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.dataset import ImageFolderDataset
 from training import checkpoint, data_order
+from training.log_tee import Tee
 from tests.helpers import (
     REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
     start_training, train_command, wait_for,
@@ -314,3 +315,17 @@ def test_data_loader_workers_never_run_the_training_signal_handler(train_data, t
         held, after = json.loads((tmp_path / f"worker{worker}.json").read_text())
         assert set(stop) <= set(held) and not set(stop) & set(after)
     assert not set(stop) & main_held
+
+
+def test_a_dead_console_is_dropped_and_the_log_keeps_every_line(tmp_path):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write to the pipe fails with EPIPE
+    console = os.fdopen(write_end, "w")
+    with open(tmp_path / "log.txt", "ab", buffering=0) as log:
+        tee = Tee(console, log)
+        tee.write("first\n")
+        tee.write("second\n")
+        tee.flush()
+    console.write("later\n")  # its descriptor now leads to /dev/null: no later write or flush fails
+    console.close()
+    assert (tmp_path / "log.txt").read_text() == "first\nsecond\n"

@@ -37,10 +37,12 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     Returns the signal that stopped this process's run before its duration, or None.
     """
     notes: list[str] = []
-    with StopFlag() as stop, contextlib.ExitStack() as stack:
+    # The console guard comes first: a signal's message must not raise from its handler on a dead console.
+    with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
         # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
         run = _on_main_rank(lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
-        stack.enter_context(tee_output(run.path / LOG_FILE if run is not None else None))
+        if run is not None:
+            stack.enter_context(tee_output(run.path / LOG_FILE))
         for note in notes:
             print(note, flush=True)
         step = _resume(opts, dataset, encoder, run)
