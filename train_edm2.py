@@ -93,13 +93,17 @@ def network_options(preset: str, resolution: int, channels: int | None, given: d
 
 def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
-    cannot load, or does not fit the data or the options given, is refused naming --init."""
+    cannot load, or does not fit the data or the options given, is refused naming --init.
+
+    Data labeled with some of the network's classes trains it with its labels as they are: the dataset's one-hot
+    labels widen to the network's classes."""
     try:
         snapshot = read_init(init)
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
                    label_dim=dataset.label_dim, encoder=encoder, given=given)
     except (SnapshotError, files.DownloadError, OptionsError) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
+    dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 

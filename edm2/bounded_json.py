@@ -70,6 +70,22 @@ def read(path: str | os.PathLike, max_depth: int = MAX_DEPTH, max_bytes: int = M
     return parse(raw, str(path), max_depth=max_depth, max_bytes=max_bytes)
 
 
+def read_object(path: str | os.PathLike, error: type[EDM2Error] = JSONFileError) -> dict | None:
+    """The JSON object in the file `path` (read with `read`'s bounds), or None when there is no such file; `error`,
+    naming the file, when it cannot be read, is out of bounds or holds anything but an object."""
+    try:
+        data = read(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    except JSONFileError as e:
+        raise error(str(e)) from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def _integer(digits: str, source: str) -> int:
     """An integer of at most MAX_INT_DIGITS digits (checked as text, before converting)."""
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:

@@ -1,5 +1,6 @@
 """Bounded JSON: depth, size and numbers are refused with one line before the parser builds anything."""
 
+import re
 import subprocess
 import sys
 
@@ -55,3 +56,18 @@ def test_deep_nesting_is_refused_within_a_memory_bound(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "nested 10000000 levels" in done.stdout
+
+
+def test_read_object_is_an_object_none_or_one_error_of_the_callers_class(tmp_path):
+    class CallersError(JSONFileError):
+        pass
+
+    (tmp_path / "object.json").write_text('{"a": [1]}')
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "folder.json").mkdir()
+    assert bounded_json.read_object(tmp_path / "object.json") == {"a": [1]}
+    assert bounded_json.read_object(tmp_path / "missing.json") is None
+    with pytest.raises(CallersError, match=f"^{re.escape(str(tmp_path / 'list.json'))}: a JSON list, not an object$"):
+        bounded_json.read_object(tmp_path / "list.json", CallersError)
+    with pytest.raises(CallersError, match=f"^{re.escape(str(tmp_path / 'folder.json'))}: cannot read"):
+        bounded_json.read_object(tmp_path / "folder.json", CallersError)

@@ -233,6 +233,12 @@ BAD_INPUT = {
                                   ["training.json: malformed records (KeyError"]),
     "magnitudes.json malformed": ("run", break_json("magnitudes.json", '{"rows": 3}'),
                                   ["magnitudes.json: malformed records"]),
+    "training.json nested deep": ("run", break_json("training.json", "[" * 100_000 + "]" * 100_000),
+                                  ["training.json: JSON nested 100000 levels deep"]),
+    "magnitudes.json holds a huge number": ("run", break_json("magnitudes.json", '{"rows": 1' + "0" * 5000 + "}"),
+                                            ["magnitudes.json: the number 1000", "has more than 20 digits"]),
+    "stats.jsonl holds only a deep line": ("run", lambda run: (run / "stats.jsonl").write_text(
+        "[" * 100_000 + "]" * 100_000 + "\n"), ["holds no status rows"]),
     "plots is a file": ("run", lambda run: shutil.rmtree(run / "plots") or (run / "plots").write_text("x"),
                         ["plots is a file, not a folder"]),
 }

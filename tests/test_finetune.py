@@ -11,11 +11,12 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
+from edm2.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.snapshot import load_network, save_network
 from training import checkpoint
 from tests.helpers import (RELEASE_TINY, TRAIN_ARGS, assert_one_error_line, assert_refused, random_release_tiny_net,
-                           randomized, tiny_precond, write_release_pickle)
+                           randomized, tiny_precond, write_image_dataset, write_release_pickle)
 
 # One step of 16 images: the learning rate of step 1 is 0 (Eq. 67's ramp-up starts at 0 images), and the first EMA
 # update has beta = 0 (Eq. 127 with t_delta = t_next), so the first snapshot holds the network as it entered the
@@ -31,7 +32,8 @@ def cli(*args):
 
 def init_snapshot(path, seed=0, **overrides):
     """Our snapshot of a randomly weighted 8x8 RGB net of 4 classes (INIT_UNET unless overridden)."""
-    net = randomized(tiny_precond(8, 3, 4, **{**INIT_UNET, **overrides}), seed)
+    net = randomized(tiny_precond(**{**dict(img_resolution=8, img_channels=3, label_dim=4), **INIT_UNET, **overrides}),
+                     seed)
     save_network(path, net, {"encoder": StandardRGBEncoder().config()})
     return path
 
@@ -123,6 +125,24 @@ def test_init_from_a_release_pickle_takes_its_weights_and_encoder(release_standi
     assert meta["encoder"]["class"] == "StabilityVAEEncoder" and meta["dataset"]["label_dim"] == RELEASE_TINY["label_dim"]
 
 
+def test_data_holding_some_of_the_classes_fine_tunes_with_its_labels_as_they_are(tmp_path):
+    # Data of classes 2 and 8 only (its highest label plus one is 9) fine-tunes a network of 10 classes.
+    data = write_image_dataset(tmp_path / "data", num=16, classes=2)
+    listed = json.loads((data / "dataset.json").read_text())["labels"]
+    (data / "dataset.json").write_text(json.dumps({"labels": [[name, (2, 8)[label]] for name, label in listed]}))
+    init = init_snapshot(tmp_path / "init.safetensors", label_dim=10)
+    dataset = ImageFolderDataset(data)
+    train_edm2.init_options(str(init), dataset, StandardRGBEncoder(), {})
+    expected = [np.eye(10, dtype=np.float32)[(2, 8)[i % 2]] for i in range(16)]  # one-hot over the net's classes
+    assert all(np.array_equal(dataset.get_label(i), expected[i]) for i in range(16))
+
+    result = cli(f"--data={data}", f"--outdir={tmp_path / 'run'}", f"--init={init}", *ONE_STEP)
+    assert result.exit_code == 0, result.output
+    assert f"Starting from {init} at 0 images" in result.output
+    net, meta = load_network(tmp_path / "run" / "network-snapshot-0000000-16-0.100.safetensors")
+    assert net.label_dim == 10 and meta["dataset"]["label_dim"] == 10
+
+
 # id -> (options beside --data/--outdir/--init, fragments of the one error line). {init} is an 8x8 RGB snapshot of
 # 4 classes (the training data's), made by init_snapshot with the overrides of INIT_CASES.
 INIT_BAD = {
@@ -132,7 +152,8 @@ INIT_BAD = {
     "other resolution": (["--init={tmp}/res16.safetensors"], ["--init", "16x16 network with 3 channels",
                                                               "the data gives 8x8 with 3"]),
     "other channels": (["--init={tmp}/gray.safetensors"], ["--init", "with 1 channels", "the data gives 8x8 with 3"]),
-    "other classes": (["--init={tmp}/cls5.safetensors"], ["--init", "a network of 5 classes", "the data has 4"]),
+    "labels beyond its classes": (["--init={tmp}/cls3.safetensors"], ["--init", "a network of 3 classes",
+                                                                      "the data's labels go up to 3"]),
     "conditional, --cond=False": (["--init={tmp}/init.safetensors", "--cond=False"],
                                   ["--init", "a network of 4 classes", "(--cond=False)"]),
     "unconditional, --cond=True": (["--init={tmp}/uncond.safetensors"], ["--init", "an unconditional network",
@@ -154,7 +175,7 @@ def init_files(tmp_path, release_standins):
     init_snapshot(tmp_path / "init.safetensors")
     (tmp_path / "garbage.safetensors").write_bytes(b"not a snapshot")
     for name, overrides in (("res16", dict(img_resolution=16)), ("gray", dict(img_channels=1)),
-                            ("cls5", dict(label_dim=5)), ("uncond", dict(label_dim=0))):
+                            ("cls3", dict(label_dim=3)), ("uncond", dict(label_dim=0))):
         net = tiny_precond(**{**dict(img_resolution=8, img_channels=3, label_dim=4), **INIT_UNET, **overrides})
         save_network(tmp_path / f"{name}.safetensors", net, {"encoder": StandardRGBEncoder().config()})
     save_network(tmp_path / "no-encoder.safetensors", tiny_precond(8, 3, 4, **INIT_UNET), {})

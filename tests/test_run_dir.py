@@ -5,17 +5,22 @@ import errno
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from click.testing import CliRunner
+
+import train_edm2
 from edm2.locks import DestinationInUse
 from edm2.snapshot import images_tag
 from training import checkpoint, run_dir
 from training.options import TrainingOptions
 from training.run_dir import RunDirectory
 from training.run_lock import LOCK_FILE, RunLock
-from tests.helpers import dead_pid
+from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, dead_pid
 
 
 def test_names_keep_the_release_look_and_never_collide():
@@ -172,6 +177,10 @@ def tiny_options(run: Path) -> TrainingOptions:
                                        {"class": "StandardRGBEncoder"}, run_dir=str(run), data="data")
 
 
+def accept_any(state: dict, path: Path) -> None:
+    """A resume_point check that finds every state's tensors fit (the fake states hold none)."""
+
+
 def fake_state(opts: TrainingOptions, cur_nimg: int, **extra) -> dict:
     """A training state with empty weights: what resume_point reads of one."""
     hyperparameters = opts.hyperparameters()
@@ -183,19 +192,19 @@ def fake_state(opts: TrainingOptions, cur_nimg: int, **extra) -> dict:
 def test_a_run_gets_an_identity_at_its_start_and_keeps_it_on_resume(tmp_path):
     opts = tiny_options(tmp_path)
     first, other = RunDirectory(tmp_path), RunDirectory(tmp_path / "other")
-    assert first.resume_point(opts) == (None, None) and other.resume_point(opts) == (None, None)
+    assert first.resume_point(opts, accept_any) == (None, None) and other.resume_point(opts, accept_any) == (None, None)
     assert run_dir.RUN_ID.fullmatch(first.run_id) and first.run_id != other.run_id
     # Started, killed before its first training state: the next start keeps training_options.json's identity.
     checkpoint.save_options(tmp_path, first.options_json(opts))
     again = RunDirectory(tmp_path)
-    again.resume_point(opts)
+    again.resume_point(opts, accept_any)
     assert again.run_id == first.run_id
     # Every training state carries it, and a resume takes it from the state it resumes from.
     state_file = again.save_state(fake_state(opts, 1024))
     assert checkpoint.load_state(state_file)["run_id"] == first.run_id
     checkpoint.save_options(tmp_path, dict(opts.to_json(), run_id="0" * 32))
     resumed = RunDirectory(tmp_path)
-    assert resumed.resume_point(opts)[0] == str(state_file) and resumed.run_id == first.run_id
+    assert resumed.resume_point(opts, accept_any)[0] == str(state_file) and resumed.run_id == first.run_id
 
 
 def test_a_run_begun_before_run_ids_gets_one_on_resume(tmp_path):
@@ -203,7 +212,7 @@ def test_a_run_begun_before_run_ids_gets_one_on_resume(tmp_path):
     checkpoint.save_options(tmp_path, opts.to_json())
     checkpoint.save_state(checkpoint.state_path(tmp_path, 1024), fake_state(opts, 1024))
     run = RunDirectory(tmp_path)
-    assert run.resume_point(opts)[1]["cur_nimg"] == 1024 and run_dir.RUN_ID.fullmatch(run.run_id)
+    assert run.resume_point(opts, accept_any)[1]["cur_nimg"] == 1024 and run_dir.RUN_ID.fullmatch(run.run_id)
 
 
 @pytest.mark.bad_input
@@ -213,4 +222,36 @@ def test_a_stored_run_id_that_is_not_one_is_refused(tmp_path, run_id):
     path = checkpoint.state_path(tmp_path, 1024)
     checkpoint.save_state(path, fake_state(opts, 1024, run_id=run_id))
     with pytest.raises(checkpoint.CheckpointError, match=f"^{path}: its run_id .* is not 32 hex digits$"):
-        RunDirectory(tmp_path).resume_point(opts)
+        RunDirectory(tmp_path).resume_point(opts, accept_any)
+
+
+# Holds a run directory the way a training does, until its standard input closes.
+HOLD = """
+import sys
+from training.run_dir import RunDirectory
+with RunDirectory.open(sys.argv[1]) as run:
+    run.has_results = True
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.bad_input
+def test_a_refused_start_touches_nothing_of_the_training_that_holds_the_run(train_data, tmp_path):
+    run = tmp_path / "runs" / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=REPO, env=TRAIN_ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for name in ("log.txt", "training_options.json", "stats.jsonl"):
+            (run / name).write_text(f"the running training's {name}\n")
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        # The same directory by another path, through a folder that does not exist yet.
+        other_path = tmp_path / "runs" / "new" / ".." / "run"
+        assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+            *TRAIN_ARGS, f"--data={train_data}", f"--outdir={other_path}", "--workers=0"]),
+            f"{run} is in use by the training process {holder.pid}")
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

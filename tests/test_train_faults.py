@@ -1,6 +1,8 @@
 """train_edm2.py under faults: two trainings on one run directory, repeated SIGKILLs during writes, a torn
-stats.jsonl, image counts off the intervals, and Ctrl-C in a script."""
+stats.jsonl, image counts off the intervals, Ctrl-C in a script, a signal after the console's pipe died, training
+states that do not fit, and JSON files beyond bounds."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -8,9 +10,17 @@ import signal
 import subprocess
 import sys
 
-from training import checkpoint
+import pytest
+import torch
+from click.testing import CliRunner
+
+import train_edm2
+from edm2.dataset import ImageFolderDataset
+from training import checkpoint, data_order
+from training.log_tee import Tee
 from tests.helpers import (
-    REPO, TRAIN_ENV, assert_one_error_line, run_training, snapshot_contents, start_training, wait_for,
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
+    start_training, train_command, wait_for,
 )
 
 # Options that may differ between the invocations compared below: they change when files are written, not
@@ -81,7 +91,7 @@ def test_repeated_sigkill_during_writes_then_rerun_is_exact_and_clean(train_data
         + [f"training-state-{tag}.pt" for tag in tags]
         + [f"network-snapshot-{tag}-{std}.safetensors" for tag in tags for std in ("0.050", "0.100")]
     )
-    assert sorted(p.name for p in (outdir / "plots").iterdir()) == ["magnitudes.json", "training.json", "training.png"]
+    assert sorted(p.name for p in (outdir / "plots").iterdir()) == ["magnitudes.json", "magnitudes.png", "training.json", "training.png"]
     assert stats_images(outdir) == list(range(64, 1025, 64))
     assert snapshots_at(outdir, "0000001") == snapshots_at(reference_run, "0000001")
 
@@ -156,3 +166,166 @@ def test_ctrl_c_stops_the_demo(tmp_path):
     assert proc.returncode == -signal.SIGINT, output
     assert "Received SIGINT" in output and "== 3/4" not in output and "== done" not in output, output
     assert len(checkpoint.list_states(demo / "run")) == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_dead_pipe_then_a_signal_still_checkpoints_and_resumes_exactly(sig, train_data, reference_run, tmp_path):
+    # `train_edm2.py ... 2>&1 | tee log`, then the reader dies (Ctrl-C at a terminal signals tee too) and the
+    # training is signalled: every later console write fails with EPIPE.
+    outdir = tmp_path / "piped"
+    read_end, write_end = os.pipe()
+    # One page of pipe and a reader that reads nothing: the training blocks on a console write after at most
+    # 4096 / 100 status lines (one per step; each is longer than 100 bytes), so it stops well before 2048 images.
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=read_end)
+    proc = subprocess.Popen(train_command(train_data, outdir, "--workers=2", "--status=32"), cwd=REPO,
+                            env=TRAIN_ENV, stdout=write_end, stderr=write_end)
+    os.close(read_end)
+    os.close(write_end)
+    try:
+        wait_for(lambda: (outdir / "stats.jsonl").exists(), proc, timeout=300)  # at least one step done
+        proc.send_signal(signal.SIGSTOP)  # no step, and no console write, until the reader is gone
+        reader.kill()
+        reader.wait()
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)  # a hang guard only
+    finally:
+        for child in (proc, reader):
+            child.kill()
+            child.wait()
+    assert proc.returncode == (-signal.SIGINT if sig == signal.SIGINT else 0)
+    states = checkpoint.list_states(outdir)
+    assert len(states) == 1
+    stopped_at = checkpoint.load_state(states[0])["cur_nimg"]
+    assert 0 < stopped_at < 2048
+    assert sorted(p.name for p in outdir.iterdir()) == sorted(["log.txt", states[0].name, "stats.jsonl",
+                                                               "training_options.json"])
+    text = (outdir / "log.txt").read_text()
+    log = text.splitlines()
+    assert f"Received {sig.name}: finishing this step and writing a checkpoint." in log and "Traceback" not in text
+    assert log[-2:] == [f"Saved {states[0].name}", f"Stopped at {stopped_at} images; rerun the same command to resume."]
+    assert stats_images(outdir)[-1] == stopped_at
+
+    result = run_training(train_data, outdir, "--workers=2")
+    assert result.returncode == 0, result.stderr
+    assert f"Resuming from {states[0].name} at {stopped_at} images" in result.stdout
+    assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")
+
+
+WEIGHT = "unet.out_conv.weight"
+
+
+def altered(state: dict, case: str) -> tuple[dict, str]:
+    """A training state of 2048 images made damaged or inconsistent as the case says, and the reason a run gives
+    for skipping it."""
+    shape = list(state["net"][WEIGHT].shape)
+    if case == "holds another count":
+        return dict(state, cur_nimg=5), "holds 5 images, but its name says kimg 2"
+    if case == "lacks its options":
+        return {k: v for k, v in state.items() if k != "options"}, "not a training state (missing options)"
+    if case == "a weight of another shape":
+        net = dict(state["net"], **{WEIGHT: state["net"][WEIGHT][:, :-1]})
+        return dict(state, net=net), (f"net {WEIGHT} has shape {[shape[0], shape[1] - 1, *shape[2:]]}, the network's "
+                                      f"has shape {shape}")
+    if case == "an EMA weight of another shape":
+        emas = [dict(ema, **{WEIGHT: ema[WEIGHT][:1]}) for ema in state["ema"]["emas"]]
+        return dict(state, ema=dict(state["ema"], emas=emas)), (f"ema track 0 {WEIGHT} has shape {[1, *shape[1:]]}, "
+                                                                 f"the network's has shape {shape}")
+    assert case == "from a newer version"
+    version = checkpoint.FORMAT_VERSION + 1
+    return dict(state, format_version=version), (f"written by a newer version of this project (format version "
+                                                 f"{version}; this one reads {checkpoint.FORMAT_VERSION})")
+
+
+@pytest.mark.parametrize("case", ["holds another count", "lacks its options", "a weight of another shape",
+                                  "an EMA weight of another shape", "from a newer version"])
+def test_a_newest_state_that_does_not_fit_is_skipped_and_never_replaced(case, train_data, reference_run, tmp_path):
+    outdir = tmp_path / "skipped"
+    shutil.copytree(reference_run, outdir)
+    for snapshot in outdir.glob("network-snapshot-0000002-*"):
+        snapshot.unlink()
+    newest = outdir / "training-state-0000002.pt"
+    state, reason = altered(torch.load(newest, weights_only=True), case)
+    torch.save(state, newest)
+    refused = newest.read_bytes()
+
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}",
+                                                  "--workers=0"])
+    assert result.exit_code == 0, result.output
+    skips = [line for line in result.output.splitlines() if line.startswith("Skipping")]
+    assert skips == [f"Skipping training state {newest}: {reason}"], result.output
+    assert "Resuming from training-state-0000001.pt at 1024 images" in result.output
+    # The file this run refused to read is as it was; this run's state of the same count has a name of its own.
+    assert newest.read_bytes() == refused
+    assert checkpoint.load_state(outdir / "training-state-0000002.1.pt")["cur_nimg"] == 2048
+    assert snapshots_at(outdir, "0000002") == snapshots_at(reference_run, "0000002")
+    # The next start finds this run's state first.
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}"])
+    assert result.exit_code == 0 and "Skipping" not in result.output, result.output
+    assert "Training already complete (2048 >= 2048 images)" in result.output
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # Python's json module recurses once per level: a RecursionError
+
+
+def test_a_stats_line_nested_deep_is_dropped_on_resume(train_data, reference_run, tmp_path):
+    outdir = tmp_path / "deep"
+    shutil.copytree(reference_run, outdir)
+    with open(outdir / "stats.jsonl", "a") as f:
+        f.write(DEEP + "\n" + '{"nimg": 1' + "0" * 5000 + "}\n")
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}"])
+    assert result.exit_code == 0 and "Training already complete" in result.output, result.output
+    assert stats_images(outdir) == [512, 1024, 1536, 2048]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("text, fragment", [(DEEP, "JSON nested 100000 levels deep"),
+                                            ('{"lr": 1e999}', "the number 1e999 is not finite")])
+def test_training_options_out_of_bounds_are_one_line_and_change_nothing(text, fragment, train_data, tmp_path):
+    outdir = tmp_path / "run"
+    outdir.mkdir()
+    (outdir / "training_options.json").write_text(text)
+    (outdir / "network-snapshot-0000001-0.050.safetensors").write_bytes(b"a snapshot of the run")
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+        *TRAIN_ARGS, f"--data={train_data}", f"--outdir={outdir}", "--workers=0"]),
+        f"{outdir / 'training_options.json'}: {fragment}")
+    assert (outdir / "training_options.json").read_text() == text
+
+
+def test_data_loader_workers_never_run_the_training_signal_handler(train_data, tmp_path, monkeypatch):
+    # A worker is forked with the main process's Python signal handler. Ctrl-C at a terminal signals every process
+    # of the group: until the worker ignores the signal it must hold it, not print "Received SIGINT" as a worker.
+    original = data_order._ignore_signals
+
+    def recording(worker_id: int) -> None:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        original(worker_id)
+        after = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        (tmp_path / f"worker{worker_id}.json").write_text(json.dumps([sorted(held), sorted(after)]))
+
+    monkeypatch.setattr(data_order, "_ignore_signals", recording)
+    dataset = ImageFolderDataset(train_data)
+    loaded = data_order.batches(dataset, data_order.DataOrder(len(dataset), 0, 0, 1, 4, 0), 2, torch.device("cpu"))
+    next(loaded)
+    main_held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loaded.close()
+    stop = sorted(data_order.STOP_SIGNALS)
+    for worker in range(2):
+        held, after = json.loads((tmp_path / f"worker{worker}.json").read_text())
+        assert set(stop) <= set(held) and not set(stop) & set(after)
+    assert not set(stop) & main_held
+
+
+def test_a_dead_console_is_dropped_and_the_log_keeps_every_line(tmp_path):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write to the pipe fails with EPIPE
+    console = os.fdopen(write_end, "w")
+    with open(tmp_path / "log.txt", "ab", buffering=0) as log:
+        tee = Tee(console, log)
+        tee.write("first\n")
+        tee.write("second\n")
+        tee.flush()
+    console.write("later\n")  # its descriptor now leads to /dev/null: no later write or flush fails
+    console.close()
+    assert (tmp_path / "log.txt").read_text() == "first\nsecond\n"

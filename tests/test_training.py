@@ -124,7 +124,7 @@ def test_optimizer_step_zeroes_nonfinite_gradients_and_sets_lr():
 
 def sample_state(nimg):
     return dict(net={"w": torch.full([3], float(nimg))}, optimizer={}, ema={}, cur_nimg=nimg, elapsed_s=1.0,
-                options="{}", options_hash="x")
+                options="{}", options_hash=checkpoint.options_hash({}))
 
 
 def test_newest_valid_state_is_used_and_damage_reported(tmp_path):
@@ -137,10 +137,11 @@ def test_newest_valid_state_is_used_and_damage_reported(tmp_path):
     newest.write_bytes(newest.read_bytes()[:200])  # truncated by a crash or a full disk
     (tmp_path / "training-state-0000002.pt").write_bytes(b"garbage")
     reports = []
-    path, state = checkpoint.load_newest_state(tmp_path, report=reports.append)
+    (path, state), skipped = checkpoint.load_newest_state(tmp_path, report=reports.append)
     assert path.name == "training-state-0000001.pt" and state["cur_nimg"] == 1024
     assert len(reports) == 2 and "0000003.pt: unreadable" in reports[0] and "0000002.pt" in reports[1]
-    assert checkpoint.load_newest_state(tmp_path / "missing") is None
+    assert [p.name for p in skipped] == ["training-state-0000003.pt", "training-state-0000002.pt"]
+    assert checkpoint.load_newest_state(tmp_path / "missing") == (None, [])
 
 
 def test_states_are_loaded_without_running_code(tmp_path):

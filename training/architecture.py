@@ -110,9 +110,10 @@ def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
                given: dict) -> None:
-    """Raise OptionsError naming what contradicts the --init snapshot: data of another resolution, channel count,
-    encoder or number of classes (label_dim: the data's, 0 for --cond=False), or architecture options (given:
-    channels and UNET_OPTIONS as given on the command line, None where not given)."""
+    """Raise OptionsError naming what contradicts the --init snapshot: data of another resolution, channel count
+    or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
+    --cond=False; data holding some of the classes is fine), or architecture options (given: channels and
+    UNET_OPTIONS as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
     if type(encoder) is not type(init.encoder):
         raise OptionsError(f"{name} works on {type(init.encoder).__name__} data but the data is for "
@@ -121,10 +122,11 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
     if (resolution, channels) != (kwargs["img_resolution"], kwargs["img_channels"]):
         raise OptionsError(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
                            f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with {channels}")
-    if label_dim != kwargs["label_dim"]:
-        what = "an unconditional network: train it with --cond=False" if not kwargs["label_dim"] else (
-            f"a network of {kwargs['label_dim']} classes: train it with --cond=True on data with as many")
-        have = "--cond=False" if not label_dim else f"the data has {label_dim} classes"
+    classes = kwargs["label_dim"]
+    if bool(label_dim) != bool(classes) or label_dim > classes:
+        what = "an unconditional network: train it with --cond=False" if not classes else (
+            f"a network of {classes} classes: train it with --cond=True on data labeled within 0-{classes - 1}")
+        have = "--cond=False" if not label_dim else f"the data's labels go up to {label_dim - 1}"
         raise OptionsError(f"{name} is {what} ({have})")
     for option, value in given.items():
         theirs = effective(kwargs, "model_channels" if option == "channels" else option)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from edm2 import files
+from edm2 import bounded_json, files
 from edm2.errors import EDM2Error, one_line
 from edm2.magnitudes import block_output_rms, weight_rms
 from edm2.validation import ValidationSamples, loss_per_sigma, sigma_grid
@@ -61,9 +61,9 @@ def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
     columns: dict[str, list[float]] = {key: [] for key in STATS_KEYS}
     for line in lines:
         try:
-            row = json.loads(line)
+            row = bounded_json.parse(line, str(path))
             values = [float(row[key]) for key in STATS_KEYS]
-        except (ValueError, TypeError, KeyError):
+        except (bounded_json.JSONFileError, TypeError, KeyError, ValueError):
             continue
         for key, value in zip(STATS_KEYS, values):
             columns[key].append(value)
@@ -74,17 +74,7 @@ def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
 
 def load_records(path: Path) -> dict | None:
     """A record file of ours (a JSON object), or None when there is none."""
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:
-        raise DashboardError(f"{path}: not valid JSON ({one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise DashboardError(f"{path}: a JSON {type(data).__name__}, not an object")
-    return data
+    return bounded_json.read_object(path, DashboardError)
 
 
 def save_json(path: Path, data: dict) -> None:

@@ -48,11 +48,17 @@ class DataOrder(torch.utils.data.Sampler):
             chunk += self.world_size
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _ignore_signals(_worker_id: int) -> None:
     # Interruption is the main process's business: it finishes the step with data already queued. A
-    # SIGTERM sent to every process of a job (SLURM) or a process group (torchrun) reaches workers too.
+    # SIGTERM sent to every process of a job (SLURM) or a process group (torchrun), or Ctrl-C at a terminal,
+    # reaches workers too. They are forked with these signals blocked (batches), so none that came meanwhile
+    # ran the main process's handler they inherit; ignoring a signal discards it if pending.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def data_loader(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device):
@@ -62,3 +68,24 @@ def data_loader(dataset: ImageFolderDataset, order: DataOrder, workers: int, dev
         pin_memory=device.type == "cuda", worker_init_fn=_ignore_signals if workers else None,
         prefetch_factor=2 if workers else None,
     )
+
+
+def batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
+    """The data loader's batches, its worker processes started only when the first batch is asked for and
+    stopped when the generator is closed or the batches end by an error (an image a worker could not use)."""
+    loader = data_loader(dataset, order, workers, device)
+    # The workers are forked here: with SIGINT and SIGTERM blocked, a signal that comes meanwhile waits for the
+    # main process (delivered when the mask is restored) instead of reaching a worker's inherited handler.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        loaded = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    try:
+        yield from loaded
+    finally:
+        if workers:
+            # The workers ignore SIGTERM, and an error's (or a second Ctrl-C's) traceback keeps the loader alive
+            # until exit, where multiprocessing terminates its children by SIGTERM and joins them: it would wait
+            # forever. Shut them down here, on every way out.
+            loaded._shutdown_workers()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -15,7 +15,7 @@ from edm2.errors import EDM2Error
 from edm2.networks import count_parameters
 from training import checkpoint
 from training.dashboard import Dashboard
-from training.data_order import DataOrder, data_loader
+from training.data_order import DataOrder, batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
@@ -37,7 +37,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     Returns the signal that stopped this process's run before its duration, or None.
     """
     notes: list[str] = []
-    with StopFlag() as stop, contextlib.ExitStack() as stack:
+    # The console guard comes first: a signal's message must not raise from its handler on a dead console.
+    with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
         # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
         run = _on_main_rank(lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
         if run is not None:
@@ -45,6 +46,7 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
         for note in notes:
             print(note, flush=True)
         step = _resume(opts, dataset, encoder, run)
+        stack.callback(step.batches.close)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
         elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step)), stop):
@@ -80,11 +82,11 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         # FP32 parts stay true FP32, as in the release.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    path, saved = _on_main_rank(lambda: run.resume_point(opts)) or (None, None)
+    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
+    path, saved = _on_main_rank(lambda: run.resume_point(opts, state.check)) or (None, None)
     path = distributed.broadcast_object(path)
     if path and saved is None:
         saved = checkpoint.load_state(path)
-    state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
     if saved is not None:
         state.load(saved)
         del saved
@@ -93,7 +95,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         run.trim_stats(state.cur_nimg)
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     distributed.print0(
-        f"{'Resuming from ' + Path(path).name if path else 'Starting'} at {state.cur_nimg} images; "
+        f"{_start(path, opts.init)} at {state.cur_nimg} images; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
     )
@@ -104,7 +106,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
     return TrainingStep(
         state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-        batches=_batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
+        batches=batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
         device=device,
     )
 
@@ -116,25 +118,19 @@ def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> 
     return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
 
 
+def _start(path: str | None, init: str | None) -> str:
+    """How the first line of a run says where it starts: the training state it resumes, or the --init snapshot."""
+    if path:
+        return f"Resuming from {Path(path).name}"
+    return f"Starting from {init}" if init else "Starting"
+
+
 def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
                step: TrainingStep) -> Dashboard | None:
     """Rank 0's dashboard (RUN/plots/, redrawn at every snapshot); None on the other ranks."""
     if run is None:
         return None
     return Dashboard(run.path, opts, dataset, encoder, step.state.net, step.device, step.state.cur_nimg)
-
-
-def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
-    """The data loader's batches, its worker processes started only when the first batch is asked for and stopped
-    when the batches end, also by an error (an image a worker could not use)."""
-    batches = iter(data_loader(dataset, order, workers, device))
-    try:
-        yield from batches
-    finally:
-        if workers:
-            # The workers ignore SIGTERM (data_order), and an error's traceback keeps the loader alive until exit,
-            # where multiprocessing terminates its children by SIGTERM and joins them: it would wait forever.
-            batches._shutdown_workers()
 
 
 def _on_main_rank(fn: Callable[[], T]) -> T | None:

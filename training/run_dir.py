@@ -2,10 +2,11 @@
 training states, and the decision where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
-network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt, plots/ (the dashboard's
-records and PNGs, training/dashboard.py), and while a training runs, training.lock (training/run_lock.py). Files
-being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the
-folder removes those a killed run left behind.
+network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
+state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
+training/dashboard.py), and while a training runs, training.lock (training/run_lock.py). Files being written carry
+temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the folder removes those
+a killed run left behind.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from edm2 import files
+from edm2 import bounded_json, files
 from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
 from training import checkpoint
@@ -40,13 +41,17 @@ def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
 class RunDirectory:
     """Rank 0's hold on a run directory, from taking its lock to giving it back.
 
-    A directory this invocation created is removed again if training fails before its first snapshot or
-    training state, so a bad start leaves nothing behind.
+    If training fails before its first snapshot or training state, the files this start created and the folders
+    it made are removed again, so a bad start leaves nothing behind; only those go, the files while it holds the
+    lock. A refused start (another training holds the lock) touches nothing but the empty folders it made.
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        # Resolved, so that X/new/../run and X/run are one directory to every decision below.
+        self.path = Path(path).resolve()
         self.created: list[Path] = []
+        self.found: set[str] = set()  # names in the directory when this start took the lock
+        self.refused: set[str] = set()  # training states this start skipped: never replaced
         self.has_results = False
         self.lock = RunLock(self.path)
         self.run_id: str | None = None  # set by resume_point
@@ -60,15 +65,21 @@ class RunDirectory:
         run._make_folders()
         try:
             run.lock.acquire(report)
+        except BaseException:
+            run._remove_created_folders()
+            raise
+        try:
+            run.found = {p.name for p in run.path.iterdir()}
             for stale in files.remove_stale_temporaries(run.path, owned=True):
                 report(f"Removed {stale.name}, left by an interrupted write.")
             yield run
         except BaseException:
-            run.lock.release()
             run._remove_if_fruitless()
             raise
         finally:
             run.lock.release()
+            if not run.has_results:
+                run._remove_created_folders()
 
     def _make_folders(self) -> None:
         """Create the run directory and its missing parents, remembering which ones this process made."""
@@ -80,24 +91,33 @@ class RunDirectory:
                 pass
 
     def _remove_if_fruitless(self) -> None:
-        """Delete the folders this invocation created, and its files in them, when it produced no snapshot
-        or training state; the lock must be released first."""
-        if not self.created or self.has_results:
+        """Delete the files this start created (those not there when it took the lock) when it produced no
+        snapshot or training state; called while the lock is held, so no other training's file can be among them."""
+        if self.has_results:
             return
-        for name in (checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE):
+        for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE} - self.found:
             (self.path / name).unlink(missing_ok=True)
+
+    def _remove_created_folders(self) -> None:
+        """Remove the folders this process created, deepest first, where they are empty."""
         for folder in reversed(self.created):
             with contextlib.suppress(OSError):  # not empty: someone else's files; keep them
                 folder.rmdir()
 
-    def resume_point(self, opts: TrainingOptions) -> tuple[str | None, dict | None]:
-        """The training state to resume from (path, state), after checking that the hyperparameters match; sets
-        run_id to the run's identity."""
+    def resume_point(self, opts: TrainingOptions, check: Callable[[dict, Path], None]) -> tuple[str | None, dict | None]:
+        """The training state to resume from (path, state): the newest one whose hyperparameters are this run's
+        (OptionsMismatch otherwise) and which passes check (that its tensors fit the network); newer ones that
+        are damaged, inconsistent or from a newer version are skipped with a line each, and never replaced."""
+
+        def fits(state: dict, path: Path) -> None:
+            check_same_hyperparameters(checkpoint.state_options(state, path), opts.hyperparameters())
+            check(state, path)
+
         try:
-            found = checkpoint.load_newest_state(self.path, report=print)
+            found, skipped = checkpoint.load_newest_state(self.path, check=fits, report=print)
+            self.refused = {path.name for path in skipped}
             self.run_id = self._kept_run_id(found)
             if found is not None:
-                check_same_hyperparameters(json.loads(found[1]["options"]), opts.hyperparameters())
                 self.has_results = True
                 return str(found[0]), found[1]
             stored_options = checkpoint.load_options(self.path)
@@ -111,11 +131,11 @@ class RunDirectory:
     def _kept_run_id(self, found: tuple[Path, dict] | None) -> str:
         """The identity of the run: the training state's it resumes from, else training_options.json's (a run that
         wrote snapshots before its first training state), else a new one (a new run, or one begun before run ids)."""
-        if found is not None and "run_id" in found[1]:
-            source, run_id = found[0], found[1]["run_id"]
+        if found is not None and RUN_ID_KEY in found[1]:
+            source, run_id = found[0], found[1][RUN_ID_KEY]
         else:
             source, options = self.path / checkpoint.OPTIONS_FILE, checkpoint.load_options(self.path)
-            run_id = options.get("run_id") if isinstance(options, dict) else None
+            run_id = options.get(RUN_ID_KEY) if isinstance(options, dict) else None
             if run_id is None:
                 return uuid.uuid4().hex
         if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
@@ -168,18 +188,20 @@ class RunDirectory:
         self.has_results = True
 
     def save_state(self, state: dict) -> Path:
-        """Write a training state named by its image count; returns its path."""
-        path = checkpoint.state_path(self.path, state["cur_nimg"])
+        """Write a training state named by its image count (by another name where that one belongs to a state
+        this start refused to read); returns its path."""
+        path = checkpoint.state_path(self.path, state["cur_nimg"], avoid=self.refused)
         checkpoint.save_state(path, dict(state, run_id=self.run_id))
         self.has_results = True
         return path
 
 
 def _row_images(line: bytes) -> int | None:
-    """The image count of one stats.jsonl line; None for an empty, torn or foreign line."""
+    """The image count of one stats.jsonl line; None for an empty, torn or foreign line (also one beyond
+    edm2.bounded_json's bounds)."""
     try:
-        row = json.loads(line)
-    except ValueError:
+        row = bounded_json.parse(line, STATS_FILE)
+    except bounded_json.JSONFileError:
         return None
     nimg = row.get("nimg") if isinstance(row, dict) else None
     return nimg if isinstance(nimg, int) else None
