@@ -91,7 +91,8 @@ def test_repeated_sigkill_during_writes_then_rerun_is_exact_and_clean(train_data
         + [f"training-state-{tag}.pt" for tag in tags]
         + [f"network-snapshot-{tag}-{std}.safetensors" for tag in tags for std in ("0.050", "0.100")]
     )
-    assert sorted(p.name for p in (outdir / "plots").iterdir()) == ["magnitudes.json", "magnitudes.png", "training.json", "training.png"]
+    assert sorted(p.name for p in (outdir / "plots").iterdir()) == [
+        "magnitudes.json", "magnitudes.png", "training.json", "training.png"]
     assert stats_images(outdir) == list(range(64, 1025, 64))
     assert snapshots_at(outdir, "0000001") == snapshots_at(reference_run, "0000001")
 
