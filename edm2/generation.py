@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import tqdm
 
-from edm2 import distributed, files
+from edm2 import bounded_json, distributed, files
 from edm2.dataset import DatasetError, is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.sampler import edm_sampler
@@ -220,7 +220,8 @@ def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:
     if not path.exists():
         return {}
     try:
-        labels = parse_labels(path.read_bytes(), path) or {}
+        with open(path, "rb") as f:
+            labels = parse_labels(f.read(bounded_json.MAX_BYTES + 1), path) or {}  # more is refused by its parse
     except (OSError, DatasetError) as e:
         raise GenerationError(f"{path} exists but is not a readable labels file ({e}); move it away") from None
     wrong = [v for v in labels.values() if not is_class(v)]

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from edm2 import distributed, files, posthoc
+from edm2 import bounded_json, distributed, files, posthoc
 from edm2.errors import EDM2Error
 from edm2.generation import generate_images
 from edm2.metrics import calculate_stats, frechet_distance
@@ -43,11 +43,13 @@ class SweepResults:
         if not self.path.exists():
             return
         try:
-            stored = json.loads(self.path.read_bytes())
+            stored = bounded_json.read(self.path)
             rows = stored["rows"]
             if not isinstance(rows, list) or not all(isinstance(r, dict) and {"nimg", "std"} <= set(r) for r in rows):
                 raise TypeError("rows")
-        except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+        except bounded_json.JSONFileError as e:
+            raise SweepError(f"{self.path} exists and is not a sweep's results file ({e})") from None
+        except (OSError, TypeError, KeyError) as e:
             raise SweepError(f"{self.path} exists and is not a sweep's results file ({type(e).__name__}: {e})") from None
         if stored.get("settings") != self.settings:
             differ = sorted(k for k in {*self.settings, *(stored.get("settings") or {})}

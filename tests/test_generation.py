@@ -148,3 +148,15 @@ def test_generate_images_over_all_seeds_starts_at_once_without_listing_them():
     [(one_seed, one_image)] = generation.generate_images(net, StandardRGBEncoder(), [1], batch_size=1, device="cpu",
                                                          num_steps=2)
     assert one_seed == [1] and torch.equal(one_image[0], images[1])
+
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("text, words", [("[" * 100_000 + "]" * 100_000, "nested 100000 levels"),
+                                         ('{"labels": [["a.png", 1' + "0" * 30 + "]]}", "more than 20 digits")])
+def test_a_labels_file_beyond_json_bounds_is_refused_in_one_line(tmp_path, text, words):
+    path = tmp_path / "labels.json"
+    path.write_text(text)
+    with pytest.raises(generation.GenerationError, match="not a readable labels file") as info:
+        generation.read_generated_labels(path)
+    assert words in str(info.value) and "\n" not in str(info.value)

@@ -21,7 +21,7 @@ from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots.sweep import sweep_figure
 from edm2.encoders import StabilityVAEEncoder
 from edm2.snapshot import load_network, save_network
-from edm2.sweep import SweepResults, run_sweep
+from edm2.sweep import SweepError, SweepResults, run_sweep
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
                            write_image_dataset)
 
@@ -262,3 +262,12 @@ def test_a_latent_run_whose_vae_cannot_load_is_refused_before_any_image_is_gener
     assert_refused(tmp_path, lambda: sweep(f"--indir={run}", "--std=0.1", "--metrics=fid", f"--ref={tmp_path / 'ref.npz'}",
                                            inception, "--num=4", f"--dest={tmp_path / 'out'}"),
                    "--indir", "cannot load the VAE", "no-vae")
+
+
+@pytest.mark.bad_input
+def test_a_results_file_nested_too_deep_is_one_line(tmp_path):
+    path = tmp_path / "ema-sweep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SweepError, match="is not a sweep's results file .*nested 100000 levels") as info:
+        SweepResults(path, {})
+    assert "\n" not in str(info.value)
