@@ -20,7 +20,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
@@ -480,6 +480,17 @@ def write_members(root: Path, members: dict, zip_name: str | None = None) -> Pat
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     return root
+
+
+@contextlib.contextmanager
+def live_process() -> Iterator[subprocess.Popen]:
+    """A process of this host that lives until the block ends (it waits for input that never comes), as a writer
+    or a training still running; killed and reaped afterwards."""
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as proc:
+        try:
+            yield proc
+        finally:
+            proc.kill()
 
 
 def dead_pid() -> int:
