@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -438,6 +439,12 @@ def wait_for(predicate, proc: subprocess.Popen, timeout=120.0, poll_s=0.02) -> N
         assert proc.poll() is None, f"process ended early:\n{proc.stdout.read() if proc.stdout else ''}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(poll_s)
+
+
+def stopped_at(output: str) -> int:
+    """The image count of a training's 'Stopped at N images' line."""
+    [count] = re.findall(r"Stopped at (\d+) images; rerun the same command to resume\.", output)
+    return int(count)
 
 
 def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers")) -> dict[str, tuple]:
