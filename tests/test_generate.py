@@ -83,7 +83,7 @@ def test_one_and_two_processes_write_the_same_images(nets, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     two = subprocess.run(
         [*torchrun, "generate.py", *map(str, args), "--batch=2", "--subdirs", "--grid", "--outdir", str(tmp_path / "two")],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
     )
     assert two.returncode == 0, two.stderr
     images = read_pngs(tmp_path / "one")
@@ -379,7 +379,7 @@ def run_in_namespace(mount: str, script: str, folder):
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare to mount a small or read-only folder")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o {mount} tmpfs {folder} && {script}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     if "mount:" in result.stderr or "unshare:" in result.stderr:
         pytest.skip(f"cannot mount here: {result.stderr.strip()}")
     return result
