@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
@@ -440,6 +441,12 @@ def wait_for(predicate, proc: subprocess.Popen, timeout=120.0, poll_s=0.02) -> N
         time.sleep(poll_s)
 
 
+def stopped_at(output: str) -> int:
+    """The image count of a training's 'Stopped at N images' line."""
+    [count] = re.findall(r"Stopped at (\d+) images; rerun the same command to resume\.", output)
+    return int(count)
+
+
 def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers")) -> dict[str, tuple]:
     """The EMA snapshots matching pattern: tensors as raw bytes, and metadata less the training options in
     ignore (those that may differ between invocations of one run) and the run's identity (which differs between
@@ -480,6 +487,17 @@ def write_members(root: Path, members: dict, zip_name: str | None = None) -> Pat
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     return root
+
+
+@contextlib.contextmanager
+def live_process() -> Iterator[subprocess.Popen]:
+    """A process of this host that lives until the block ends (it waits for input that never comes), as a writer
+    or a training still running; killed and reaped afterwards."""
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as proc:
+        try:
+            yield proc
+        finally:
+            proc.kill()
 
 
 def dead_pid() -> int:

@@ -285,7 +285,7 @@ def test_two_processes_give_the_statistics_of_one(setup, launcher, tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          str(launcher), "ref", "--data", str(setup["a"]), "--dest", str(two), "--batch", "2",
          "--workers", "0", *setup["weights"]],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["num_images"] == 12  # printed once, by rank 0
     # The workers run with their own thread count, which may order float32 sums differently.
@@ -533,7 +533,7 @@ def run_in_tmpfs(script, folder, mount_options, args):
                f"{sys.executable} {shlex.quote(str(script))} {' '.join(map(str, args))}; echo \"exit=$?\"; "
                f"ls -A {folder}")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", command], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
     if "mount" in proc.stderr and "exit=" not in proc.stdout:
         pytest.skip(f"cannot mount here: {proc.stderr.strip()}")
     output, _, listing = proc.stdout.partition("exit=")

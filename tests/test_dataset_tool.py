@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import zipfile
 
 import numpy as np
@@ -22,7 +21,7 @@ from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
 from edm2.locks import DestinationLock
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_bomb_zip, png_file,
-                           run_python_script, save_tiny_vae, write_members)
+                           run_python_script, save_tiny_vae, wait_for, write_members)
 
 
 def run(*args, env=None):
@@ -606,9 +605,7 @@ def test_a_killed_toy_run_leaves_a_temporary_that_the_rerun_removes(tmp_path):
     dest = tmp_path / "toy"
     command = [sys.executable, "dataset_tool.py", "toy", "--dest", str(dest), "--num", "1000000", "--resolution", "8"]
     child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".toy.*.tmp/00000/img00000001.png")) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: list(tmp_path.glob(".toy.*.tmp/00000/img00000001.png")), child, timeout=300, poll_s=0.05)
     child.send_signal(signal.SIGKILL)
     child.wait()
     [stale] = tmp_path.glob(".toy.*.tmp")

@@ -141,9 +141,9 @@ def test_release_leaves_a_lock_file_that_is_no_longer_its_own(tmp_path):
 
 def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
     # A DataLoader worker forked by a training shares its open files; it must not hold the run after a SIGKILL.
-    script = ("import os, sys, time\nfrom edm2.locks import DestinationLock\n"
+    script = ("import os, signal, sys\nfrom edm2.locks import DestinationLock\n"
               "DestinationLock(sys.argv[1], 'training', 'training.lock').acquire()\n"
-              "child = os.fork()\nif child == 0:\n    time.sleep(120)\n    os._exit(0)\n"
+              "child = os.fork()\nif child == 0:\n    signal.pause()\n    os._exit(0)\n"
               "print(child, flush=True)\nsys.stdin.read()\n")
     holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

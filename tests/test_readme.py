@@ -74,7 +74,7 @@ def test_demo_runs_end_to_end(tmp_path):
                DEMO_PRESET="toy-tiny", DEMO_NUM="256", DEMO_RES="8", DEMO_CLASSES="3", DEMO_SEEDS="0-7",
                DEMO_SWEEP_NUM="32")
     result = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = tmp_path / "demo"
     assert len(list((out / "phema").glob("phema-*-0.030.safetensors"))) == 1
