@@ -10,7 +10,6 @@ from typing import Callable, Sequence
 
 import click
 import numpy as np
-import PIL.Image
 import torch
 
 from cli.command import Command
@@ -20,12 +19,10 @@ from edm2 import distributed, files
 from edm2.errors import EDM2Error, one_line
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, check_guidance_pair, generate_labeled_images,
                              read_generated_labels, save_generated_labels)
+from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
-
-# generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
-GRID_GAP_VALUE = 255
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -85,16 +82,9 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, class_i
     return net.to(device), (gnet.to(device) if gnet is not None else None), encoder
 
 
-def save_png(path: Path, image: np.ndarray) -> None:
-    """Write one HWC uint8 image as PNG through a temporary file."""
-    pil = PIL.Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
-    with files.atomic_path(path) as tmp:  # a full disk's error names the image
-        pil.save(tmp, format="PNG")
-
-
 def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.ndarray | None:
     """Tile every rank's images, in seed order, into one HWC array on rank 0 (None elsewhere), with a one-pixel
-    gap of GRID_GAP_VALUE between them."""
+    gap between them (edm2.image_grid.tile)."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(seeds), *shape], dtype=torch.uint8, device=distributed.device())
     for i, seed in enumerate(seeds):
@@ -104,14 +94,7 @@ def gather_grid(seeds: Sequence[int], generated: dict[int, np.ndarray]) -> np.nd
     stack = distributed.all_reduce_sum(stack).cpu().numpy()
     if not distributed.is_main():
         return None
-    cols = math.ceil(math.sqrt(len(seeds)))
-    rows = math.ceil(len(seeds) / cols)
-    h, w, c = shape
-    grid = np.full([rows * (h + 1) - 1, cols * (w + 1) - 1, c], GRID_GAP_VALUE, dtype=np.uint8)
-    for i, image in enumerate(stack):
-        top, left = (i // cols) * (h + 1), (i % cols) * (w + 1)
-        grid[top : top + h, left : left + w] = image
-    return grid
+    return tile(stack, math.ceil(math.sqrt(len(seeds))))
 
 
 def image_path(outdir: Path, seed: int, subdirs: bool) -> Path:

@@ -9,7 +9,7 @@ import click
 import numpy as np
 
 from cli.command import Command
-from cli.types import ImageCount, IntList, Number
+from cli.types import GridSize, ImageCount, IntList, Number
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
@@ -18,7 +18,9 @@ from training.architecture import check_architecture, check_init, read_init, une
 from training.loop import train
 from training.options import PRECISIONS, OptionsError, TrainingOptions, rounds_per_step
 from training.presets import PRESETS, get_preset
+from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_GRID_STEPS
 from training.signals import die_by
+from training.trackers import TRACKERS, TrackerUnavailable, check_installed
 
 EXAMPLES = """
 \b
@@ -133,6 +135,13 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
+@click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
+              help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
+                   "[default: none]")
+@click.option("--grid", type=GridSize(), default="x".join(map(str, DEFAULT_GRID)), show_default=True,
+              help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
+@click.option("--grid-steps", type=click.IntRange(min=1, max=MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
+              show_default=True, help="Sampler steps of the sample grid")
 def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gpu: int, precision: str, ls: float,
          seed: int, workers: int, compile_: bool | None, channels_last: bool | None, checkpoint_activations: bool,
          cpu_16bit: bool, dry_run: bool, channel_mult: tuple[int, ...] | None, num_blocks: int | None,
@@ -147,6 +156,11 @@ def main(preset: str, outdir: str | None, data: str | None, cond: bool, batch_gp
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
+    for name in overrides["loggers"]:
+        try:
+            check_installed(name)
+        except TrackerUnavailable as e:
+            raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)

@@ -199,3 +199,27 @@ class IntList(click.ParamType):
         if min(numbers) < self.min:
             self.fail(f"{value!r}: every number must be at least {self.min}", param, ctx)
         return numbers
+
+
+class GridSize(click.ParamType):
+    """'ROWSxCOLS' (each 1..`most`), or '0' for none: the shape of an image grid, as (rows, cols) or ()."""
+
+    name = "ROWSxCOLS"
+
+    def __init__(self, most: int = 64):
+        self.most = most
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        """Parse value into (rows, cols), or () for '0'; refuse other text and sizes outside 1..most."""
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if text == "0":
+            return ()
+        match = re.fullmatch(r"(\d{1,9})\s*[xX]\s*(\d{1,9})", text)
+        if match is None:
+            self.fail(f"{value!r} is not ROWSxCOLS like 4x8, or 0 for none", param, ctx)
+        size = int(match.group(1)), int(match.group(2))
+        if not all(1 <= n <= self.most for n in size):
+            self.fail(f"{value!r}: rows and columns must each be 1 to {self.most}", param, ctx)
+        return size

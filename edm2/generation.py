@@ -204,14 +204,21 @@ def generate_labeled_images(
     # A context, so that closing this generator (the caller failed) ends the progress bar's line at once.
     with tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()) as progress:
         for batch_seeds in progress:
-            noise, labels, randn_like = seeded_inputs(
-                batch_seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx, device
-            )
-            with torch.no_grad():
-                latents = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, randn_like=randn_like,
-                                      **sampler_kwargs)
-                images = encoder.decode(latents)
-            yield batch_seeds, images, None if labels is None else labels.argmax(dim=1).tolist()
+            images, classes = sample_batch(net, encoder, batch_seeds, class_idx, device, gnet=gnet, guidance=guidance,
+                                           **sampler_kwargs)
+            yield batch_seeds, images, classes
+
+
+def sample_batch(net: torch.nn.Module, encoder, seeds: Sequence[int], class_idx: int | None, device: torch.device,
+                 **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
+    """(uint8 NCHW images decoded by `encoder`, the class of every image or None) for one batch of seeds, on this
+    process alone; sampler_kwargs go to edm_sampler (gnet, guidance, num_steps, ...)."""
+    noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx,
+                                              device)
+    with torch.no_grad():
+        latents = edm_sampler(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
+        images = encoder.decode(latents)
+    return images, None if labels is None else labels.argmax(dim=1).tolist()
 
 
 def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:

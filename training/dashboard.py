@@ -176,3 +176,16 @@ class Dashboard:
             records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
         save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
         write_dashboard(self.run_dir, self.training)
+
+    def numbers(self) -> dict[str, float]:
+        """The newest update's numbers for the trackers: the mean over the noise levels of lambda(sigma) L(D; sigma)
+        ('validation/loss'), that loss and u(sigma) at each level, and the magnitudes."""
+        levels, magnitudes = self.training["noise_levels"][-1], self.magnitudes["rows"][-1]
+        errors = levels["weighted_error"]
+        numbers = {"validation/loss": sum(errors) / len(errors)}
+        for sigma, error, u in zip(self.training["sigma"], errors, levels["u"]):
+            numbers[f"noise_level/loss/sigma={sigma:.3g}"] = error
+            numbers[f"noise_level/u/sigma={sigma:.3g}"] = u
+        for kind in ("activations", "weights"):
+            numbers.update({f"magnitudes/{kind}/{name}": value for name, value in magnitudes[kind].items()})
+        return numbers

@@ -22,6 +22,8 @@ from training.outputs import Outputs
 from training.run_dir import LOG_FILE, RunDirectory
 from training.signals import StopFlag
 from training.state import TrainingState
+from training.trackers import Trackers
+from training.sample_grid import SampleGrid
 from training.step import TrainingStep, training_loss, training_step
 
 if TYPE_CHECKING:
@@ -47,7 +49,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
         step = _resume(opts, dataset, encoder, run)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
-        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step)), stop):
+        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step),
+                                 **_reporters(run, opts, encoder, step, stack)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
         else:
             distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
@@ -115,6 +118,17 @@ def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFo
     if run is None:
         return None
     return Dashboard(run.path, opts, dataset, encoder, step.state.net, step.device, step.state.cur_nimg)
+
+
+def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder, step: TrainingStep,
+               stack: contextlib.ExitStack) -> dict:
+    """Rank 0's trackers (closed when training ends) and sample grid, as Outputs arguments; none elsewhere."""
+    if run is None:
+        return {}
+    trackers = Trackers(opts.loggers, run.path, opts.to_json(), step.state.cur_nimg)
+    stack.callback(trackers.close)
+    grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
+    return dict(trackers=trackers, grid=grid)
 
 
 def _batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device) -> Iterator:
