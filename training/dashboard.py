@@ -178,14 +178,18 @@ class Dashboard:
         write_dashboard(self.run_dir, self.training)
 
     def numbers(self) -> dict[str, float]:
-        """The newest update's numbers for the trackers: the mean over the noise levels of lambda(sigma) L(D; sigma)
-        ('validation/loss'), that loss and u(sigma) at each level, and the magnitudes."""
-        levels, magnitudes = self.training["noise_levels"][-1], self.magnitudes["rows"][-1]
-        errors = levels["weighted_error"]
-        numbers = {"validation/loss": sum(errors) / len(errors)}
-        for sigma, error, u in zip(self.training["sigma"], errors, levels["u"]):
-            numbers[f"noise_level/loss/sigma={sigma:.3g}"] = error
-            numbers[f"noise_level/u/sigma={sigma:.3g}"] = u
-        for kind in ("activations", "weights"):
-            numbers.update({f"magnitudes/{kind}/{name}": value for name, value in magnitudes[kind].items()})
-        return numbers
+        """The newest update's numbers for the trackers (snapshot_numbers)."""
+        return snapshot_numbers(self.training["sigma"], self.training["noise_levels"][-1], self.magnitudes["rows"][-1])
+
+
+def snapshot_numbers(sigma: list[float], levels: dict, magnitudes: dict) -> dict[str, float]:
+    """A snapshot's numbers for the trackers from its records: the mean over the noise levels of lambda(sigma)
+    L(D; sigma) ('validation/loss'), that loss and u(sigma) at each level, and the magnitudes."""
+    errors = [float(e) for e in levels["weighted_error"]]
+    numbers = {"validation/loss": sum(errors) / len(errors)}
+    for s, error, u in zip(sigma, errors, levels["u"]):
+        numbers[f"noise_level/loss/sigma={s:.3g}"] = error
+        numbers[f"noise_level/u/sigma={s:.3g}"] = float(u)
+    for kind in ("activations", "weights"):
+        numbers.update({f"magnitudes/{kind}/{name}": float(value) for name, value in magnitudes[kind].items()})
+    return numbers

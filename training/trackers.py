@@ -58,13 +58,13 @@ class TensorBoardTracker:
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, options: dict, cur_nimg: int):
+    def __init__(self, run_dir: Path, options: dict | None, purge_step: int):
+        """TensorBoard's readers drop the events of earlier files at steps >= purge_step; options, when given, are
+        written as the hyperparameters."""
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
-        # TensorBoard's readers drop the events of earlier files at steps >= purge_step: what a killed run logged
-        # after the training state this run resumes from.
-        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=cur_nimg + 1)
-        if cur_nimg == 0:
+        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
+        if options is not None:
             for summary in hparams(flat_options(options), {}):
                 self.writer.file_writer.add_summary(summary)
 
@@ -131,7 +131,9 @@ class Trackers:
 
     def __init__(self, names: tuple[str, ...], run_dir: Path, options: dict, cur_nimg: int):
         self.trackers: list = []
-        makers = dict(tensorboard=lambda: TensorBoardTracker(run_dir, options, cur_nimg),
+        # A resumed run drops what a killed run logged after the training state it resumes from; the options are
+        # logged once, by the run's first invocation.
+        makers = dict(tensorboard=lambda: TensorBoardTracker(run_dir, None if cur_nimg else options, cur_nimg + 1),
                       wandb=lambda: WandbTracker(run_dir, options))
         for name in names:
             tracker = self._guarded(name, makers[name])
