@@ -44,7 +44,7 @@ def test_run_directory_contents(reference_run):
         "log.txt",
         "network-snapshot-0000001-0.050.safetensors", "network-snapshot-0000001-0.100.safetensors",
         "network-snapshot-0000002-0.050.safetensors", "network-snapshot-0000002-0.100.safetensors",
-        "plots", "stats.jsonl", "training-state-0000001.pt", "training-state-0000002.pt", "training_options.json",
+        "plots", "samples", "stats.jsonl", "training-state-0000001.pt", "training-state-0000002.pt", "training_options.json",
     ]
     rows = [json.loads(line) for line in (reference_run / "stats.jsonl").read_text().splitlines()]
     assert [r["nimg"] for r in rows] == [512, 1024, 1536, 2048]
