@@ -14,18 +14,21 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import generate
 import plot_run
 import train_edm2
+from edm2 import generation
+from edm2.encoders import StabilityVAEEncoder
 from edm2.image_grid import tile
-from training import trackers
+from training import sample_grid, trackers
 from training.dashboard import snapshot_numbers
 from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, grid_path
 from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
-from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
+from tests.helpers import REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -153,6 +156,17 @@ def test_grid_is_bitwise_what_generate_writes(reference_run, tmp_path):
     assert np.array_equal(grid, tile(np.stack(images), cols))
 
 
+def test_grid_of_a_latent_network_is_decoded_by_its_vae(tiny_vae_dir):
+    net = tiny_precond(img_channels=4, label_dim=5).eval()
+    encoder = StabilityVAEEncoder(vae_name=str(tiny_vae_dir))
+    grid = sample_grid.sample_grid(net, encoder, 2, 3, 2, torch.device("cpu"))
+    rows = [images for r in range(2) for _, images in generation.generate_images(
+        net, encoder, range(3 * r, 3 * r + 3), class_idx=r, device="cpu", num_steps=2)]
+    expected = tile(torch.cat(rows).permute(0, 2, 3, 1).numpy(), 3)
+    assert expected.shape == (2 * 17 - 1, 3 * 17 - 1, 3)  # the tiny VAE decodes 8x8 latents to 16x16 RGB
+    assert np.array_equal(grid, expected)
+
+
 def train_in_process(train_data, outdir: Path, *args: str):
     """A 1024-image toy-tiny run inside this process; click's result."""
     return CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, "--duration=1Ki", "--workers=0", f"--data={train_data}",
@@ -178,6 +192,20 @@ def test_a_tracker_that_raises_does_not_stop_training(train_data, tmp_path, monk
                         "without it."]
     assert [row["nimg"] for row in stats_rows(tmp_path / "run")] == [512, 1024]
     assert (tmp_path / "run" / "training-state-0000001.pt").exists()
+
+
+def test_a_failing_sample_grid_does_not_stop_training(train_data, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError("cannot load the VAE")
+
+    monkeypatch.setattr(sample_grid, "sample_batch", fail)
+    result = train_in_process(train_data, tmp_path / "run", "--snapshot=512")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("Warning")]
+    assert warnings == ["Warning: the sample grid failed (OSError: cannot load the VAE); training goes on without "
+                        "grids."]  # once, though two snapshots were written
+    assert (tmp_path / "run" / "network-snapshot-0000001-0.050.safetensors").exists()
+    assert not list((tmp_path / "run").glob("samples/*"))
 
 
 def test_trackers_drop_only_the_one_that_raises(tmp_path, capsys):

@@ -105,11 +105,10 @@ class Outputs:
         """Rank 0: the sample grid of the snapshot just written (first EMA track), and the snapshot's numbers and
         grid to the trackers."""
         cur = self.state.cur_nimg
-        images = {}
-        if self.grid:
-            images["samples"] = self.grid.write(snapshot_path(self.run.path, cur, self.opts.ema_stds[0]), cur)
+        grid = self.grid.write(snapshot_path(self.run.path, cur, self.opts.ema_stds[0]), cur) if self.grid else None
         if self.trackers:
-            self.trackers.log("snapshot", cur, self.dashboard.numbers() if self.dashboard else {}, images)
+            self.trackers.log("snapshot", cur, self.dashboard.numbers() if self.dashboard else {},
+                              {} if grid is None else {"samples": grid})
 
     def training_state(self) -> None:
         """Write a training state; every rank first hashes its weights so the file records that they agree."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from edm2 import files
+from edm2.errors import one_line
 from edm2.generation import sample_batch
 from edm2.image_grid import save_png, tile
 from edm2.snapshot import images_tag, load_network
@@ -44,18 +45,27 @@ def sample_grid(net: torch.nn.Module, encoder, rows: int, cols: int, steps: int,
 
 
 class SampleGrid:
-    """Rank 0's grid writer."""
+    """Rank 0's grid writer; one that fails (a VAE that cannot load, a full disk) warns once and writes no more."""
 
     def __init__(self, run_dir: Path, encoder, rows: int, cols: int, steps: int, device: torch.device):
         self.run_dir, self.encoder, self.rows, self.cols, self.steps = run_dir, encoder, rows, cols, steps
         self.device = device
+        self.failed = False
         files.remove_stale_temporaries(run_dir / SAMPLES_DIR, owned=True)
 
-    def write(self, snapshot: Path, nimg: int) -> np.ndarray:
-        """Sample the grid of a snapshot file, write it as the grid of nimg, and return it."""
-        net = load_network(snapshot)[0].to(self.device)
-        # generate.py's defaults but no compile: a new network at every snapshot would compile again each time.
-        SamplingSpeed(compile=False).apply(net, self.device)
-        grid = sample_grid(net, self.encoder, self.rows, self.cols, self.steps, self.device)
-        save_png(grid_path(self.run_dir, nimg), grid)
+    def write(self, snapshot: Path, nimg: int) -> np.ndarray | None:
+        """Sample the grid of a snapshot file, write it as the grid of nimg, and return it; None once failed."""
+        if self.failed:
+            return None
+        try:
+            net = load_network(snapshot)[0].to(self.device)
+            # generate.py's defaults but no compile: a new network at every snapshot would compile again each time.
+            SamplingSpeed(compile=False).apply(net, self.device)
+            grid = sample_grid(net, self.encoder, self.rows, self.cols, self.steps, self.device)
+            save_png(grid_path(self.run_dir, nimg), grid)
+        except Exception as e:  # a preview must never stop the training it shows
+            print(f"Warning: the sample grid failed ({type(e).__name__}: {one_line(e)}); training goes on without "
+                  f"grids.", flush=True)
+            self.failed = True
+            return None
         return grid
