@@ -101,6 +101,17 @@ def test_tensorboard_holds_stats_jsonl_once_per_step_after_a_resume(tracked_run)
         assert [e.value for e in logged] == [np.float32(row[key]) for row in rows]  # stored as float32
 
 
+def test_tensorboard_holds_the_options_as_hyperparameters(tracked_run):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    run, _ = tracked_run
+    content = tensorboard_scalars(run).PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    options = json.loads((run / "training_options.json").read_text())
+    assert hparams["preset"].string_value == options["preset"] == "toy-tiny"
+    assert hparams["lr"].number_value == options["lr"] and hparams["network/num_blocks"].number_value == 1
+    assert json.loads(hparams["ema_stds"].string_value) == options["ema_stds"]
+
+
 def test_tensorboard_holds_the_dashboards_numbers_and_the_grids(tracked_run):
     run, _ = tracked_run
     events = tensorboard_scalars(run)
