@@ -20,11 +20,11 @@ from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
 from training.run_dir import LOG_FILE, RunDirectory
+from training.sample_grid import SampleGrid
 from training.signals import StopFlag
 from training.state import TrainingState
-from training.trackers import Trackers
-from training.sample_grid import SampleGrid
 from training.step import TrainingStep, training_loss, training_step
+from training.trackers import Trackers
 
 if TYPE_CHECKING:
     from edm2.dataset import ImageFolderDataset
