@@ -4,8 +4,8 @@ training states, and the decision where a rerun resumes.
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt, plots/ (the dashboard's
 records and PNGs, training/dashboard.py), samples/ (the snapshots' sample grids, training/sample_grid.py), with
---logger tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock (plus training.lock.break
-for a moment while a stale lock is removed). Files being written carry temporary names
+--logger tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock (plus
+training.lock.break for a moment while a stale lock is removed). Files being written carry temporary names
 (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the folder removes those a killed
 run left behind.
 """

@@ -93,7 +93,8 @@ class WandbTracker:
         import wandb
         self.wandb, self.record_path = wandb, run_dir / WANDB_FILE
         record = bounded_json.read(self.record_path) if self.record_path.exists() else {}
-        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        if not (isinstance(record, dict) and isinstance(record.get("id"), str)
+                and isinstance(record.get("logged"), dict)):
             record = dict(id=uuid.uuid4().hex[:12], logged={})
         self.record = record
         self._save_record()
@@ -157,7 +158,8 @@ class Trackers:
                 kept.append(tracker)
         self.trackers = kept
 
-    def log(self, group: str, nimg: int, scalars: dict[str, float], images: dict[str, np.ndarray] | None = None) -> None:
+    def log(self, group: str, nimg: int, scalars: dict[str, float],
+            images: dict[str, np.ndarray] | None = None) -> None:
         """Log a group of numbers (and HWC uint8 images) at nimg images seen."""
         self._each("log", group, nimg, scalars, images or {})
 
