@@ -262,7 +262,9 @@ class Resolution(click.ParamType):
 
 
 class GridSize(click.ParamType):
-    """'ROWSxCOLS' (each 1..`most`), or '0' for none: the shape of an image grid, as (rows, cols) or ()."""
+    """'ROWSxCOLS' (each 1..`most`), or '0' for none: the shape of an image grid, as (rows, cols) or ().
+
+    training_options.json holds it as a list, which --config hands over as 'ROWS,COLS' ('' for none)."""
 
     name = "ROWSxCOLS"
 
@@ -274,9 +276,9 @@ class GridSize(click.ParamType):
         if isinstance(value, tuple):
             return value
         text = str(value).strip()
-        if text == "0":
+        if text in ("0", ""):
             return ()
-        match = re.fullmatch(r"(\d{1,9})\s*[xX]\s*(\d{1,9})", text)
+        match = re.fullmatch(r"(\d{1,9})\s*[xX,]\s*(\d{1,9})", text)
         if match is None:
             self.fail(f"{value!r} is not ROWSxCOLS like 4x8, or 0 for none", param, ctx)
         size = int(match.group(1)), int(match.group(2))
