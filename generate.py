@@ -10,7 +10,6 @@ from typing import Callable, Sequence, TypeVar
 
 import click
 import numpy as np
-import PIL.Image
 import torch
 
 from cli.command import Command
@@ -21,6 +20,7 @@ from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guidance_pair,
                              generate_labeled_images, read_generated_labels, save_generated_labels)
+from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import check_settings
 from edm2.snapshot import load_generator, load_network
@@ -29,8 +29,6 @@ T = TypeVar("T")
 
 # --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
 MAX_STEPS = 10**4
-# generate.py --grid: a one-pixel gap of this value between the images, and in the empty cells of the last row.
-GRID_GAP_VALUE = 255
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -97,16 +95,9 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
     return net.to(device), (gnet.to(device) if gnet is not None else None), encoder
 
 
-def save_png(path: Path, image: np.ndarray) -> None:
-    """Write one HWC uint8 image as PNG through a temporary file."""
-    pil = PIL.Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
-    with files.atomic_path(path) as tmp:  # a full disk's error names the image
-        pil.save(tmp, format="PNG")
-
-
 def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.ndarray | None:
     """Tile every rank's images, in the order of keys (seeds, or (class, seed) pairs), into one HWC array on rank 0
-    (None elsewhere), cols images wide (default: a square), with a one-pixel gap of GRID_GAP_VALUE between them."""
+    (None elsewhere), cols images wide (default: a square), with a one-pixel gap between them (image_grid.tile)."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(keys), *shape], dtype=torch.uint8, device=distributed.device())
     for i, key in enumerate(keys):
@@ -116,14 +107,7 @@ def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.
     stack = distributed.all_reduce_sum(stack).cpu().numpy()
     if not distributed.is_main():
         return None
-    cols = cols or math.ceil(math.sqrt(len(keys)))
-    rows = math.ceil(len(keys) / cols)
-    h, w, c = shape
-    grid = np.full([rows * (h + 1) - 1, cols * (w + 1) - 1, c], GRID_GAP_VALUE, dtype=np.uint8)
-    for i, image in enumerate(stack):
-        top, left = (i // cols) * (h + 1), (i % cols) * (w + 1)
-        grid[top : top + h, left : left + w] = image
-    return grid
+    return tile(stack, cols or math.ceil(math.sqrt(len(keys))))
 
 
 def image_path(outdir: Path, seed: int, subdirs: bool, class_idx: int | None = None) -> Path:

@@ -12,7 +12,8 @@ import torch
 from cli.command import Command
 from cli.config import config_option
 from cli.speed import threads_option
-from cli.types import MAX_BATCH, MAX_RESOLUTION, MAX_SEED_OPTION, MAX_WORKERS, ImageCount, Integer, IntList, Number
+from cli.types import (MAX_BATCH, MAX_RESOLUTION, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
+                       Number)
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
@@ -25,7 +26,9 @@ from training.options import (
 )
 from training.presets import PRESETS, get_preset
 from training.run_dir import RUN_ID_KEY
+from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_GRID_STEPS
 from training.signals import die_by
+from training.trackers import TRACKERS, TrackerUnavailable, check_installed
 
 # The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
 MAX_CHANNELS, MAX_BLOCKS, MAX_LEVEL_MULT = 4096, 64, 64
@@ -180,6 +183,13 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
+@click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
+              help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
+                   "[default: none]")
+@click.option("--grid", type=GridSize(), default="x".join(map(str, DEFAULT_GRID)), show_default=True,
+              help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
+@click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
+              show_default=True, help="Sampler steps of the sample grid")
 @threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
@@ -198,6 +208,11 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     if time_steps and not dry_run:
         raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
                                  param_hint="--time-steps")
+    for name in overrides["loggers"]:
+        try:
+            check_installed(name)
+        except TrackerUnavailable as e:
+            raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)

@@ -76,7 +76,10 @@ def convert_values(ctx: click.Context, values: dict, path: str, exclude: tuple[s
             continue
         if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)):
             raise click.BadParameter(f"{path}: {key}: expected a value or a list of values", param_hint="--config")
-        text = ",".join(str(v) for v in value) if isinstance(value, list) else value  # lists as on the command line
+        if param.multiple:  # a repeatable option: each element is one use of it
+            text = value if isinstance(value, list) else [value]
+        else:
+            text = ",".join(str(v) for v in value) if isinstance(value, list) else value  # lists as on the command line
         try:
             converted[param.name] = param.type_cast_value(ctx, text)
         except click.BadParameter as e:

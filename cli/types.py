@@ -259,3 +259,29 @@ class Resolution(click.ParamType):
             self.fail(f"{shown(str(value))!r} is not N or WxH with sizes from 1 to {self.max} (for example 64 or "
                       "512x384)", param, ctx)
         return int(sizes[0]), int(sizes[-1])
+
+
+class GridSize(click.ParamType):
+    """'ROWSxCOLS' (each 1..`most`), or '0' for none: the shape of an image grid, as (rows, cols) or ().
+
+    training_options.json holds it as a list, which --config hands over as 'ROWS,COLS' ('' for none)."""
+
+    name = "ROWSxCOLS"
+
+    def __init__(self, most: int = 64):
+        self.most = most
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        """Parse value into (rows, cols), or () for '0'; refuse other text and sizes outside 1..most."""
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if text in ("0", ""):
+            return ()
+        match = re.fullmatch(r"(\d{1,9})\s*[xX,]\s*(\d{1,9})", text)
+        if match is None:
+            self.fail(f"{value!r} is not ROWSxCOLS like 4x8, or 0 for none", param, ctx)
+        size = int(match.group(1)), int(match.group(2))
+        if not all(1 <= n <= self.most for n in size):
+            self.fail(f"{value!r}: rows and columns must each be 1 to {self.most}", param, ctx)
+        return size

@@ -138,10 +138,11 @@ def seeded_inputs(
     img_channels: int,
     img_resolution: int,
     label_dim: int,
-    class_idx: int | None = None,
+    class_idx: int | Sequence[int] | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor]]:
-    """Initial unit noise, one-hot class labels (random per seed unless class_idx) and a per-seed randn_like."""
+    """Initial unit noise, one-hot class labels (random per seed unless class_idx, one class for all or one per
+    seed) and a per-seed randn_like."""
     rnd = SeededRandom(seeds, device)
     noise = rnd.randn([img_channels, img_resolution, img_resolution])
     labels = None
@@ -149,7 +150,7 @@ def seeded_inputs(
         # Draw the random class even when class_idx overrides it, so churn noise does not depend on class_idx.
         classes = rnd.randint(label_dim)
         if class_idx is not None:
-            classes = torch.full_like(classes, class_idx)
+            classes = torch.as_tensor(class_idx, dtype=classes.dtype, device=classes.device).expand_as(classes)
         labels = torch.nn.functional.one_hot(classes, label_dim).to(torch.float32)
     return noise, labels, rnd.randn_like
 
@@ -204,14 +205,21 @@ def generate_labeled_images(
     # A context, so that closing this generator (the caller failed) ends the progress bar's line at once.
     with tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()) as progress:
         for batch_seeds in progress:
-            noise, labels, randn_like = seeded_inputs(
-                batch_seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx, device
-            )
-            with torch.no_grad():
-                latents = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, randn_like=randn_like,
-                                      **sampler_kwargs)
-                images = encoder.decode(latents)
-            yield batch_seeds, images, None if labels is None else labels.argmax(dim=1).tolist()
+            images, classes = sample_batch(net, encoder, batch_seeds, class_idx, device, gnet=gnet, guidance=guidance,
+                                           **sampler_kwargs)
+            yield batch_seeds, images, classes
+
+
+def sample_batch(net: torch.nn.Module, encoder, seeds: Sequence[int], class_idx: int | Sequence[int] | None,
+                 device: torch.device, **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
+    """(uint8 NCHW images decoded by `encoder`, the class of every image or None) for one batch of seeds, on this
+    process alone; sampler_kwargs go to edm_sampler (gnet, guidance, num_steps, ...)."""
+    noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx,
+                                              device)
+    with torch.no_grad():
+        latents = edm_sampler(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
+        images = encoder.decode(latents)
+    return images, None if labels is None else labels.argmax(dim=1).tolist()
 
 
 def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:

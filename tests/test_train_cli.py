@@ -51,7 +51,7 @@ def test_run_directory_contents(reference_run):
         "log.txt",
         "network-snapshot-0000001-0.050.safetensors", "network-snapshot-0000001-0.100.safetensors",
         "network-snapshot-0000002-0.050.safetensors", "network-snapshot-0000002-0.100.safetensors",
-        "plots", "stats.jsonl", "training-state-0000001.pt", "training-state-0000002.pt", "training_options.json",
+        "plots", "samples", "stats.jsonl", "training-state-0000001.pt", "training-state-0000002.pt", "training_options.json",
     ]
     rows = [json.loads(line) for line in (reference_run / "stats.jsonl").read_text().splitlines()]
     assert [r["nimg"] for r in rows] == [512, 1024, 1536, 2048]
@@ -397,9 +397,9 @@ LIST_RUN = ("import json, pathlib, sys; from edm2.snapshot import load_network; 
 
 @pytest.mark.bad_input
 def test_full_disk_during_training(train_data, tmp_path):
-    # 1 MiB holds the options, log, stats, the first two snapshots (about 360 KiB each) and the dashboard (about
-    # 90 KiB), not the first training state (about 3.6 MiB): the run fails at 1024 images, with one line and no
-    # partial file.
+    # 1 MiB holds the options, log, stats, the first two snapshots (about 360 KiB each), the dashboard (about
+    # 90 KiB) and the sample grid (about 6 KiB), not the first training state (about 3.6 MiB): the run fails at
+    # 1024 images, with one line and no partial file.
     disk = tmp_path / "disk"
     disk.mkdir()
     result = in_namespace(
@@ -411,7 +411,8 @@ def test_full_disk_during_training(train_data, tmp_path):
     assert "LOADED" in result.stderr, result.stderr
     files = json.loads(result.stderr.split("FILES ", 1)[1].splitlines()[0])
     assert files == ["log.txt", "network-snapshot-0000001-0.050.safetensors",
-                     "network-snapshot-0000001-0.100.safetensors", "plots", "stats.jsonl", "training_options.json"]
+                     "network-snapshot-0000001-0.100.safetensors", "plots", "samples", "stats.jsonl",
+                     "training_options.json"]
 
 
 def test_dry_run_prints_options_and_writes_nothing(train_data, tmp_path):

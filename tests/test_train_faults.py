@@ -87,7 +87,7 @@ def test_repeated_sigkill_during_writes_then_rerun_is_exact_and_clean(train_data
     # The run directory holds exactly its own files: no temporaries, no lock, no file replaced by another count.
     tags = [f"0000000-{n}" for n in range(128, 1024, 128)] + ["0000001"]
     assert sorted(p.name for p in outdir.iterdir()) == sorted(
-        ["log.txt", "plots", "stats.jsonl", "training_options.json"]
+        ["log.txt", "plots", "samples", "stats.jsonl", "training_options.json"]
         + [f"training-state-{tag}.pt" for tag in tags]
         + [f"network-snapshot-{tag}-{std}.safetensors" for tag in tags for std in ("0.050", "0.100")]
     )

@@ -184,3 +184,20 @@ class Dashboard:
         write_dashboard(self.run_dir, self.training)
         if nimg >= self.duration:
             write_magnitudes(self.run_dir, self.magnitudes)
+
+    def numbers(self) -> dict[str, float]:
+        """The newest update's numbers for the trackers (snapshot_numbers)."""
+        return snapshot_numbers(self.training["sigma"], self.training["noise_levels"][-1], self.magnitudes["rows"][-1])
+
+
+def snapshot_numbers(sigma: list[float], levels: dict, magnitudes: dict) -> dict[str, float]:
+    """A snapshot's numbers for the trackers from its records: the mean over the noise levels of lambda(sigma)
+    L(D; sigma) ('validation/loss'), that loss and u(sigma) at each level, and the magnitudes."""
+    errors = [float(e) for e in levels["weighted_error"]]
+    numbers = {"validation/loss": sum(errors) / len(errors)}
+    for s, error, u in zip(sigma, errors, levels["u"]):
+        numbers[f"noise_level/loss/sigma={s:.3g}"] = error
+        numbers[f"noise_level/u/sigma={s:.3g}"] = float(u)
+    for kind in ("activations", "weights"):
+        numbers.update({f"magnitudes/{kind}/{name}": float(value) for name, value in magnitudes[kind].items()})
+    return numbers

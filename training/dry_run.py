@@ -34,7 +34,8 @@ def newest_state(run_dir: str | os.PathLike) -> tuple[str | None, int]:
     states = checkpoint.list_states(run_dir)
     if not states:
         return None, 0
-    return str(states[0]), checkpoint.tagged_images(*checkpoint.STATE_PATTERN.match(states[0].name).groups())
+    match = checkpoint.STATE_PATTERN.match(states[0].name)
+    return str(states[0]), checkpoint.tagged_images(match[1], match[2])
 
 
 def start_or_resume(run_dir: str | os.PathLike, duration: int) -> str:

@@ -20,9 +20,11 @@ from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
 from training.run_dir import LOG_FILE, RunDirectory
+from training.sample_grid import SampleGrid
 from training.signals import StopFlag
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss, training_step
+from training.trackers import Trackers
 
 if TYPE_CHECKING:
     from edm2.dataset import ImageFolderDataset
@@ -49,7 +51,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
         stack.callback(step.batches.close)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
-        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step)), stop):
+        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step),
+                                 **_reporters(run, opts, encoder, step, stack)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
         else:
             distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
@@ -131,6 +134,17 @@ def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFo
     if run is None:
         return None
     return Dashboard(run.path, opts, dataset, encoder, step.state.net, step.device, step.state.cur_nimg)
+
+
+def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder, step: TrainingStep,
+               stack: contextlib.ExitStack) -> dict:
+    """Rank 0's trackers (closed when training ends) and sample grid, as Outputs arguments; none elsewhere."""
+    if run is None:
+        return {}
+    trackers = Trackers(opts.loggers, run.path, opts.to_json(), step.state.cur_nimg)
+    stack.callback(trackers.close)
+    grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
+    return dict(trackers=trackers, grid=grid)
 
 
 def _on_main_rank(fn: Callable[[], T]) -> T | None:

@@ -11,6 +11,7 @@ import torch
 from edm2.errors import EDM2Error
 from edm2.speed import PRECISIONS, channels_last_by_default, compile_by_default  # noqa: F401 (PRECISIONS: options)
 from training.presets import get_preset
+from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS
 
 # Options that define the trained model; a resumed run must keep them. The others (data path,
 # duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
@@ -69,6 +70,10 @@ class TrainingOptions:
     channels_last: bool | None = None  # NHWC convolution weights and activations
     checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
     cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
+    # What rank 0 reports, not what is trained: trackers (training/trackers.py) and the snapshots' sample grids.
+    loggers: tuple[str, ...] = ()
+    grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none
+    grid_steps: int = DEFAULT_GRID_STEPS
 
     @classmethod
     def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:

@@ -13,8 +13,10 @@ from training import checkpoint
 from training.dashboard import Dashboard
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
-from training.run_dir import RunDirectory
+from training.run_dir import RunDirectory, snapshot_path
+from training.sample_grid import SampleGrid
 from training.state import TrainingState
+from training.trackers import STATUS_KEYS, Trackers
 
 
 def crossed(prev_nimg: int, cur_nimg: int, interval: int) -> bool:
@@ -50,8 +52,9 @@ class Outputs:
     """The writers of one run. Every rank makes the same calls (they hold collectives); rank 0 writes."""
 
     def __init__(self, opts: TrainingOptions, run: RunDirectory | None, state: TrainingState, device: torch.device,
-                 dashboard: Dashboard | None = None):
+                 dashboard: Dashboard | None = None, trackers: Trackers | None = None, grid: SampleGrid | None = None):
         self.opts, self.run, self.state, self.device, self.dashboard = opts, run, state, device, dashboard
+        self.trackers, self.grid = trackers, grid
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
         self._tick_nimg = state.cur_nimg
@@ -83,6 +86,8 @@ class Outputs:
                 self.run.save_snapshots(self.state.ema, cur, opts)
             if self.dashboard:
                 self.dashboard.update(self.state.ema.get()[0][0], cur)
+            if self.run:
+                self.report_snapshot()
         if done or stopping or crossed(prev, cur, opts.checkpoint):
             self.training_state()
         # The next status line's images/s measures training, not the seconds spent writing these files.
@@ -108,6 +113,17 @@ class Outputs:
         print(status_text(row, opts.duration) + (f" (partial interval: {interval} images)" if partial else ""),
               flush=True)
         self.run.append_stats(row)
+        if self.trackers:
+            self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS})
+
+    def report_snapshot(self) -> None:
+        """Rank 0: the sample grid of the snapshot just written (first EMA track), and the snapshot's numbers and
+        grid to the trackers."""
+        cur = self.state.cur_nimg
+        grid = self.grid.write(snapshot_path(self.run.path, cur, self.opts.ema_stds[0]), cur) if self.grid else None
+        if self.trackers:
+            self.trackers.log("snapshot", cur, self.dashboard.numbers() if self.dashboard else {},
+                              {} if grid is None else {"samples": grid})
 
     def training_state(self) -> None:
         """Write a training state; every rank first hashes its weights so the file records that they agree."""
@@ -116,5 +132,7 @@ class Outputs:
             raise checkpoint.CheckpointError(f"ranks hold different weights at {self.state.cur_nimg} images: {digests}")
         if self.run is None:
             return
+        if self.trackers:  # what was logged up to this state survives a kill
+            self.trackers.flush()
         path = self.run.save_state(self.state.to_dict(self.opts, digests))
         print(f"Saved {path.name}", flush=True)

@@ -4,9 +4,10 @@ training states, and the decision where a rerun resumes.
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
 state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
-training/dashboard.py), and while a training runs, training.lock (training/run_lock.py). Files being written carry
-temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are complete; the next training in the folder removes those
-a killed run left behind.
+training/dashboard.py), samples/ (the snapshots' sample grids, training/sample_grid.py), with --logger
+tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock
+(training/run_lock.py). Files being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are
+complete; the next training in the folder removes those a killed run left behind.
 """
 
 from __future__ import annotations

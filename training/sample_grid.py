@@ -1,0 +1,71 @@
+"""Sample grids while training: at every snapshot, rank 0 samples a fixed grid from the snapshot just written
+(first EMA track) and writes RUN/samples/grid-{images_tag}.png atomically.
+
+The grid has ROWS x COLS images; image (r, c) has seed r * COLS + c and, for a class-conditional network, the
+class r % label_dim, so each row is one class. Every image is what `generate.py --no-compile --net=SNAPSHOT
+--seeds=... --class=r%label_dim --steps=STEPS` writes for its seed (on the CPU, where nothing compiles by default,
+plain generate.py); edm2.image_grid.tile joins them as generate.py --grid does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edm2 import files
+from edm2.errors import one_line
+from edm2.generation import sample_batch
+from edm2.image_grid import save_png, tile
+from edm2.snapshot import images_tag, load_network
+from edm2.speed import SamplingSpeed
+
+SAMPLES_DIR = "samples"
+DEFAULT_GRID = (4, 8)  # rows x columns
+DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
+MAX_GRID_STEPS = 1000  # a bound on --grid-steps: more would make every snapshot a long wait
+
+
+def grid_path(run_dir: Path, nimg: int) -> Path:
+    """RUN/samples/grid-{images_tag(nimg)}.png, named like the snapshots of the same image count."""
+    return run_dir / SAMPLES_DIR / f"grid-{images_tag(nimg)}.png"
+
+
+def row_class(row: int, label_dim: int) -> int | None:
+    """The class of a grid row: the labels in turn; None for an unconditional network."""
+    return row % label_dim if label_dim else None
+
+
+def sample_grid(net: torch.nn.Module, encoder, rows: int, cols: int, steps: int, device: torch.device) -> np.ndarray:
+    """The grid of a network as one HWC uint8 image, sampled as one batch on this process alone."""
+    classes = [row_class(i // cols, net.label_dim) for i in range(rows * cols)] if net.label_dim else None
+    images = sample_batch(net, encoder, range(rows * cols), classes, device, num_steps=steps)[0]
+    return tile(images.permute(0, 2, 3, 1).cpu().numpy(), cols)
+
+
+class SampleGrid:
+    """Rank 0's grid writer; one that fails (a VAE that cannot load, a full disk) warns once and writes no more."""
+
+    def __init__(self, run_dir: Path, encoder, rows: int, cols: int, steps: int, device: torch.device):
+        self.run_dir, self.encoder, self.rows, self.cols, self.steps = run_dir, encoder, rows, cols, steps
+        self.device = device
+        self.failed = False
+        files.remove_stale_temporaries(run_dir / SAMPLES_DIR, owned=True)
+
+    def write(self, snapshot: Path, nimg: int) -> np.ndarray | None:
+        """Sample the grid of a snapshot file, write it as the grid of nimg, and return it; None once failed."""
+        if self.failed:
+            return None
+        try:
+            net = load_network(snapshot)[0].to(self.device)
+            # generate.py's defaults but no compile: a new network at every snapshot would compile again each time.
+            SamplingSpeed(compile=False).apply(net, self.device)
+            grid = sample_grid(net, self.encoder, self.rows, self.cols, self.steps, self.device)
+            save_png(grid_path(self.run_dir, nimg), grid)
+        except Exception as e:  # a preview must never stop the training it shows
+            print(f"Warning: the sample grid failed ({type(e).__name__}: {one_line(e)}); training goes on without "
+                  f"grids.", flush=True)
+            self.failed = True
+            return None
+        return grid
