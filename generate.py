@@ -19,9 +19,8 @@ from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guidance_pair,
-                             check_self_guidance, generate_labeled_images, read_generated_labels,
-                             save_generated_labels)
+from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guide,
+                             generate_labeled_images, read_generated_labels, save_generated_labels)
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.sampler import SELF, check_settings
 from edm2.snapshot import load_generator, load_network
@@ -88,10 +87,7 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
     if guidance != 1:
         gnet = SELF if gnet_path == SELF else load_for_option("--gnet", functools.partial(load_network, gnet_path))[0]
         try:
-            if gnet == SELF:
-                check_self_guidance(net, metadata)
-            else:
-                check_guidance_pair(net, gnet)
+            check_guide(net, metadata, gnet)
         except GenerationError as e:
             raise click.BadParameter(str(e), param_hint="--gnet") from None
     highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None

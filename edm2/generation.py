@@ -185,6 +185,15 @@ def check_self_guidance(net, metadata: dict) -> None:
                               "never trained")
 
 
+def check_guide(net, metadata: dict, gnet) -> None:
+    """Raise GenerationError unless gnet can guide net (whose snapshot's metadata is given): check_self_guidance
+    for gnet=SELF, else check_guidance_pair."""
+    if gnet == SELF:
+        check_self_guidance(net, metadata)
+    else:
+        check_guidance_pair(net, gnet)
+
+
 def generate_images(*args, **kwargs) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
 
