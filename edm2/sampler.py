@@ -88,6 +88,25 @@ def guided_step(t_cur: float, interval: tuple[float, float] | None) -> bool:
     return interval is None or interval[0] < t_cur <= interval[1]
 
 
+def guided_denoiser(net: Callable, labels: torch.Tensor | None, gnet: Callable | str | None, guidance: float,
+                    dtype: torch.dtype) -> Callable[[torch.Tensor, float, bool], torch.Tensor]:
+    """The sampler's denoiser D(x; t) in dtype: net's, or for a guided step (and guidance other than 1) the blend
+    of paper Eq. 152 with gnet's, or with net's own unconditional prediction for gnet=SELF."""
+
+    def denoise(x: torch.Tensor, t: float, guided: bool) -> torch.Tensor:
+        sigma = torch.full([x.shape[0]], t, dtype=dtype, device=x.device)
+        if guidance == 1 or not guided:
+            return net(x, sigma, labels).to(dtype)
+        if gnet == SELF:
+            d, d_guide = conditional_and_unconditional(net, x, sigma, labels)
+        else:
+            d, d_guide = net(x, sigma, labels), gnet(x, sigma, labels)
+        # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
+        return torch.lerp(d_guide.to(dtype), d.to(dtype), guidance)
+
+    return denoise
+
+
 def edm_sampler(
     net: Callable,
     noise: torch.Tensor,
@@ -112,18 +131,6 @@ def edm_sampler(
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
     net by its own unconditional prediction, both halves from one call on a doubled batch.
     """
-
-    def denoise(x: torch.Tensor, t: float, guided: bool) -> torch.Tensor:
-        sigma = torch.full([x.shape[0]], t, dtype=dtype, device=x.device)
-        if guidance == 1 or not guided:
-            return net(x, sigma, labels).to(dtype)
-        if gnet == SELF:
-            d, d_guide = conditional_and_unconditional(net, x, sigma, labels)
-        else:
-            d, d_guide = net(x, sigma, labels), gnet(x, sigma, labels)
-        # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
-        return torch.lerp(d_guide.to(dtype), d.to(dtype), guidance)
-
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype)
     if guidance != 1 and gnet is None:
@@ -131,6 +138,7 @@ def edm_sampler(
     if guidance != 1 and gnet == SELF and labels is None:
         raise SamplerError("self-guidance (gnet=SELF) needs class labels: it contrasts them with the all-zero label")
     check_guidance_interval(guidance_interval)
+    denoise = guided_denoiser(net, labels, gnet, guidance, dtype)
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
