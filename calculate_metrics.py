@@ -20,7 +20,7 @@ from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder, EncoderError
-from edm2.generation import MAX_SEED, GenerationError, check_guide, generate_images
+from edm2.generation import MAX_SEED, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
@@ -136,8 +136,7 @@ def check_dest(dest_path: str) -> Path:
 
 
 def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder, dict]:
-    """A network snapshot (ours or the release's .pkl) on device, with its encoder and metadata; bad files name the
-    option."""
+    """A snapshot (ours or the release's .pkl) on device, its encoder and metadata; bad files name the option."""
     try:
         net, encoder, metadata = snapshot.load_generator(path)
     except (SnapshotError, files.DownloadError) as e:
@@ -298,14 +297,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         net, encoder, metadata = distributed.main_rank_first(
             functools.partial(network_for_option, net_path, "--net", device))
         load_decoder(encoder, "--net", device)
-        gnet = None
-        if gnet_path is not None:
-            gnet = SELF if gnet_path == SELF else distributed.main_rank_first(
-                functools.partial(network_for_option, gnet_path, "--gnet", device))[0]
-            try:
-                check_guide(net, metadata, gnet)
-            except GenerationError as e:
-                raise click.BadParameter(str(e), param_hint="--gnet") from None
+        gnet = sweep_cli.guiding_network(gnet_path, net, metadata, device) if gnet_path is not None else None
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
         net, gnet = (speed.apply(n, device) if n not in (None, SELF) else n for n in (net, gnet))
@@ -336,7 +328,8 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
         reference = load_reference(ref_path, distances) if distances else None
         device = distributed.device()
-        gnet = sweep_cli.guiding_network(gnet_path, plan, device) if guidance != 1 else None
+        gnet = (sweep_cli.guiding_network(gnet_path, sweep_cli.network_shape(plan.metadata), plan.metadata, device)
+                if guidance != 1 else None)
         detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
         if distances:
             load_decoder(plan.encoder, "--indir", device)

@@ -202,12 +202,13 @@ def finish(plan: SweepPlan, metrics: list[str]) -> None:
     click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best}))
 
 
-def guiding_network(gnet_path: str, plan: SweepPlan, device: torch.device) -> torch.nn.Module | str:
-    """--gnet on device, checked to fit the run's network; SELF for --gnet=self, checked to be trained for it."""
+def guiding_network(gnet_path: str, net, metadata: dict, device: torch.device) -> torch.nn.Module | str:
+    """--gnet on device, checked to fit net (whose snapshot's metadata is given; `gen` and `sweep`); SELF for
+    --gnet=self, checked to be trained for it."""
     try:
         gnet = SELF if gnet_path == SELF else distributed.main_rank_first(
             functools.partial(load_network, gnet_path))[0]  # rank 0 alone downloads
-        check_guide(network_shape(plan.metadata), plan.metadata, gnet)
+        check_guide(net, metadata, gnet)
     except (SnapshotError, GenerationError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--gnet") from None
     return gnet if gnet == SELF else gnet.to(device)
