@@ -20,10 +20,11 @@ from edm2 import distributed, files, locks, snapshot
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder, EncoderError
-from edm2.generation import MAX_SEED, GenerationError, check_guidance_pair, generate_images
+from edm2.generation import MAX_SEED, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
+from edm2.sampler import SELF
 from edm2.snapshot import SnapshotError
 from edm2.speed import SamplingSpeed
 from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
@@ -134,13 +135,13 @@ def check_dest(dest_path: str) -> Path:
     return dest
 
 
-def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder]:
-    """A network snapshot (ours or the release's .pkl) on device, with its encoder; bad files name the option."""
+def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder, dict]:
+    """A snapshot (ours or the release's .pkl) on device, its encoder and metadata; bad files name the option."""
     try:
-        net, encoder, _ = snapshot.load_generator(path)
+        net, encoder, metadata = snapshot.load_generator(path)
     except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
-    return net.to(device), encoder
+    return net.to(device), encoder, metadata
 
 
 def load_decoder(encoder: Encoder, option: str, device: torch.device) -> None:
@@ -271,7 +272,8 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @config_option()
 @click.option("--net", "net_path", help="Network: our snapshot or the release's .pkl", metavar="PATH|URL",
               required=True)
-@click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL", default=None)
+@click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the network's own "
+              "unconditional prediction (trained with --label-dropout)", metavar="PATH|URL|self", default=None)
 @click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=Number(), default=1.0,
               show_default=True)
 @click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], e.g. "
@@ -292,18 +294,13 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
     with distributed.session():
         reference = load_reference(ref_path, metrics)
         device = distributed.device()
-        net, encoder = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
+        net, encoder, metadata = distributed.main_rank_first(
+            functools.partial(network_for_option, net_path, "--net", device))
         load_decoder(encoder, "--net", device)
-        gnet = None
-        if gnet_path is not None:
-            gnet, _ = distributed.main_rank_first(functools.partial(network_for_option, gnet_path, "--gnet", device))
-            try:
-                check_guidance_pair(net, gnet)
-            except GenerationError as e:
-                raise click.BadParameter(str(e), param_hint="--gnet") from None
+        gnet = sweep_cli.guiding_network(gnet_path, net, metadata, device) if gnet_path is not None else None
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
-        net, gnet = (speed.apply(n, device) if n is not None else None for n in (net, gnet))
+        net, gnet = (speed.apply(n, device) if n not in (None, SELF) else n for n in (net, gnet))
         seeds = range(seed, seed + num_images)
         images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
                                                         batch_size=batch_size, device=device,
@@ -331,7 +328,8 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
         reference = load_reference(ref_path, distances) if distances else None
         device = distributed.device()
-        gnet = sweep_cli.guiding_network(gnet_path, plan, device) if guidance != 1 else None
+        gnet = (sweep_cli.guiding_network(gnet_path, sweep_cli.network_shape(plan.metadata), plan.metadata, device)
+                if guidance != 1 else None)
         detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
         if distances:
             load_decoder(plan.encoder, "--indir", device)

@@ -18,11 +18,11 @@ from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guidance_pair,
+from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guide,
                              generate_labeled_images, read_generated_labels, save_generated_labels)
 from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
-from edm2.sampler import check_settings
+from edm2.sampler import SELF, check_settings
 from edm2.snapshot import load_generator, load_network
 
 T = TypeVar("T")
@@ -78,13 +78,14 @@ def load_for_option(option: str, load: Callable[[], T]) -> T:
 
 def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None):
     """(net, gnet or None, encoder) on this rank's device, the encoder's VAE loaded too (before any sampling); gnet
-    is loaded only when guidance uses it."""
-    net, encoder, _ = load_for_option("--net", functools.partial(load_generator, net_path))
+    is loaded only when guidance uses it, and is SELF for --gnet=self."""
+    net, encoder, metadata = load_for_option("--net", functools.partial(load_generator, net_path))
     load_for_option("--net", functools.partial(encoder.init, distributed.device()))
-    gnet = load_for_option("--gnet", functools.partial(load_network, gnet_path))[0] if guidance != 1 else None
-    if gnet is not None:
+    gnet = None
+    if guidance != 1:
+        gnet = SELF if gnet_path == SELF else load_for_option("--gnet", functools.partial(load_network, gnet_path))[0]
         try:
-            check_guidance_pair(net, gnet)
+            check_guide(net, metadata, gnet)
         except GenerationError as e:
             raise click.BadParameter(str(e), param_hint="--gnet") from None
     highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None
@@ -92,7 +93,7 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
         raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
                                  param_hint="--class")
     device = distributed.device()
-    return net.to(device), (gnet.to(device) if gnet is not None else None), encoder
+    return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder
 
 
 def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.ndarray | None:
@@ -154,7 +155,8 @@ Examples:
 @config_option()
 @click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
 @click.option("--net", help="Main network: our .safetensors snapshot or a release .pkl, path or URL")
-@click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL")
+@click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL, or 'self' for the main "
+              "network's own unconditional prediction (a network trained with --label-dropout)")
 @click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
 @click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
 @click.option("--seeds", type=SeedList(), default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
@@ -195,12 +197,13 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, classes)
-        net, gnet = (speed.apply(n, distributed.device()) if n is not None else None for n in (net, gnet))
+        net, gnet = (speed.apply(n, distributed.device()) if n not in (None, SELF) else n for n in (net, gnet))
         rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
         interval = "" if guidance_interval is None else " for sigma in ({:g}, {:g}]".format(*guidance_interval)
+        guide = "its own unconditional prediction" if gnet == SELF else gnet_path
         distributed.print0(f"Generating {len(seeds) * len(rows)} images from {net_path}"
                            + (f", {len(seeds)} in each of {len(rows)} classes" if len(rows) > 1 else "")
-                           + (f", guided by {gnet_path} at {guidance:g}{interval}" if gnet is not None else ""))
+                           + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else ""))
         generated, labels = {}, {}
         for class_idx in rows:
             batches = generate_labeled_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,

@@ -148,6 +148,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--batch", type=Integer(1, MAX_BATCH), help="Total batch size  [default: preset]")
 @click.option("--channels", type=Integer(1, MAX_CHANNELS), help="Channel multiplier  [default: preset]")
 @click.option("--dropout", type=Number(0, 1, max_open=True), help="Dropout probability  [default: preset]")
+@click.option("--label-dropout", type=Number(0, 1, max_open=True), default=0, show_default=True,
+              help="Probability of training an image with the all-zero label, so that the network can guide itself "
+                   "(generate.py --gnet=self); needs --cond=True")
 @click.option("--P_mean", "P_mean", type=Number(), help="Noise level mean  [default: preset]")
 @click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
 @click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
@@ -213,6 +216,9 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
             check_installed(name)
         except TrackerUnavailable as e:
             raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
+    if overrides["label_dropout"] and not cond:
+        raise click.BadParameter("needs a class-conditional run (--cond=True): an unconditional network has no "
+                                 "label to drop", param_hint="'--label-dropout'")
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)

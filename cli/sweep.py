@@ -20,7 +20,8 @@ from edm2 import distributed, files, locks, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
-from edm2.generation import GenerationError, check_guidance_pair
+from edm2.generation import GenerationError, check_guide
+from edm2.sampler import SELF
 from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.validation import ValidationError, ValidationSamples
 
@@ -52,7 +53,8 @@ def options(fn: Callable) -> Callable:
                      type=Integer(2, MAX_IMAGES), default=50000, show_default=True),
         click.option("--seed", help="First seed of the images and of the loss's samples", metavar="INT",
                      type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True),
-        click.option("--gnet", "gnet_path", help="Guiding network for --guidance", metavar="PATH|URL"),
+        click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the run's own "
+                     "unconditional prediction (trained with --label-dropout)", metavar="PATH|URL|self"),
         click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance)", metavar="FLOAT",
                      type=Number(), default=1.0, show_default=True),
         click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], "
@@ -98,7 +100,7 @@ class SweepPlan:
 
 def _local(path: str | Path | None) -> str | None:
     """A path as the results file records it: absolute when it names a local file, else as given (a URL)."""
-    return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
+    return str(Path(path).resolve()) if path not in (None, SELF) and Path(path).exists() else path
 
 
 def plan(indir: Path, kimgs: tuple[int, ...] | None, stds: list[float], dest: Path | None, save_dir: Path | None,
@@ -200,11 +202,13 @@ def finish(plan: SweepPlan, metrics: list[str]) -> None:
     click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best}))
 
 
-def guiding_network(gnet_path: str, plan: SweepPlan, device: torch.device) -> torch.nn.Module:
-    """--gnet on device, checked to fit the run's network."""
+def guiding_network(gnet_path: str, net, metadata: dict, device: torch.device) -> torch.nn.Module | str:
+    """--gnet on device, checked to fit net (whose snapshot's metadata is given; `gen` and `sweep`); SELF for
+    --gnet=self, checked to be trained for it."""
     try:
-        gnet, _ = distributed.main_rank_first(functools.partial(load_network, gnet_path))  # rank 0 alone downloads
-        check_guidance_pair(network_shape(plan.metadata), gnet)
+        gnet = SELF if gnet_path == SELF else distributed.main_rank_first(
+            functools.partial(load_network, gnet_path))[0]  # rank 0 alone downloads
+        check_guide(net, metadata, gnet)
     except (SnapshotError, GenerationError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--gnet") from None
-    return gnet.to(device)
+    return gnet if gnet == SELF else gnet.to(device)

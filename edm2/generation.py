@@ -20,7 +20,7 @@ import tqdm
 from edm2 import bounded_json, distributed, files
 from edm2.dataset import DatasetError, is_class, parse_labels
 from edm2.errors import EDM2Error
-from edm2.sampler import edm_sampler
+from edm2.sampler import SELF, edm_sampler
 
 # Seeds lie in [0, 2**32): the release seeds each image's generator with seed % 2**32
 # (StackedRandomGenerator in its generate_images.py), so only these seeds give the release's images.
@@ -167,6 +167,34 @@ def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
         raise GenerationError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
 
 
+def label_dropout(metadata: dict) -> float:
+    """The label dropout a snapshot's network was trained with (its training options); 0 when they hold none."""
+    options = metadata.get("training_options")
+    p = options.get("label_dropout", 0) if isinstance(options, dict) else 0
+    # A number in (0, 1) or nothing: metadata is read from a file, so anything else counts as none.
+    return float(p) if type(p) in (int, float) and 0 < p < 1 else 0.0
+
+
+def check_self_guidance(net, metadata: dict) -> None:
+    """Raise GenerationError unless net can guide itself: class-conditional and trained with label dropout
+    (metadata is its snapshot's), so that its prediction for the all-zero label is an unconditional one."""
+    if not net.label_dim:
+        raise GenerationError("self-guidance needs a class-conditional network; this one is unconditional")
+    if not label_dropout(metadata):
+        raise GenerationError("self-guidance needs a network trained with label dropout (train_edm2.py "
+                              "--label-dropout=P); this one's snapshot records none, so its all-zero label was "
+                              "never trained")
+
+
+def check_guide(net, metadata: dict, gnet) -> None:
+    """Raise GenerationError unless gnet can guide net (whose snapshot's metadata is given): check_self_guidance
+    for gnet=SELF, else check_guidance_pair."""
+    if gnet == SELF:
+        check_self_guidance(net, metadata)
+    else:
+        check_guidance_pair(net, gnet)
+
+
 def generate_images(*args, **kwargs) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
 
@@ -183,7 +211,7 @@ def generate_labeled_images(
     encoder,
     seeds: Sequence[int],
     class_idx: int | None = None,
-    gnet: torch.nn.Module | None = None,
+    gnet: torch.nn.Module | str | None = None,
     guidance: float = 1.0,
     batch_size: int = 32,
     device: torch.device | str | None = None,
@@ -193,12 +221,13 @@ def generate_labeled_images(
     of every image or None for an unconditional network).
 
     `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. sampler_kwargs go to
-    edm_sampler (num_steps, sigma_min, ..., guidance_interval).
+    edm_sampler (num_steps, sigma_min, ..., guidance_interval). gnet=SELF guides net by its own unconditional
+    prediction (check_self_guidance tells whether it has one).
     """
     device = torch.device(device) if device is not None else distributed.device()
     if class_idx is not None and not 0 <= class_idx < net.label_dim:
         raise GenerationError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
-    if gnet is not None and guidance != 1:
+    if gnet not in (None, SELF) and guidance != 1:
         check_guidance_pair(net, gnet)
     batches = distributed.rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size(),
                                        skip_empty=True)

@@ -15,6 +15,18 @@ class SamplerError(EDM2Error):
     """Sampler settings that cannot produce images; the message names the setting."""
 
 
+# gnet value for classifier-free guidance: the network guides itself by its prediction for the all-zero label
+# (a network trained with label dropout, Ho & Salimans 2022), as in Eq. 152 with D_gnet = D_net(x; sigma, 0).
+SELF = "self"
+
+
+def conditional_and_unconditional(net: Callable, x: torch.Tensor, sigma: torch.Tensor,
+                                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(net(x, sigma, labels), net(x, sigma, 0)) from one call on the doubled batch [x, x] with labels [c, 0]."""
+    both = net(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, torch.zeros_like(labels)]))
+    return both.chunk(2)
+
+
 def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) -> torch.Tensor:
     """Noise levels t_0 > ... > t_{N-1} of EDM Eq. 5 followed by t_N = 0, in float64."""
     i = torch.arange(num_steps, dtype=torch.float64)
@@ -76,11 +88,30 @@ def guided_step(t_cur: float, interval: tuple[float, float] | None) -> bool:
     return interval is None or interval[0] < t_cur <= interval[1]
 
 
+def guided_denoiser(net: Callable, labels: torch.Tensor | None, gnet: Callable | str | None, guidance: float,
+                    dtype: torch.dtype) -> Callable[[torch.Tensor, float, bool], torch.Tensor]:
+    """The sampler's denoiser D(x; t) in dtype: net's, or for a guided step (and guidance other than 1) the blend
+    of paper Eq. 152 with gnet's, or with net's own unconditional prediction for gnet=SELF."""
+
+    def denoise(x: torch.Tensor, t: float, guided: bool) -> torch.Tensor:
+        sigma = torch.full([x.shape[0]], t, dtype=dtype, device=x.device)
+        if guidance == 1 or not guided:
+            return net(x, sigma, labels).to(dtype)
+        if gnet == SELF:
+            d, d_guide = conditional_and_unconditional(net, x, sigma, labels)
+        else:
+            d, d_guide = net(x, sigma, labels), gnet(x, sigma, labels)
+        # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
+        return torch.lerp(d_guide.to(dtype), d.to(dtype), guidance)
+
+    return denoise
+
+
 def edm_sampler(
     net: Callable,
     noise: torch.Tensor,
     labels: torch.Tensor | None = None,
-    gnet: Callable | None = None,
+    gnet: Callable | str | None = None,
     num_steps: int = 32,
     sigma_min: float = 0.002,
     sigma_max: float = 80,
@@ -97,22 +128,17 @@ def edm_sampler(
     """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t).
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
-    in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1.
+    in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
+    net by its own unconditional prediction, both halves from one call on a doubled batch.
     """
-
-    def denoise(x: torch.Tensor, t: float, guided: bool) -> torch.Tensor:
-        sigma = torch.full([x.shape[0]], t, dtype=dtype, device=x.device)
-        d = net(x, sigma, labels).to(dtype)
-        if guidance == 1 or not guided:
-            return d
-        # Paper Eq. 152: w * D_net + (1 - w) * D_gnet.
-        return torch.lerp(gnet(x, sigma, labels).to(dtype), d, guidance)
-
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype)
     if guidance != 1 and gnet is None:
         raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
+    if guidance != 1 and gnet == SELF and labels is None:
+        raise SamplerError("self-guidance (gnet=SELF) needs class labels: it contrasts them with the all-zero label")
     check_guidance_interval(guidance_interval)
+    denoise = guided_denoiser(net, labels, gnet, guidance, dtype)
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]

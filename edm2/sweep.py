@@ -75,7 +75,7 @@ class Measure:
 
     def __init__(self, metrics: Sequence[str], encoder, seeds: Sequence[int], batch_size: int,
                  device: torch.device, detectors: dict | None = None, reference: dict | None = None,
-                 samples: ValidationSamples | None = None, gnet: torch.nn.Module | None = None,
+                 samples: ValidationSamples | None = None, gnet: torch.nn.Module | str | None = None,
                  guidance: dict | None = None):
         self.metrics, self.encoder, self.seeds, self.batch_size, self.device = metrics, encoder, seeds, batch_size, device
         self.detectors, self.reference, self.samples = detectors or {}, reference or {}, samples

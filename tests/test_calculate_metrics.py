@@ -25,6 +25,7 @@ from edm2 import detectors, metrics, stats_files
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.generation import generate_images
 from edm2.locks import hold_destination
+from edm2.sampler import SELF
 from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
                            free_port, pin_detector_file, png_bomb_zip, png_file, random_dinov2_state_dict, randomized,
@@ -292,10 +293,11 @@ def test_two_processes_give_the_statistics_of_one(setup, launcher, tmp_path):
     assert_stats_close(stats_files.load_stats(two), stats_files.load_stats(one), direct_stats(setup, setup["a"])[1])
 
 
-def tiny_snapshot(path, label_dim, seed, resolution=8):
+def tiny_snapshot(path, label_dim, seed, resolution=8, label_dropout=0.0):
     torch.manual_seed(seed)
     net = randomized(tiny_precond(img_resolution=resolution, label_dim=label_dim), seed)
-    save_network(path, net, {"encoder": StandardRGBEncoder().config()})
+    save_network(path, net, {"encoder": StandardRGBEncoder().config(),
+                             "training_options": {"label_dropout": label_dropout}})
     return path
 
 
@@ -305,9 +307,10 @@ def latent_snapshot(path, vae):
     return path
 
 
-def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path):
-    net_path = tiny_snapshot(tmp_path / "net.safetensors", label_dim=4, seed=1)
-    gnet_path = tiny_snapshot(tmp_path / "gnet.safetensors", label_dim=0, seed=2)
+@pytest.mark.parametrize("guide", ["separate network", "self"])
+def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path, guide):
+    net_path = tiny_snapshot(tmp_path / "net.safetensors", label_dim=4, seed=1, label_dropout=0.1)
+    gnet_path = tiny_snapshot(tmp_path / "gnet.safetensors", label_dim=0, seed=2) if guide != "self" else "self"
     ref, _ = direct_stats(setup, setup["a"])
     stats_files.save_stats(tmp_path / "a.npz", ref)
     common = ["--ref", tmp_path / "a.npz", "--num", 4, "--seed", 3, "--batch", 4, *setup["weights"]]
@@ -315,7 +318,7 @@ def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path):
     assert out["num_images"] == 4
 
     # The same seeds sampled directly in one batch, then measured without the command line.
-    net, gnet = load_network(net_path)[0], load_network(gnet_path)[0]
+    net, gnet = load_network(net_path)[0], SELF if guide == "self" else load_network(gnet_path)[0]
     batches = generate_images(net, StandardRGBEncoder(), range(3, 7), gnet=gnet, guidance=2.0, batch_size=4,
                               device="cpu")
     features = features_of(setup, torch.cat([batch for _, batch in batches]))
@@ -465,6 +468,12 @@ BAD_INPUT = {
     # Our own latent-space snapshot whose VAE cannot load (offline): refused before any image is generated.
     "gen net without its vae": (lambda s, t, r: ["gen", "--net", latent_snapshot(t / "n.safetensors", t / "no-vae"),
                                                  "--ref", r, "--num", 2], ["--net", "cannot load the VAE", "no-vae"]),
+    "gen self without label dropout": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 4, 1),
+                                                        "--ref", r, "--guidance", 2, "--gnet=self"],
+                                       ["--gnet", "trained with label dropout"]),
+    "gen self of an unconditional net": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1,
+                                                          label_dropout=0.1), "--ref", r, "--guidance", 2,
+                                                          "--gnet=self"], ["--gnet", "unconditional"]),
     "gen gnet of another resolution": (lambda s, t, r: ["gen", "--net", t / "net.safetensors", "--gnet",
                                                         snapshot_pair_of_other_resolutions(t), "--guidance", 2,
                                                         "--ref", r], ["--gnet", "resolution"]),

@@ -44,13 +44,15 @@ def nets(tmp_path_factory):
     paths["garbage"].write_bytes(b"not a snapshot at all")
     for name, net in (
         ("net", tiny_net(5)),
+        ("uncond_dropout", tiny_net(0, seed=2)),
         ("gnet", tiny_net(0, seed=1)),
         ("gnet_res16", tiny_net(0, resolution=16)),
         ("gnet_ch4", tiny_net(0, channels=4)),
         ("gnet_cls3", tiny_net(3)),
     ):
         paths[name] = root / f"{name}.safetensors"
-        snapshot.save_network(paths[name], net, {"encoder": StandardRGBEncoder().config()})
+        dropout = {"training_options": {"label_dropout": 0.1}} if name == "uncond_dropout" else {}
+        snapshot.save_network(paths[name], net, {"encoder": StandardRGBEncoder().config(), **dropout})
     return paths
 
 
@@ -158,6 +160,21 @@ def test_guidance_interval_empty_is_unguided_and_zero_to_inf_is_plain_guidance_b
                for other in ("unguided", "guided"))
 
 
+def test_self_guidance_at_one_is_unguided_and_above_one_guides(tmp_path):
+    path = tmp_path / "net.safetensors"
+    metadata = {"encoder": StandardRGBEncoder().config(), "training_options": {"label_dropout": 0.1}}
+    snapshot.save_network(path, randomized(tiny_net(5)), metadata)  # random weights: the label matters
+    runs = {"unguided": [], "self at 1": ["--gnet=self", "--guidance=1"], "self at 2": ["--gnet=self", "--guidance=2"]}
+    images = {}
+    for name, extra in runs.items():
+        result = run_cli(["--net", path, "--seeds=0-2", *FAST, *extra, "--outdir", tmp_path / name])
+        assert result.exit_code == 0, result.output
+        images[name] = {k: v.tobytes() for k, v in read_pngs(tmp_path / name).items()}
+    assert "guided by its own unconditional prediction at 2" in result.output
+    assert images["self at 1"] == images["unguided"]
+    assert all(images["self at 2"][k] != images["unguided"][k] for k in images["unguided"])
+
+
 def test_labels_json_holds_each_images_class_across_runs(nets, tmp_path):
     out = tmp_path / "out"
     assert run_cli(["--net", nets["net"], "--seeds=0-3", "--subdirs", *FAST, "--outdir", out]).exit_code == 0
@@ -212,6 +229,10 @@ BAD_INPUT = {
     "gnet resolution": (["--net", "{net}", "--gnet", "{gnet_res16}", "--guidance=2"], ["--gnet", "resolution 16"]),
     "gnet channels": (["--net", "{net}", "--gnet", "{gnet_ch4}", "--guidance=2"], ["--gnet", "4 channels"]),
     "gnet classes": (["--net", "{net}", "--gnet", "{gnet_cls3}", "--guidance=2"], ["--gnet", "3 classes"]),
+    "self without label dropout": (["--net", "{net}", "--gnet=self", "--guidance=2"],
+                                   ["--gnet", "trained with label dropout", "--label-dropout"]),
+    "self on an unconditional net": (["--net", "{uncond_dropout}", "--gnet=self", "--guidance=2"],
+                                     ["--gnet", "class-conditional", "unconditional"]),
     "unreachable url": (["--net", URL], ["--net", URL, "{tmp}/cache"]),
     "missing net": (["--net", "{tmp}/missing.safetensors"], ["--net", "missing.safetensors"]),
     "missing gnet": (["--net", "{net}", "--gnet", "{tmp}/missing.safetensors", "--guidance=2"], ["--gnet", "missing"]),

@@ -113,6 +113,21 @@ def test_guidance_pair_must_match_in_shape_and_classes():
         generation.check_guidance_pair(fake(8, 3, 10), fake(8, 3, 5))
 
 
+@pytest.mark.bad_input
+def test_self_guidance_needs_a_conditional_network_trained_with_label_dropout():
+    conditional, unconditional = SimpleNamespace(label_dim=10), SimpleNamespace(label_dim=0)
+    generation.check_self_guidance(conditional, {"training_options": {"label_dropout": 0.1}})
+    # Snapshot metadata is read from a file: only a number in (0, 1) counts as label dropout.
+    for options in ({}, {"label_dropout": 0}, {"label_dropout": 0.0}, {"label_dropout": True},
+                    {"label_dropout": "0.5"}, {"label_dropout": 1.5}, {"label_dropout": float("nan")}, [0.5]):
+        with pytest.raises(generation.GenerationError, match="trained with label dropout"):
+            generation.check_self_guidance(conditional, {"training_options": options})
+    with pytest.raises(generation.GenerationError, match="trained with label dropout"):
+        generation.check_self_guidance(conditional, {})  # the release's pickles hold no training options
+    with pytest.raises(generation.GenerationError, match="unconditional"):
+        generation.check_self_guidance(unconditional, {"training_options": {"label_dropout": 0.1}})
+
+
 def tiny_generator(label_dim=5, seed=0, **kwargs):
     torch.manual_seed(seed)
     return tiny_precond(label_dim=label_dim, **kwargs).eval().requires_grad_(False)

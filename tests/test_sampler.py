@@ -9,6 +9,7 @@ import scipy.stats
 import torch
 
 from edm2 import sampler
+from tests.helpers import randomized, tiny_precond
 
 S = 0.5  # sigma_data of the Gaussian test data
 N_PIXELS = 1 << 18  # samples per distribution check: std of the sample std is S / sqrt(2 N) = 0.0007
@@ -265,3 +266,84 @@ def test_an_interval_that_holds_no_levels_by_construction_is_refused(interval):
     net, gnet, noise, labels = interval_inputs()
     with pytest.raises(sampler.SamplerError, match="guidance interval"):
         sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2, num_steps=2, guidance_interval=interval)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Classifier-free guidance from one network (gnet=SELF): its own prediction for the all-zero label guides it.
+
+def self_guidance_inputs():
+    net = randomized(tiny_precond(label_dim=3, use_fp16=False)).eval().requires_grad_(False)
+    noise = torch.randn([2, 3, 8, 8], generator=torch.Generator().manual_seed(1))
+    return net, noise, torch.eye(3)[[0, 2]]
+
+
+# Float32 round-off of one tiny-U-Net evaluation whose kernels see a batch of 2N instead of N images: the same
+# products summed in another order. A sum of n float32 terms reassociated differs by at most n eps sum|terms|
+# (eps = 2**-24 in float32, relative to the terms), the widest sum here being a 3x3 convolution over 2 x 16
+# channels (n = 288); the layers' normalizations keep values near 1, so 288 eps ~ 2e-5 per layer, and the tiny
+# U-Net has about a dozen layers in sequence: 5e-4 bounds an evaluation with room.
+BATCH_REASSOCIATION = 5e-4
+
+
+def batch_sizes(net, calls):
+    """net, appending the batch size of every call to calls."""
+
+    def counted(x, sigma, labels):
+        calls.append(x.shape[0])
+        return net(x, sigma, labels)
+
+    return counted
+
+
+def test_the_doubled_batch_is_one_call_equal_to_two_calls():
+    net, noise, labels = self_guidance_inputs()
+    calls = []
+    counted = batch_sizes(net, calls)
+    x, sigma = noise * 2.0, torch.full([2], 2.0)
+    cond, uncond = sampler.conditional_and_unconditional(counted, x, sigma, labels)
+    assert calls == [4]
+    torch.testing.assert_close(cond, net(x, sigma, labels), rtol=BATCH_REASSOCIATION, atol=BATCH_REASSOCIATION)
+    torch.testing.assert_close(uncond, net(x, sigma, torch.zeros_like(labels)), rtol=BATCH_REASSOCIATION,
+                               atol=BATCH_REASSOCIATION)
+    assert not torch.allclose(cond, uncond)  # the label matters, so the halves are not swapped unnoticed
+
+
+def test_self_guidance_at_one_is_unguided_sampling_bitwise_with_no_doubled_batch():
+    net, noise, labels = self_guidance_inputs()
+    calls = []
+    counted = batch_sizes(net, calls)
+    unguided = sampler.edm_sampler(net, noise, labels, num_steps=4)
+    out = sampler.edm_sampler(counted, noise, labels, gnet=sampler.SELF, guidance=1, num_steps=4)
+    assert torch.equal(out, unguided) and calls == [2] * 7
+
+
+def test_self_guidance_equals_a_separate_copy_given_the_all_zero_label():
+    net, noise, labels = self_guidance_inputs()
+    copy = tiny_precond(label_dim=3, use_fp16=False).eval().requires_grad_(False)
+    copy.load_state_dict(net.state_dict())
+    calls = []
+    counted = batch_sizes(net, calls)
+    def unconditional_copy(x, sigma, labels):
+        return copy(x, sigma, torch.zeros_like(labels))
+
+    interval = (0.5, 10.0)
+    guided = sampler.edm_sampler(counted, noise, labels, gnet=sampler.SELF, guidance=2.0, num_steps=4,
+                                 guidance_interval=interval)
+    ref = sampler.edm_sampler(net, noise, labels, gnet=unconditional_copy, guidance=2.0, num_steps=4,
+                              guidance_interval=interval)
+    # Each of the 7 evaluations carries at most BATCH_REASSOCIATION of relative round-off, blended with weights
+    # |w| + |1 - w| = 3, and a later step passes an earlier error on scaled by at most 1: 7 x 3 x 5e-4 ~ 1e-2.
+    tolerance = 7 * 3 * BATCH_REASSOCIATION
+    torch.testing.assert_close(guided, ref, rtol=tolerance, atol=tolerance)
+    # Guided steps (t_cur in (0.5, 10]) evaluate the doubled batch once; the others the plain batch.
+    t = sampler.sigma_steps(4, 0.002, 80, 7).tolist()
+    evaluations = [1 if i == 3 else 2 for i in range(4)]
+    assert calls == [n for i in range(4) for n in [4 if interval[0] < t[i] <= interval[1] else 2] * evaluations[i]]
+    assert 4 in calls and 2 in calls
+    assert not torch.allclose(guided, sampler.edm_sampler(net, noise, labels, num_steps=4))
+
+
+def test_self_guidance_without_labels_is_refused():
+    net, noise, _ = self_guidance_inputs()
+    with pytest.raises(sampler.SamplerError, match="needs class labels"):
+        sampler.edm_sampler(net, noise, None, gnet=sampler.SELF, guidance=2.0, num_steps=4)

@@ -20,7 +20,7 @@ from edm2 import posthoc
 from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots.sweep import sweep_figure
 from edm2.encoders import StabilityVAEEncoder
-from edm2.snapshot import load_network, save_network
+from edm2.snapshot import METADATA_KEY, load_network, read_metadata, save_network
 from edm2.sweep import SweepError, SweepResults, run_sweep
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
                            write_image_dataset)
@@ -90,18 +90,34 @@ def test_sweep_loss_and_reconstructions_equal_independent_ones(reference_run, tr
     assert 0.2 < expected < 5  # lambda(sigma) makes Eq. 14 about 1 for a weak denoiser
 
 
-def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path, monkeypatch):
+def with_label_dropout(run, dest, p):
+    """A copy of a run's snapshots whose metadata says they were trained with label dropout p."""
+    dest.mkdir()
+    for path in run.glob("network-snapshot-*.safetensors"):
+        metadata = read_metadata(path)
+        metadata["training_options"]["label_dropout"] = p
+        safetensors.torch.save_file(safetensors.torch.load_file(str(path)), str(dest / path.name),
+                                    metadata={METADATA_KEY: json.dumps(metadata)})
+    return dest
+
+
+@pytest.mark.parametrize("guide", ["autoguidance", "self"])
+def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path, monkeypatch, guide):
     # FID through the sweep equals `calculate_metrics.py gen` on reconstruct_phema.py's file for that length, with
-    # the guidance options of gen (here autoguidance by the run's early snapshot): the same seeds, the same images.
+    # the guidance options of gen (autoguidance by the run's early snapshot, or the network's own unconditional
+    # prediction): the same seeds, the same images.
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
     pin_detector_file(monkeypatch, "fid", tmp_path / "inception.pt")
     inception, gnet = f"--inception={tmp_path / 'inception.pt'}", reference_run / "network-snapshot-0000001-0.050.safetensors"
+    indir = reference_run
+    if guide == "self":
+        indir, gnet = with_label_dropout(reference_run, tmp_path / "run", 0.1), "self"
     assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
                                         inception], standalone_mode=False) is None
     common = ["--metrics=fid", f"--ref={tmp_path / 'ref.npz'}", inception, "--num=4", "--batch=4", "--seed=7",
               f"--gnet={gnet}", "--guidance=2", "--guidance-interval=0.3,5"]
-    result = sweep(f"--indir={reference_run}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
+    result = sweep(f"--indir={indir}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
                    *common)
     assert result.exit_code == 0, result.output
     [row] = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
@@ -177,6 +193,8 @@ BAD_INPUT = {
     "guidance interval without guidance": ({"--guidance-interval": "0.3,5"}, ["--guidance-interval", "only with guidance"],
                                            None),
     "guidance interval reversed": ({"--guidance-interval": "5,0.3"}, ["--guidance-interval", "SIGMA_LO < SIGMA_HI"], None),
+    "self-guidance without label dropout": ({"--gnet": "self", "--guidance": "2"},
+                                            ["--gnet", "trained with label dropout"], None),
     "seeds past 2**32": ({"--seed": str(2**32 - 2)}, ["--seed", "go past"], None),
     "data of another resolution": ({"--data": "big"}, ["--data", "takes 3 channels at 8x8"],
                                    lambda tmp, run: write_image_dataset(tmp / "big", num=2, resolution=16)),

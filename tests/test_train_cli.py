@@ -269,6 +269,10 @@ BAD_OPTIONS = [
     (["--lr=0"], "--lr", "0.0 is not in the range x>0"),
     (["--dropout=nan"], "--dropout", "not a finite number"),
     (["--dropout=1"], "--dropout", "1.0 is not in the range 0<=x<1"),
+    (["--label-dropout=1"], "--label-dropout", "1.0 is not in the range 0<=x<1"),
+    (["--label-dropout=-0.1"], "--label-dropout", "-0.1 is not in the range 0<=x<1"),
+    (["--label-dropout=nan"], "--label-dropout", "not a finite number"),
+    (["--label-dropout=0.1", "--cond=False"], "--label-dropout", "needs a class-conditional run (--cond=True)"),
     (["--decay=nan"], "--decay", "not a finite number"),
     (["--decay=inf"], "--decay", "not a finite number"),
     (["--decay=-1"], "--decay", "-1.0 is not in the range x>=0"),
@@ -426,3 +430,20 @@ def test_dry_run_prints_options_and_writes_nothing(train_data, tmp_path):
 def test_help_shows_examples():
     result = CliRunner().invoke(train_edm2.main, ["--help"])
     assert result.exit_code == 0 and "torchrun --standalone --nproc_per_node=8 train_edm2.py" in result.output
+
+
+def test_label_dropout_run_resumes_bit_identically_and_differs_from_a_run_without(train_data, tmp_path):
+    short = ["--workers=0", "--snapshot=128", "--checkpoint=128", "--status=128"]
+    dropout = "--label-dropout=0.5"
+    # Stopped after half by its duration, then the same command with the longer duration resumes it.
+    assert run_training(train_data, tmp_path / "resumed", *short, dropout, "--duration=128").returncode == 0
+    result = run_training(train_data, tmp_path / "resumed", *short, dropout, "--duration=256")
+    assert result.returncode == 0 and "Resuming from training-state-0000000-128.pt at 128 images" in result.stdout
+    for name, extra in [("whole", [dropout]), ("plain", [])]:
+        assert run_training(train_data, tmp_path / name, *short, *extra, "--duration=256").returncode == 0
+    pattern, ignore = "network-snapshot-0000000-256-*.safetensors", ("run_dir", "workers", "duration")
+    whole = snapshot_contents(tmp_path / "whole", pattern, ignore)
+    assert len(whole) == 2 and snapshot_contents(tmp_path / "resumed", pattern, ignore) == whole
+    assert all(meta["training_options"]["label_dropout"] == 0.5 for _, meta in whole.values())
+    plain = snapshot_contents(tmp_path / "plain", pattern, ignore)
+    assert all(whole[name][0] != plain[name][0] for name in whole)  # the dropped labels changed the weights

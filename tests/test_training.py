@@ -1,6 +1,7 @@
 """Pieces of the training loop: data order, seeding, gradient accumulation, the optimizer step, checkpoints."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from edm2.loss import EDM2Loss
 from training import checkpoint
 from training.data_order import DataOrder, round_seed
 from training.options import OptionsError, OptionsMismatch, TrainingOptions, check_same_hyperparameters, rounds_per_step
-from training.step import accumulate_gradients, optimizer_step
+from training.step import accumulate_gradients, drop_labels, optimizer_step
 from tests.helpers import tiny_precond
 
 
@@ -170,6 +171,17 @@ def test_changed_hyperparameters_are_named():
     assert json.loads(json.dumps(base.hyperparameters())) == base.hyperparameters()
 
 
+def test_label_dropout_is_a_hyperparameter_that_runs_made_before_it_hold_at_zero():
+    base = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={})
+    dropping = TrainingOptions.from_preset("toy-tiny", dataset={"resolution": 8}, encoder={}, label_dropout=0.1)
+    with pytest.raises(OptionsMismatch, match=r"label_dropout: run has 0.0, now 0.1"):
+        check_same_hyperparameters(base.hyperparameters(), dropping.hyperparameters())
+    older = {k: v for k, v in base.hyperparameters().items() if k != "label_dropout"}  # a run from before the option
+    check_same_hyperparameters(older, base.hyperparameters())
+    with pytest.raises(OptionsMismatch, match=r"label_dropout: run has 0.0, now 0.1"):
+        check_same_hyperparameters(older, dropping.hyperparameters())
+
+
 def test_weights_digest_is_bitwise():
     net = tiny_net()
     digest = checkpoint.weights_digest(net)
@@ -177,3 +189,57 @@ def test_weights_digest_is_bitwise():
     with torch.no_grad():
         net.unet.out_gain.copy_(torch.nextafter(net.unet.out_gain, torch.tensor(1.0)))
     assert checkpoint.weights_digest(net) != digest
+
+
+class RecordingLoss(EDM2Loss):
+    """EDM2Loss drawing sigma and noise from torch's global generator (as training does), recording its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __call__(self, net, images, labels=None):
+        loss = super().__call__(net, images, labels)
+        self.seen.append((labels, torch.get_rng_state()))
+        return loss
+
+
+def dropout_round(label_dropout, seed=7, n=16):
+    net, loss_fn = tiny_net(), RecordingLoss()
+    images, labels = torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.eye(4)[torch.arange(n) % 4]
+    loss = accumulate_gradients(net, loss_fn, Identity(), iter([(images, labels)]), seeds=[seed], scale=1,
+                                device=torch.device("cpu"), label_dropout=label_dropout)
+    return loss, [p.grad for p in net.parameters()], loss_fn.seen[0], (images, labels)
+
+
+def test_label_dropout_zero_is_the_round_without_dropout_bitwise():
+    loss, grads, (labels_seen, rng_after), (images, labels) = dropout_round(0.0)
+    # The round as it was before label dropout existed: the round's seed, then the loss on the labels as read.
+    net = tiny_net()
+    torch.manual_seed(7)
+    expected = RecordingLoss()(net, images, labels)
+    expected.sum().mul(1 / images.shape[0]).backward()
+    assert torch.equal(labels_seen, labels) and torch.equal(rng_after, torch.get_rng_state())
+    assert torch.equal(loss, expected.detach().mean())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
+
+
+def test_label_dropout_draws_from_its_own_stream_and_leaves_the_other_draws_alone():
+    _, grads_0, (_, rng_0), _ = dropout_round(0.0)
+    _, grads_half, (dropped, rng_half), (_, labels) = dropout_round(0.5)
+    assert torch.equal(rng_half, rng_0)  # sigma and noise came from the same global draws
+    kept = dropped.any(dim=1)
+    assert torch.equal(dropped[kept], labels[kept]) and not dropped[~kept].any()
+    assert 0 < kept.sum() < len(kept)
+    assert not all(torch.equal(a, b) for a, b in zip(grads_0, grads_half))
+    # The same round seed drops the same rows: a resumed run draws what the uninterrupted one did.
+    assert torch.equal(dropout_round(0.5)[2][0], dropped)
+    assert not torch.equal(dropout_round(0.5, seed=8)[2][0], dropped)
+
+
+def test_label_dropout_drops_each_label_with_its_probability():
+    n, p = 1 << 14, 0.2
+    dropped = drop_labels(torch.ones(n, 3), p, seed=3)
+    assert set(dropped.sum(dim=1).tolist()) <= {0.0, 3.0}
+    # The dropped fraction's std is sqrt(p (1 - p) / n) = 0.0031: five of them bound it.
+    assert abs((dropped.sum(dim=1) == 0).float().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)

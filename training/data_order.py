@@ -18,6 +18,11 @@ def round_seed(seed: int, rank: int, cur_nimg: int, round_idx: int) -> int:
     return int(np.random.SeedSequence([seed, rank, cur_nimg, round_idx]).generate_state(1, np.uint64)[0])
 
 
+def label_dropout_seed(seed: int) -> int:
+    """Seed of one round's label dropout draws: a stream of its own, so that drawing it moves no other draw."""
+    return int(np.random.SeedSequence([seed, 1]).generate_state(1, np.uint64)[0])
+
+
 class DataOrder(torch.utils.data.Sampler):
     """Endless dataset indices for one rank.
 

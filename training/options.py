@@ -18,8 +18,10 @@ from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS
 # where and for how long training runs and how much memory it uses, not what it computes.
 HYPERPARAMETERS = (
     "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
-    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init",
+    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init", "label_dropout",
 )
+# Hyperparameters added after runs were made: the value a run whose options lack them trained with.
+ADDED_HYPERPARAMETERS = {"label_dropout": 0.0}
 
 # The fields that are no command-line option: dataset and encoder describe the data (read from it again), network
 # holds the U-Net shape options and otherwise comes from the preset or --init, as rampup_Mimg and ema_stds do.
@@ -63,6 +65,7 @@ class TrainingOptions:
     precision: str = "fp16"
     ls: float = 1.0
     seed: int = 0
+    label_dropout: float = 0.0  # probability of training an image with the all-zero (unconditional) label
     workers: int = 2
     init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
     # How fast, not what: a resumed run may change these (edm2/speed.py). None: the device's default.
@@ -120,6 +123,7 @@ def rounds_per_step(batch: int, batch_gpu: int, world_size: int) -> tuple[int, i
 
 def check_same_hyperparameters(stored: dict, current: dict) -> None:
     """Raise OptionsMismatch naming every hyperparameter whose value differs between the two runs' options."""
+    stored = {**ADDED_HYPERPARAMETERS, **stored}
     differing = [k for k in HYPERPARAMETERS if stored.get(k) != current.get(k)]
     if differing:
         details = ", ".join(f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in differing)

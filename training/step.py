@@ -15,7 +15,7 @@ import torch
 
 from edm2.loss import EDM2Loss
 from edm2.speed import compile_loss
-from training.data_order import round_seed
+from training.data_order import label_dropout_seed, round_seed
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.state import TrainingState
@@ -32,7 +32,7 @@ class TrainingStep:
     loss_fn: EDM2Loss | Callable[..., torch.Tensor]  # EDM2Loss or edm2.speed.compile_loss(EDM2Loss)
     encoder: Encoder
     batches: Iterator  # (images, labels) of batch_gpu images each, `rounds` per step
-    opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed
+    opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed, label_dropout
     rounds: int = 1
     model: torch.nn.Module | None = None  # state.net wrapped in DistributedDataParallel; None: state.net
     rank: int = 0
@@ -52,6 +52,7 @@ def training_step(step: TrainingStep) -> torch.Tensor:
     loss = accumulate_gradients(                                                                    # Eq. 21
         step.model or state.net, step.loss_fn, step.encoder, step.batches, scale=opts.ls, device=step.device,
         seeds=[round_seed(opts.seed, step.rank, state.cur_nimg, r) for r in range(step.rounds)],
+        label_dropout=opts.label_dropout,
     )
     optimizer_step(state.net, state.optimizer, lr)                                                  # Adam
     state.cur_nimg += opts.batch
@@ -60,9 +61,11 @@ def training_step(step: TrainingStep) -> torch.Tensor:
 
 
 def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder,
-                         batches: Iterator, *, seeds: list[int], scale: float, device: torch.device) -> torch.Tensor:
+                         batches: Iterator, *, seeds: list[int], scale: float, device: torch.device,
+                         label_dropout: float = 0.0) -> torch.Tensor:
     """Backpropagate one batch per seed (the round's random draws), all-reducing gradients after the last
-    under DistributedDataParallel; returns the sum of the rounds' mean losses."""
+    under DistributedDataParallel; returns the sum of the rounds' mean losses. Each image's label becomes the
+    all-zero label with probability label_dropout (classifier-free guidance)."""
     rounds = len(seeds)
     loss_sum = torch.zeros([], device=device)
     for round_idx, seed in enumerate(seeds):
@@ -72,11 +75,20 @@ def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Te
             torch.manual_seed(seed)
             images = encoder.encode_latents(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True) if labels.shape[1] else None
+            if label_dropout and labels is not None:
+                labels = drop_labels(labels, label_dropout, label_dropout_seed(seed))
             loss = loss_fn(model, images, labels)
             # Sum over elements, mean over the rank's share of the batch; DDP averages over ranks.
             loss.sum().mul(scale / (rounds * images.shape[0])).backward()
             loss_sum += loss.detach().mean()
     return loss_sum
+
+
+def drop_labels(labels: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """labels [N, C] with each row zeroed with probability p, drawn on the CPU from seed: the same rows on any
+    device."""
+    keep = torch.rand([labels.shape[0]], generator=torch.Generator().manual_seed(seed)) >= p
+    return labels * keep.to(labels.device, labels.dtype).unsqueeze(1)
 
 
 def optimizer_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
