@@ -14,6 +14,7 @@ import PIL.Image
 import torch
 
 from cli.command import Command
+from cli.solver import solver_option
 from cli.speed import sampling_speed_options
 from cli.types import Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
@@ -150,6 +151,7 @@ Examples:
 @click.option("--class", "class_idx", type=click.IntRange(min=0), help="Class label for every image [default: random per seed]")
 @click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True, help="Images per batch and process")
 @click.option("--steps", "num_steps", type=click.IntRange(min=1), default=32, show_default=True, help="Sampling steps")
+@solver_option
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
