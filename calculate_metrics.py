@@ -14,6 +14,7 @@ import torch
 from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.config import config_option
+from cli.solver import solver_option
 from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
 from edm2 import distributed, files, locks, snapshot
@@ -278,6 +279,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               show_default=True)
 @click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], e.g. "
               "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)
+@solver_option
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
 @click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=Integer(2, MAX_IMAGES),
@@ -287,7 +289,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @sampling_speed_options
 @threads_option
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
-        ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
+        solver: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
         seed: int, speed: SamplingSpeed) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
@@ -304,7 +306,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         seeds = range(seed, seed + num_images)
         images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
                                                         batch_size=batch_size, device=device,
-                                                        guidance_interval=guidance_interval))
+                                                        guidance_interval=guidance_interval, solver=solver))
         stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
         report(stats, reference, metrics, count, net_path, ref_path)
 
@@ -317,12 +319,12 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
           seed: int, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
-          dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
+          solver: str, dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
     """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
     distances = [metric for metric in metrics if metric in DETECTORS]
     check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
-                                       guidance_interval)
+                                       guidance_interval, solver)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
     with distributed.session(), sweep_cli.held_outputs(plan):
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
@@ -336,7 +338,8 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         if reference is not None:
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,
-                          reference, samples, gnet, dict(guidance=guidance, guidance_interval=guidance_interval))
+                          reference, samples, gnet,
+                          dict(guidance=guidance, guidance_interval=guidance_interval, solver=solver))
         main_rank = distributed.is_main()
         run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
                   plan.save if main_rank else None, report=click.echo)

@@ -14,6 +14,7 @@ import torch
 
 from cli.command import Command
 from cli.config import config_option
+from cli.solver import solver_option
 from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
@@ -165,6 +166,7 @@ Examples:
                    "[default: random per seed]")
 @click.option("--batch", "batch_size", type=Integer(1, MAX_BATCH), default=32, show_default=True, help="Images per batch and process")
 @click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=32, show_default=True, help="Sampling steps")
+@solver_option
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")

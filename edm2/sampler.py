@@ -1,5 +1,6 @@
-"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn, and the guidance blend (paper Eq. 152),
-optionally limited to an interval of noise levels (Kynkaanniemi et al., NeurIPS 2024)."""
+"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn (or Euler's, or DPM-Solver++(2M) of Lu et al.
+2022), and the guidance blend (paper Eq. 152), optionally limited to an interval of noise levels (Kynkaanniemi et al.,
+NeurIPS 2024)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def conditional_and_unconditional(net: Callable, x: torch.Tensor, sigma: torch.T
     return both.chunk(2)
 
 
+# The ODE solvers, all on the same noise levels (sigma_steps); heun is the release's.
+SOLVERS = ("heun", "euler", "dpm2m")
+
+
+def evaluations(solver: str, num_steps: int) -> int:
+    """Denoiser evaluations (NFE) of num_steps steps: Heun corrects every step but the last; the others evaluate once."""
+    return 2 * num_steps - 1 if solver == "heun" else num_steps
+
+
 def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) -> torch.Tensor:
     """Noise levels t_0 > ... > t_{N-1} of EDM Eq. 5 followed by t_N = 0, in float64."""
     i = torch.arange(num_steps, dtype=torch.float64)
@@ -36,12 +46,14 @@ def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) 
 
 def check_settings(
     *, num_steps: int, sigma_min: float, sigma_max: float, rho: float, guidance: float, S_churn: float, S_min: float,
-    S_max: float, S_noise: float, dtype: torch.dtype = torch.float32,
+    S_max: float, S_noise: float, dtype: torch.dtype = torch.float32, solver: str = "heun",
 ) -> None:
     """Raise SamplerError unless edm_sampler can run with these settings (its arguments of the same names).
 
     Cheap, so that a command line can check its options before it loads a network.
     """
+    if solver not in SOLVERS:
+        raise SamplerError(f"solver={solver!r}: expected one of {', '.join(SOLVERS)}")
     if num_steps < 1:
         raise SamplerError(f"num_steps={num_steps}: at least one step is needed")
     finite = dict(sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance, S_churn=S_churn,
@@ -56,6 +68,9 @@ def check_settings(
         raise SamplerError(f"sigma_min={sigma_min:g} must be below sigma_max={sigma_max:g}")
     if S_churn < 0 or S_noise < 0:
         raise SamplerError(f"S_churn={S_churn:g} and S_noise={S_noise:g} cannot be negative")
+    # DPM-Solver++(2M) reuses the previous step's denoised image, which churn's fresh noise would make stale.
+    if S_churn > 0 and solver == "dpm2m":
+        raise SamplerError(f"S_churn={S_churn:g}: solver dpm2m is deterministic; churn needs heun or euler")
     try:
         t = sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1]
     except OverflowError:  # sigma ** (1 / rho) beyond float64
@@ -124,15 +139,16 @@ def edm_sampler(
     randn_like: Callable[[torch.Tensor], torch.Tensor] = torch.randn_like,
     dtype: torch.dtype = torch.float32,
     guidance_interval: tuple[float, float] | None = None,
+    solver: str = "heun",
 ) -> torch.Tensor:
-    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t).
+    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t) with solver (SOLVERS).
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
     net by its own unconditional prediction, both halves from one call on a doubled batch.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
-                   S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype)
+                   S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver)
     if guidance != 1 and gnet is None:
         raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
     if guidance != 1 and gnet == SELF and labels is None:
@@ -142,6 +158,8 @@ def edm_sampler(
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
+    if solver == "dpm2m":
+        return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval)
     for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
         x_cur = x_next
         # Churn (EDM Algorithm 2): raise the noise level to t_hat by adding fresh noise.
@@ -155,7 +173,29 @@ def edm_sampler(
         d_cur = (x_hat - denoise(x_hat, t_hat, guided)) / t_hat
         x_next = x_hat + (t_next - t_hat) * d_cur
         # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
-        if i < num_steps - 1:
+        if solver == "heun" and i < num_steps - 1:
             d_prime = (x_next - denoise(x_next, t_next, guided)) / t_next
             x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
     return x_next
+
+
+def _dpm_solver_2m(denoise: Callable, x: torch.Tensor, t_steps: list[float],
+                   interval: tuple[float, float] | None) -> torch.Tensor:
+    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) from x at t_steps[0] along t_steps, with the data prediction
+    x_theta = D (EDM's denoiser: alpha_t = 1, sigma_t = t, so lambda_t = -log t)."""
+    d_prev, h_prev = None, 0.0
+    for t_cur, t_next in zip(t_steps[:-2], t_steps[1:-1]):
+        d_cur = denoise(x, t_cur, guided_step(t_cur, interval))
+        h = math.log(t_cur / t_next)  # h_i = lambda_{t_i} - lambda_{t_{i-1}}
+        if d_prev is None:
+            d = d_cur  # the first step is DPM-Solver++(1) (their Eq. 10 with one denoised image)
+        else:
+            # D_i = (1 + 1/(2 r_i)) x_theta(t_{i-1}) - 1/(2 r_i) x_theta(t_{i-2}), r_i = h_{i-1} / h_i
+            half_over_r = 0.5 * h / h_prev
+            d = (1 + half_over_r) * d_cur - half_over_r * d_prev
+        # x_{t_i} = (sigma_{t_i} / sigma_{t_{i-1}}) x_{t_{i-1}} - alpha_{t_i} (e^{-h_i} - 1) D_i
+        x = (t_next / t_cur) * x - math.expm1(-h) * d
+        d_prev, h_prev = d_cur, h
+    # The last step ends at sigma = 0, lambda = inf: its factors are 0 and 1, and the solution is the denoised image
+    # (as Euler's last step also gives).
+    return denoise(x, t_steps[-2], guided_step(t_steps[-2], interval))

@@ -79,7 +79,7 @@ class Measure:
                  guidance: dict | None = None):
         self.metrics, self.encoder, self.seeds, self.batch_size, self.device = metrics, encoder, seeds, batch_size, device
         self.detectors, self.reference, self.samples = detectors or {}, reference or {}, samples
-        self.gnet, self.guidance = gnet, guidance or {}  # generate_images' guidance and guidance_interval
+        self.gnet, self.guidance = gnet, guidance or {}  # generate_images' guidance, guidance_interval, solver
 
     def __call__(self, net: torch.nn.Module) -> dict[str, float]:
         """{metric: value} of net, in the order of self.metrics."""

@@ -488,6 +488,8 @@ BAD_INPUT = {
     "gen interval reversed": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
                                                "--guidance", 2, "--gnet", t / "n.safetensors",
                                                "--guidance-interval", "5,1"], ["--guidance-interval", "'5,1'"]),
+    "gen unknown solver": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
+                                            "--solver", "rk4"], ["--solver", "'rk4'", "'dpm2m'"]),
     "gen interval garbage": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
                                               "--guidance", 2, "--gnet", t / "n.safetensors",
                                               "--guidance-interval", "low,high"], ["--guidance-interval", "two numbers"]),

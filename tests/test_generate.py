@@ -78,6 +78,23 @@ def test_same_seed_same_image_for_batch_sizes_1_and_7(nets):
     assert len({bytes(im.numpy()) for im in images}) == 7
 
 
+@pytest.mark.parametrize("solver", ["euler", "dpm2m"])
+def test_solver_reaches_the_sampler_with_guidance_and_its_interval(nets, tmp_path, solver):
+    args = ["--net", nets["net"], "--gnet", nets["gnet"], "--guidance=1.7", "--guidance-interval=0.5,20", "--seeds=0-2",
+            "--steps=4"]
+    for name in (solver, "heun"):
+        result = run_cli([*args, "--solver", name, "--outdir", tmp_path / name])
+        assert result.exit_code == 0, result.output
+    net, gnet = snapshot.load_network(nets["net"])[0], snapshot.load_network(nets["gnet"])[0]
+    [(_, images)] = generate_images(net, StandardRGBEncoder(), range(3), gnet=gnet, guidance=1.7, num_steps=4,
+                                    guidance_interval=(0.5, 20), solver=solver, batch_size=3, device="cpu")
+    written = read_pngs(tmp_path / solver)
+    assert list(written) == ["000000.png", "000001.png", "000002.png"]
+    for image, png in zip(images, written.values()):
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), png)
+    assert any(not np.array_equal(a, b) for a, b in zip(written.values(), read_pngs(tmp_path / "heun").values()))
+
+
 def test_one_and_two_processes_write_the_same_images(nets, tmp_path):
     args = ["--net", nets["net"], "--gnet", nets["gnet"], "--guidance=1.7", "--seeds=0-5,998-1000", *FAST]
     one = run_cli([*args, "--batch=9", "--subdirs", "--outdir", tmp_path / "one"])
@@ -250,6 +267,9 @@ BAD_INPUT = {
     "seed words": (["--net", "{net}", "--seeds=all"], ["--seeds", "'all'"]),
     "zero batch": (["--net", "{net}", "--batch=0"], ["--batch"]),
     "zero steps": (["--net", "{net}", "--steps=0"], ["--steps"]),
+    "unknown solver": (["--net", "{net}", "--solver=rk4"], ["--solver", "'rk4'", "'dpm2m'"]),
+    # FAST churns: DPM-Solver++(2M) reuses the previous step's denoised image, which churn would make stale.
+    "dpm2m with churn": (["--net", "{net}", "--solver=dpm2m"], ["S_churn=10", "dpm2m", "churn needs heun or euler"]),
     "sigma_max inf": (["--net", "{net}", "--sigma_max=inf"], ["--sigma_max", "not a finite number"]),
     "sigma_max nan": (["--net", "{net}", "--sigma_max=nan"], ["--sigma_max", "not a finite number"]),
     "sigma_max overflows": (["--net", "{net}", "--sigma_max=1e30"], ["sigma_max=1e+30", "float32"]),

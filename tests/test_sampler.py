@@ -127,7 +127,8 @@ def test_guidance_one_never_calls_the_guiding_net():
     assert torch.equal(sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=1, num_steps=8), ref)
 
 
-def test_guidance_is_the_lerp_of_the_two_denoisers():
+@pytest.mark.parametrize("solver", sampler.SOLVERS)
+def test_guidance_is_the_lerp_of_the_two_denoisers(solver):
     net, gnet = smooth_denoiser(0.7, 0.1), smooth_denoiser(0.4, 0.05)  # autoguidance: gnet sees labels too
     noise = torch.randn([2, 3, 4, 4], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     labels = torch.eye(3, dtype=torch.float64)[[0, 2]]
@@ -136,13 +137,16 @@ def test_guidance_is_the_lerp_of_the_two_denoisers():
         def blended(x, sigma, labels, w=w):
             return w * net(x, sigma, labels) + (1 - w) * gnet(x, sigma, labels)  # paper Eq. 152
 
-        guided = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=w, num_steps=8, dtype=torch.float64)
-        ref = sampler.edm_sampler(blended, noise, labels, num_steps=8, dtype=torch.float64)
+        guided = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=w, num_steps=8, dtype=torch.float64,
+                                     solver=solver)
+        ref = sampler.edm_sampler(blended, noise, labels, num_steps=8, dtype=torch.float64, solver=solver)
         # lerp and the written-out blend round differently: a few float64 eps (2.2e-16) of values up to
-        # |w| + |1 - w| <= 4 in each of 15 denoiser calls, 1.3e-14 in all; each later step scales such a
-        # difference by t_next / t_hat <= 1 (tanh's slope is small), so 1e-12 bounds it with room.
+        # |w| + |1 - w| <= 4 in each of at most 15 denoiser calls, 1.3e-14 in all; each later step scales such a
+        # difference by t_next / t_hat <= 1 (tanh's slope is small; dpm2m's extrapolation weights 1 + h / (2 h_prev)
+        # and h / (2 h_prev) stay below 2 on these levels), so 1e-12 bounds it with room.
         torch.testing.assert_close(guided, ref, rtol=1e-12, atol=1e-12)
-        assert not torch.allclose(guided, sampler.edm_sampler(net, noise, labels, num_steps=8, dtype=torch.float64))
+        unguided = sampler.edm_sampler(net, noise, labels, num_steps=8, dtype=torch.float64, solver=solver)
+        assert not torch.allclose(guided, unguided)
     with pytest.raises(sampler.SamplerError, match="gnet"):
         sampler.edm_sampler(net, noise, labels, guidance=1.4)
 
@@ -177,6 +181,8 @@ def test_default_settings_pass_the_check():
     (dict(sigma_min=1e-30), "squares are finite and above 0 in torch.float32"),
     # ... and sigma_max ** (1 / rho) overflows float64 for a tiny rho.
     (dict(rho=1e-3), "not decreasing levels"),
+    (dict(solver="rk4"), "solver='rk4': expected one of heun, euler, dpm2m"),
+    (dict(solver="dpm2m", S_churn=1.0), "churn needs heun or euler"),
 ])
 def test_settings_that_cannot_work_are_refused(settings, message):
     with pytest.raises(sampler.SamplerError, match=re.escape(message)):
@@ -207,27 +213,31 @@ def interval_inputs():
     return smooth_denoiser(0.7, 0.1), smooth_denoiser(0.4, 0.05), noise, torch.eye(3)[[0, 2]]
 
 
-def test_an_interval_holding_no_step_is_unguided_sampling_bitwise():
+@pytest.mark.parametrize("solver", sampler.SOLVERS)
+def test_an_interval_holding_no_step_is_unguided_sampling_bitwise(solver):
     net, _, noise, labels = interval_inputs()
 
     def gnet(*args):
         raise AssertionError("the guiding net must not run outside the interval")
 
-    unguided = sampler.edm_sampler(net, noise, labels, num_steps=8)
+    unguided = sampler.edm_sampler(net, noise, labels, num_steps=8, solver=solver)
     # Above sigma_max = 80, and between two levels: no step's level lies in either interval.
     t = sampler.sigma_steps(8, 0.002, 80, 7).tolist()
     for interval in [(80, 1e6), (t[4], (t[4] + t[3]) / 2)]:
-        out = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, guidance_interval=interval)
+        out = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, guidance_interval=interval,
+                                  solver=solver)
         assert torch.equal(out, unguided)
 
 
-def test_the_interval_from_zero_to_infinity_is_plain_guidance_bitwise():
+@pytest.mark.parametrize("solver", sampler.SOLVERS)
+def test_the_interval_from_zero_to_infinity_is_plain_guidance_bitwise(solver):
     net, gnet, noise, labels = interval_inputs()
-    for churn in ({}, dict(S_churn=10, S_min=0.01, S_max=1)):
+    for churn in ({}, dict(S_churn=10, S_min=0.01, S_max=1))[: 1 if solver == "dpm2m" else 2]:  # dpm2m: no churn
         plain = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, **churn,
-                                    randn_like=lambda x: torch.ones_like(x))
+                                    randn_like=lambda x: torch.ones_like(x), solver=solver)
         out = sampler.edm_sampler(net, noise, labels, gnet=gnet, guidance=2.5, num_steps=8, **churn,
-                                  randn_like=lambda x: torch.ones_like(x), guidance_interval=(0, math.inf))
+                                  randn_like=lambda x: torch.ones_like(x), guidance_interval=(0, math.inf),
+                                  solver=solver)
         assert torch.equal(out, plain)
 
 

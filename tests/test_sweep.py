@@ -16,10 +16,11 @@ import torch
 from click.testing import CliRunner
 
 import calculate_metrics
-from edm2 import posthoc
+from edm2 import generation, posthoc
 from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots.sweep import sweep_figure
 from edm2.encoders import StabilityVAEEncoder
+from edm2.sampler import edm_sampler
 from edm2.snapshot import METADATA_KEY, load_network, read_metadata, save_network
 from edm2.sweep import SweepError, SweepResults, run_sweep
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
@@ -104,8 +105,15 @@ def with_label_dropout(run, dest, p):
 @pytest.mark.parametrize("guide", ["autoguidance", "self"])
 def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, train_data, tmp_path, monkeypatch, guide):
     # FID through the sweep equals `calculate_metrics.py gen` on reconstruct_phema.py's file for that length, with
-    # the guidance options of gen (autoguidance by the run's early snapshot, or the network's own unconditional
-    # prediction): the same seeds, the same images.
+    # the guidance options and the solver of gen (autoguidance by the run's early snapshot, or the network's own
+    # unconditional prediction; DPM-Solver++(2M)): the same seeds, the same images.
+    solvers = []
+
+    def sampler_spy(*args, solver, **kwargs):
+        solvers.append(solver)
+        return edm_sampler(*args, solver=solver, **kwargs)
+
+    monkeypatch.setattr(generation, "edm_sampler", sampler_spy)
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(TinyInceptionStandIn()), tmp_path / "inception.pt")
     pin_detector_file(monkeypatch, "fid", tmp_path / "inception.pt")
@@ -116,15 +124,18 @@ def test_sweep_fid_with_guidance_is_gen_on_the_reconstruction(reference_run, tra
     assert calculate_metrics.main.main(["ref", f"--data={train_data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid",
                                         inception], standalone_mode=False) is None
     common = ["--metrics=fid", f"--ref={tmp_path / 'ref.npz'}", inception, "--num=4", "--batch=4", "--seed=7",
-              f"--gnet={gnet}", "--guidance=2", "--guidance-interval=0.3,5"]
+              f"--gnet={gnet}", "--guidance=2", "--guidance-interval=0.3,5", "--solver=dpm2m"]
     result = sweep(f"--indir={indir}", "--std=0.13", f"--dest={tmp_path}", f"--save={tmp_path / 'saved'}",
                    *common)
     assert result.exit_code == 0, result.output
-    [row] = json.loads((tmp_path / "ema-sweep.json").read_text())["rows"]
+    results = json.loads((tmp_path / "ema-sweep.json").read_text())
+    [row] = results["rows"]
+    assert results["settings"]["solver"] == "dpm2m" and solvers == ["dpm2m"]  # one batch of 4
     result = CliRunner().invoke(calculate_metrics.main, ["gen", f"--net={tmp_path / 'saved' / 'phema-0000002-0.130.safetensors'}",
                                                          *common])
     assert result.exit_code == 0, result.output
     assert row["fid"] == json.loads(result.output.strip().splitlines()[-1])["results"]["fid"]  # bit for bit
+    assert solvers == ["dpm2m", "dpm2m"]
 
 
 def test_an_interrupted_sweep_resumes_without_remeasuring(reference_run, tmp_path):
@@ -195,6 +206,7 @@ BAD_INPUT = {
     "guidance interval reversed": ({"--guidance-interval": "5,0.3"}, ["--guidance-interval", "SIGMA_LO < SIGMA_HI"], None),
     "self-guidance without label dropout": ({"--gnet": "self", "--guidance": "2"},
                                             ["--gnet", "trained with label dropout"], None),
+    "unknown solver": ({"--solver": "rk4"}, ["--solver", "'rk4'", "'dpm2m'"], None),
     "seeds past 2**32": ({"--seed": str(2**32 - 2)}, ["--seed", "go past"], None),
     "data of another resolution": ({"--data": "big"}, ["--data", "takes 3 channels at 8x8"],
                                    lambda tmp, run: write_image_dataset(tmp / "big", num=2, resolution=16)),
