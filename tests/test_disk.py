@@ -1,0 +1,80 @@
+"""Disk use of a training: snapshot and training-state sizes computed from the network (start line, README table),
+--keep-states deleting old training states only behind a newer readable one, even under repeated SIGKILLs."""
+
+import random
+import re
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import train_edm2
+from edm2.snapshot import load_network
+from training import checkpoint, disk
+from training.options import TrainingOptions
+from training.presets import PRESETS, get_preset
+from training.state import init_network
+from tests.helpers import (
+    REPO, TRAIN_ARGS, assert_refused, run_training, snapshot_contents, start_training, wait_for,
+)
+
+# Options that may differ between the invocations compared: when files are written and kept, not what is computed.
+WHEN = ("run_dir", "workers", "duration", "status", "snapshot", "checkpoint", "keep_states")
+
+
+def final_snapshots(outdir) -> dict:
+    contents = snapshot_contents(outdir, "network-snapshot-0000002-0.*.safetensors", WHEN)
+    assert len(contents) == 2, sorted(contents)
+    return contents
+
+
+def test_sizes_match_the_files_a_run_writes(reference_run):
+    snapshot = reference_run / "network-snapshot-0000002-0.050.safetensors"
+    net, _ = load_network(snapshot)
+    tracks = len(get_preset("toy-tiny").ema_stds)
+    bound = disk.overhead_bound(net, tracks)
+    # Each file holds its tensors plus headers (names, shapes, options) no larger than the bound.
+    for path, tensor_bytes in [(snapshot, disk.snapshot_bytes(net)),
+                               (reference_run / "training-state-0000002.pt", disk.state_bytes(net, tracks))]:
+        assert 0 <= path.stat().st_size - tensor_bytes <= bound, path
+    # preset_sizes builds its networks on the meta device: they count as the trained one does.
+    with torch.device("meta"):
+        meta_net = init_network(toy_options(reference_run), 3)
+    assert (disk.snapshot_bytes(meta_net), disk.state_bytes(meta_net, tracks)) == (
+        disk.snapshot_bytes(net), disk.state_bytes(net, tracks))
+
+
+def test_the_start_line_counts_what_the_run_writes(reference_run):
+    log = (reference_run / "log.txt").read_text()
+    net, _ = load_network(reference_run / "network-snapshot-0000002-0.050.safetensors")
+    snapshot, state = disk.size_text(disk.snapshot_bytes(net)), disk.size_text(disk.state_bytes(net, 2))
+    # TRAIN_ARGS: 2Ki images, a snapshot pair and a training state every 1Ki.
+    assert f"Disk: this run writes 4 snapshot(s) of {snapshot} and 2 training state(s) of {state}: up to " in log
+
+
+@pytest.mark.parametrize("start, end, interval, count", [
+    (0, 2048, 1024, 2), (0, 2000, 1024, 2), (1024, 2048, 1024, 1), (0, 2048, 0, 1), (2048, 2048, 1024, 0),
+    (1000, 3000, 1024, 3),
+])
+def test_writes_counts_each_crossed_interval_and_the_end(start, end, interval, count):
+    assert disk.writes(start, end, interval) == count
+
+
+def toy_options(tmp_path, **overrides) -> TrainingOptions:
+    return TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4), {},
+                                       run_dir=str(tmp_path), **overrides)
+
+
+def test_output_that_cannot_fit_is_warned_about(tmp_path, monkeypatch):
+    opts = toy_options(tmp_path, keep_states=1, checkpoint=256)
+    net = init_network(opts, 3)
+    # 2 snapshot pairs; 8 training states written, of which the newest and the one being written are on disk.
+    needed = 4 * disk.snapshot_bytes(net) + 2 * disk.state_bytes(net, 2)
+    free = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: free._replace(free=needed))
+    line, warning = disk.disk_report(opts, net, 0, tmp_path)
+    assert "4 snapshot(s)" in line and "8 training state(s)" in line and "at most 2 on disk at once" in line
+    assert f"up to {disk.size_text(needed)}; {disk.size_text(needed)} free in {tmp_path}" in line and warning is None
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: free._replace(free=needed - 1))
+    assert f"the run's output ({disk.size_text(needed)}) does not fit" in disk.disk_report(opts, net, 0, tmp_path)[1]
