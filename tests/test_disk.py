@@ -78,3 +78,66 @@ def test_output_that_cannot_fit_is_warned_about(tmp_path, monkeypatch):
     assert f"up to {disk.size_text(needed)}; {disk.size_text(needed)} free in {tmp_path}" in line and warning is None
     monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: free._replace(free=needed - 1))
     assert f"the run's output ({disk.size_text(needed)}) does not fit" in disk.disk_report(opts, net, 0, tmp_path)[1]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value, message", [("-1", "-1 is not in the range 0<=x<=1000000"),
+                                            ("1000001", "1000001 is not in the range 0<=x<=1000000"),
+                                            ("two", "'two' is not a valid integer")])
+def test_bad_keep_states_is_one_line_and_writes_nothing(value, message, train_data, tmp_path):
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
+        *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--keep-states={value}"]),
+        "Invalid value for '--keep-states'", message)
+
+
+def state_names(outdir) -> list[str]:
+    return sorted(p.name for p in checkpoint.list_states(outdir))
+
+
+def test_keep_states_keeps_the_newest_and_never_a_refused_one(train_data, reference_run, tmp_path):
+    outdir = tmp_path / "run"
+    result = run_training(train_data, outdir, "--workers=0", "--duration=1Ki", "--checkpoint=256", "--keep-states=2")
+    assert result.returncode == 0, result.stdout
+    assert state_names(outdir) == ["training-state-0000000-768.pt", "training-state-0000001.pt"]
+    assert "Deleted training-state-0000000-256.pt (--keep-states=2)" in result.stdout
+    # A newer state this start cannot read is skipped, written around and left alone; the run's own are pruned.
+    damaged = outdir / "training-state-0000001-1536.pt"
+    damaged.write_bytes(b"not a training state")
+    result = run_training(train_data, outdir, "--workers=0", "--checkpoint=256", "--keep-states=1")
+    assert result.returncode == 0, result.stdout
+    assert state_names(outdir) == ["training-state-0000001-1536.pt", "training-state-0000002.pt"]
+    assert damaged.read_bytes() == b"not a training state"
+    assert final_snapshots(outdir) == final_snapshots(reference_run)
+
+
+def test_sigkill_at_random_moments_with_keep_states_1_resumes_exactly(train_data, reference_run, tmp_path):
+    outdir, rng, most_states = tmp_path / "killed", random.Random(0), 0
+    args = ("--workers=0", "--checkpoint=128", "--snapshot=1Ki", "--status=64", "--keep-states=1")
+
+    def images_done() -> int:
+        """The image count of the last stats row, the run's progress; 0 before the first."""
+        text = (outdir / "stats.jsonl").read_text() if (outdir / "stats.jsonl").exists() else ""
+        return max(map(int, re.findall(r'"nimg": (\d+)', text)), default=0)
+
+    def progressed(target: int) -> bool:
+        """Watch the directory: the newest state plus the one being written at most; then whether target is done."""
+        nonlocal most_states
+        most_states = max(most_states, len(checkpoint.list_states(outdir)))
+        return images_done() >= target
+
+    # Kill points spread over the run, each after progress, most a random few polls later (inside a write or not).
+    for target in sorted(rng.sample(range(128, 2048, 64), 4)):
+        proc = start_training(train_data, outdir, *args)
+        wait_for(lambda: progressed(target), proc, timeout=300, poll_s=0.001)
+        for _ in range(rng.randrange(50)):
+            progressed(0)
+        proc.kill()
+        proc.communicate()
+        progressed(0)
+        # Whatever moment the kill fell on, a readable training state remains once one was written.
+        if images_done() >= 128:
+            assert checkpoint.load_newest_state(outdir)[0] is not None
+    result = run_training(train_data, outdir, *args)
+    assert result.returncode == 0, result.stdout
+    assert most_states <= 2 and state_names(outdir) == ["training-state-0000002.pt"]
+    assert final_snapshots(outdir) == final_snapshots(reference_run)
