@@ -141,3 +141,20 @@ def test_sigkill_at_random_moments_with_keep_states_1_resumes_exactly(train_data
     assert result.returncode == 0, result.stdout
     assert most_states <= 2 and state_names(outdir) == ["training-state-0000002.pt"]
     assert final_snapshots(outdir) == final_snapshots(reference_run)
+
+
+def size_table() -> str:
+    """README's table of what each preset writes, from the networks."""
+    rows = ["| preset | snapshot (one EMA length) | training state | snapshots of a whole run | every training "
+            "state of a whole run |", "|---|---|---|---|---|"]
+    for name, preset in PRESETS.items():
+        snapshot, state = disk.preset_sizes(name)
+        snapshots = disk.writes(0, preset.duration, preset.snapshot) * len(preset.ema_stds) * snapshot
+        states = disk.writes(0, preset.duration, preset.checkpoint) * state
+        rows.append(f"| `{name}` | {disk.size_text(snapshot)} | {disk.size_text(state)} | "
+                    f"{disk.size_text(snapshots)} | {disk.size_text(states)} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_readme_lists_each_presets_file_sizes():
+    assert size_table() in (REPO / "README.md").read_text()
