@@ -37,6 +37,7 @@ def state_bytes(net: torch.nn.Module, num_tracks: int) -> int:
 def overhead_bound(net: torch.nn.Module, num_tracks: int) -> int:
     """The most bytes a snapshot or training state holds beyond its tensors."""
     tensors = len(net.state_dict())
+    # A training state's tensors: the network's, each track's, and per parameter Adam's two moments and step.
     return FIXED_OVERHEAD + PER_TENSOR_OVERHEAD * tensors * (1 + num_tracks + 3)
 
 
