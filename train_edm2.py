@@ -13,7 +13,7 @@ from cli.command import Command
 from cli.config import config_option
 from cli.speed import threads_option
 from cli.types import (MAX_BATCH, MAX_RESOLUTION, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
-                       Number)
+                       Number, StdList)
 from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
@@ -156,6 +156,10 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
 @click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
 @click.option("--decay", type=Number(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
+@click.option("--rampup", "rampup_Mimg", type=Number(min=0), help="Learning rate ramp-up in millions of images, "
+              "0 = none  [default: preset]")
+@click.option("--ema-stds", type=StdList(), help="EMA lengths sigma_rel to track, one snapshot each, e.g. 0.05,0.1  "
+              "[default: preset]")
 @click.option("--batch-gpu", type=Integer(0, MAX_BATCH), default=0, show_default=True,
               help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,

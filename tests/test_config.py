@@ -75,6 +75,15 @@ def test_option_names_are_keys_too(train_data, tmp_path):
     assert out["network"]["attn_resolutions"] == [] and out["duration"] == 4096
 
 
+def test_ramp_up_and_ema_lengths_are_options_a_file_sets(options_file, tmp_path):
+    config = write_config(tmp_path / "c.json", dict(json.loads(options_file.read_text()), rampup_Mimg=3,
+                                                    ema_stds=[0.2, 0.07]))
+    out = json.loads(dry_run(f"--config={config}"))
+    assert (out["rampup_Mimg"], out["ema_stds"]) == (3.0, [0.07, 0.2])
+    out = json.loads(dry_run(f"--config={config}", "--rampup=0", "--ema-stds=0.1"))
+    assert (out["rampup_Mimg"], out["ema_stds"]) == (0.0, [0.1])
+
+
 @pytest.mark.bad_input
 def test_unknown_keys_are_refused_naming_them(options_file, tmp_path):
     config = write_config(tmp_path / "c.json", dict(json.loads(options_file.read_text()), lrr=1, dry_run=True))
@@ -86,8 +95,9 @@ def test_unknown_keys_are_refused_naming_them(options_file, tmp_path):
     ("lr", -1, "lr: -1"), ("precision", "fp8", "precision: 'fp8' is not one of"),
     ("duration", "lots", "duration: 'lots' is not an image count"), ("seed", {"a": 1}, "seed: expected a value"),
     ("network", [1], "network: expected an object"),
-    ("rampup_Mimg", 3, "rampup_Mimg: file has 3"),
-    ("ema_stds", [0.2], "ema_stds: file has [0.2]"),
+    ("rampup_Mimg", -1, "rampup_Mimg: -1.0 is not in the range x>=0"),
+    ("ema_stds", [0.2, 0.5], "ema_stds: 0.5 is outside (0, 0.2887)"),
+    ("ema_stds", [0.1, 0.1004], "ema_stds: 0.1 and 0.1004 would share the file name suffix 0.100"),
 ])
 def test_bad_values_are_refused_naming_file_and_key(options_file, tmp_path, key, value, message):
     config = write_config(tmp_path / "c.json", dict(json.loads(options_file.read_text()), **{key: value}))

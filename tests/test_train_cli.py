@@ -298,6 +298,11 @@ BAD_OPTIONS = [
     (["--num-blocks=0"], "--num-blocks", "0 is not in the range 1<=x<=64"),
     (["--attn-resolutions=x"], "--attn-resolutions", "'x' is not a comma-separated list of integers"),
     (["--attn-resolutions=4,-4"], "--attn-resolutions", "every number must lie in [1, 8192]"),
+    (["--rampup=-0.5"], "--rampup", "-0.5 is not in the range x>=0"),
+    (["--rampup=nan"], "--rampup", "'nan' is not a finite number"),
+    (["--ema-stds=0.05,0.3"], "--ema-stds", "0.3 is outside (0, 0.2887)"),
+    (["--ema-stds=0.05,0.0502"], "--ema-stds", "0.05 and 0.0502 would share the file name suffix 0.050"),
+    (["--ema-stds="], "--ema-stds", "is not a comma-separated list of numbers"),
 ]
 
 
@@ -447,3 +452,26 @@ def test_label_dropout_run_resumes_bit_identically_and_differs_from_a_run_withou
     assert all(meta["training_options"]["label_dropout"] == 0.5 for _, meta in whole.values())
     plain = snapshot_contents(tmp_path / "plain", pattern, ignore)
     assert all(whole[name][0] != plain[name][0] for name in whole)  # the dropped labels changed the weights
+
+
+def test_rampup_and_ema_stds_set_the_learning_rate_ramp_and_the_snapshots(train_data, tmp_path):
+    # 64 images in batches of 32; the stats row at 64 images reports the rate of the step that started at 32.
+    result = run_training(train_data, tmp_path / "run", "--workers=0", "--duration=64", "--status=32",
+                          "--snapshot=64", "--checkpoint=64", "--rampup=0.000128", "--ema-stds=0.12,0.07")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "stats.jsonl").read_text().splitlines()]
+    lr = {row["nimg"]: row["lr"] for row in rows}
+    # Eq. 67 with toy-tiny's lr 0.01, ramped over 128 images (the preset's 500 would give 0.01 * 32 / 500).
+    assert lr[64] == pytest.approx(0.01 * 32 / 128, rel=1e-12)
+    names = sorted(p.name for p in (tmp_path / "run").glob("network-snapshot-*.safetensors"))
+    assert [name[-len("0.070.safetensors"):] for name in names] == ["0.070.safetensors", "0.120.safetensors"]
+
+
+def test_resuming_with_another_rampup_or_ema_stds_is_refused(train_data, reference_run, tmp_path):
+    outdir = tmp_path / "copy"
+    shutil.copytree(reference_run, outdir)
+    result = cli([f"--data={train_data}", "--rampup=0.001", "--ema-stds=0.05"], outdir)
+    assert assert_one_error_line(result) == (
+        f"Error: {outdir}: cannot resume with different hyperparameters "
+        "(rampup_Mimg: run has 0.0005, now 0.001, ema_stds: run has [0.05, 0.1], now [0.05])"
+    )

@@ -24,9 +24,9 @@ HYPERPARAMETERS = (
 ADDED_HYPERPARAMETERS = {"label_dropout": 0.0}
 
 # The fields that are no command-line option: dataset and encoder describe the data (read from it again), network
-# holds the U-Net shape options and otherwise comes from the preset or --init, as rampup_Mimg and ema_stds do.
+# holds the U-Net shape options and otherwise comes from the preset or --init.
 DATA_FIELDS = ("dataset", "encoder")
-RECIPE_FIELDS = ("network", "rampup_Mimg", "ema_stds")
+RECIPE_FIELDS = ("network",)
 
 
 class OptionsError(EDM2Error):
@@ -88,6 +88,7 @@ class TrainingOptions:
         values.update({k: v for k, v in overrides.items() if v is not None})
         # A preset's decay=100 and --decay=100 are one value: floats throughout, so the options print alike.
         values.update({k: float(values[k]) for k in _FLOAT_FIELDS if k in values})
+        values["ema_stds"] = tuple(values["ema_stds"])  # --ema-stds gives a list
         return cls(preset=preset, dataset=dataset, encoder=encoder, **values)
 
     def to_json(self) -> dict:
