@@ -32,6 +32,7 @@ from training.trackers import TRACKERS, TrackerUnavailable, check_installed
 
 # The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
 MAX_CHANNELS, MAX_BLOCKS, MAX_LEVEL_MULT = 4096, 64, 64
+MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 
 EXAMPLES = """
 \b
@@ -167,6 +168,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--status", type=ImageCount(), help="Status line interval, 0 = none  [default: preset]")
 @click.option("--snapshot", type=ImageCount(), help="Snapshot interval, 0 = only at the end  [default: preset]")
 @click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
+@click.option("--keep-states", type=Integer(0, MAX_KEPT_STATES), default=0, show_default=True,
+              help="Keep this many newest training states, deleting older ones once a newer one reads back whole; "
+                   "0 = all")
 @click.option("--seed", type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True, help="Random seed")
 @click.option("--workers", type=Integer(0, MAX_WORKERS), default=2, show_default=True, help="Data loader processes per GPU")
 @click.option("--compile/--no-compile", "compile", default=None,

@@ -15,6 +15,7 @@ from edm2.errors import EDM2Error
 from edm2.networks import count_parameters
 from training import checkpoint
 from training.dashboard import Dashboard
+from training.disk import disk_report
 from training.data_order import DataOrder, batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
@@ -102,6 +103,10 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
     )
+    if run:
+        for line in disk_report(opts, state.net, state.cur_nimg, run.path):
+            if line:
+                print(line, flush=True)
     model = None  # DistributedDataParallel averages the gradients over ranks
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(

@@ -67,6 +67,7 @@ class TrainingOptions:
     seed: int = 0
     label_dropout: float = 0.0  # probability of training an image with the all-zero (unconditional) label
     workers: int = 2
+    keep_states: int = 0  # training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter)
     init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
     # How fast, not what: a resumed run may change these (edm2/speed.py). None: the device's default.
     compile: bool | None = None  # torch.compile of the network and the loss

@@ -136,3 +136,6 @@ class Outputs:
             self.trackers.flush()
         path = self.run.save_state(self.state.to_dict(self.opts, digests))
         print(f"Saved {path.name}", flush=True)
+        if self.opts.keep_states:
+            for old in self.run.prune_states(path, self.opts.keep_states):
+                print(f"Deleted {old.name} (--keep-states={self.opts.keep_states})", flush=True)

@@ -196,6 +196,17 @@ class RunDirectory:
         self.has_results = True
         return path
 
+    def prune_states(self, newest: Path, keep: int) -> list[Path]:
+        """Delete this run's training states beyond the keep newest, once newest (just written) reads back whole;
+        states this start refused to read are not ours to judge and stay. Returns the deleted paths."""
+        checkpoint.load_state(newest)  # a kill or a bad disk must never leave us with no readable state
+        ours = [p for p in checkpoint.list_states(self.path) if p.name not in self.refused]
+        if newest not in ours[:keep]:
+            return []
+        for old in ours[keep:]:
+            old.unlink(missing_ok=True)
+        return ours[keep:]
+
 
 def _row_images(line: bytes) -> int | None:
     """The image count of one stats.jsonl line; None for an empty, torn or foreign line (also one beyond
