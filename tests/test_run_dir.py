@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,8 +126,23 @@ def test_open_locks_cleans_temporaries_and_undoes_a_fruitless_start(tmp_path):
         with RunDirectory.open(path) as run:
             assert (path / LOCK_FILE).is_file() and run.created == [tmp_path / "runs", path]
             (path / "log.txt").write_text("started\n")
+            for folder in ("tensorboard", "wandb"):  # what --logger writes before the first snapshot
+                (path / folder).mkdir()
+                (path / folder / "events").write_text("logged\n")
+            (path / "wandb-run.json").write_text("{}")
             raise RuntimeError("failed")
     assert not (tmp_path / "runs").exists()
+
+    # The trackers' files of an earlier start are not this start's to remove.
+    path.mkdir(parents=True)
+    (path / "tensorboard").mkdir()
+    (path / "wandb-run.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="failed"):
+        with RunDirectory.open(path):
+            (path / "wandb").mkdir()
+            raise RuntimeError("failed")
+    assert sorted(p.name for p in path.iterdir()) == ["tensorboard", "wandb-run.json"]
+    shutil.rmtree(path)
 
     path.mkdir(parents=True)
     stale = [path / ".training-state-0000001.pt.999999@elsewhere.x1.tmp", path / ".stats.jsonl.1@host.x2.tmp"]

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,7 +24,7 @@ from typing import Callable, Iterator
 from edm2 import bounded_json, files
 from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
-from training import checkpoint
+from training import checkpoint, trackers
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
 from training.run_lock import RunLock
 
@@ -96,8 +97,11 @@ class RunDirectory:
         snapshot or training state; called while the lock is held, so no other training's file can be among them."""
         if self.has_results:
             return
-        for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE} - self.found:
+        for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE, trackers.WANDB_FILE} - self.found:
             (self.path / name).unlink(missing_ok=True)
+        for name in {trackers.TENSORBOARD_DIR, trackers.WANDB_DIR} - self.found:  # the trackers' logs of this start
+            if (self.path / name).is_dir() and not (self.path / name).is_symlink():
+                shutil.rmtree(self.path / name, ignore_errors=True)
 
     def _remove_created_folders(self) -> None:
         """Remove the folders this process created, deepest first, where they are empty."""
