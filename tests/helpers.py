@@ -542,28 +542,7 @@ def lock_held_by_child(dest: Path, what: str, lock_name: str | None = None, cont
 
 
 # ---------------------------------------------------------------------------------------------------
-# Memory bounds: a command line run with its address space limited.
-
-# Run as `python -c LIMITED HEADROOM SCRIPT ARGS...`: import torch and NumPy (most of any command's address space),
-# limit the address space to what is mapped then plus HEADROOM bytes, and run SCRIPT with ARGS as __main__.
-_LIMITED = """
-import resource, runpy, sys
-import numpy, torch
-with open("/proc/self/status") as status:
-    mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-limit = mapped + int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def run_with_memory_limit(headroom: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run the repository's `script` with args in a child process whose address space may grow by no more than
-    `headroom` bytes beyond what importing torch mapped (Linux); its output as text."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")  # threads and arenas reserve address space
-    return subprocess.run([sys.executable, "-c", _LIMITED, str(headroom), script, *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+# Decompression bombs.
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -598,11 +577,22 @@ def png_bomb_zip(root: Path, side: int, channels: int = 3, name: str = "00000/im
     return path
 
 
-# The address space (RLIMIT_AS) of a command's process at its end, printed to stderr by a wrapper.
+# ---------------------------------------------------------------------------------------------------
+# Memory bounds: a command line run with its address space limited, its peak reported.
+
+# Run as `python -c WRAPPER LIMIT SCRIPT ARGS...`: cap the address space (RLIMIT_AS) at LIMIT bytes (0: no cap), or
+# with '+HEADROOM' at what importing torch and NumPy (most of any command's address space) mapped plus HEADROOM;
+# run SCRIPT with ARGS as __main__, and print the address space's peak to stderr at the end.
 _PEAK_LINE = "address space peak: "
 _WRAPPER = """
 import atexit, resource, runpy, sys
-limit = int(sys.argv[1])
+limit = sys.argv[1]
+if limit.startswith("+"):
+    import numpy, torch
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    limit = mapped + int(limit[1:])
+limit = int(limit)
 if limit:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 peak = lambda: [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmPeak:")][0]
@@ -612,13 +602,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_python_script(args: Sequence, address_limit: int = 0) -> tuple[subprocess.CompletedProcess, int]:
-    """Run `python SCRIPT ARGS...` (args) from the repository with its address space capped at address_limit
-    bytes (0: no cap); return the finished process (its peak line removed from stderr) and its peak in bytes."""
+def run_python_script(args: Sequence, address_limit: int | str = 0) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `python SCRIPT ARGS...` (args) from the repository with its address space capped at address_limit bytes
+    (0: no cap; '+N': N bytes beyond what importing torch maps); return the finished process (its peak line removed
+    from stderr) and its peak in bytes."""
     wrapper = _WRAPPER.format(marker=_PEAK_LINE)
-    result = subprocess.run([sys.executable, "-c", wrapper, str(address_limit), *map(str, args)], cwd=REPO,
-                            env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    env = dict(TRAIN_ENV, MALLOC_ARENA_MAX="2")  # threads and malloc arenas reserve address space
+    result = subprocess.run([sys.executable, "-c", wrapper, str(address_limit), *map(str, args)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
     lines = result.stderr.splitlines(keepends=True)
     peaks = [int(line.removeprefix(_PEAK_LINE)) * 1024 for line in lines if line.startswith(_PEAK_LINE)]
     result.stderr = "".join(line for line in lines if not line.startswith(_PEAK_LINE))
     return result, max(peaks, default=0)
+
+
+def run_with_memory_limit(headroom: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run the repository's `script` with args in a child process whose address space may grow by no more than
+    `headroom` bytes beyond what importing torch mapped (Linux); its output as text."""
+    return run_python_script([script, *args], f"+{headroom}")[0]
