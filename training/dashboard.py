@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,33 +43,39 @@ class DashboardError(EDM2Error):
     """A run directory whose records cannot be drawn: no stats.jsonl, or a record file that is not ours."""
 
 
-def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
-    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped.
-
-    Unless required, a missing or empty file gives empty columns (a run whose status interval is longer than its
-    snapshot interval has none at its first snapshot)."""
+def stats_rows(run_dir: Path, keys: Sequence[str], required: bool = True) -> list[dict]:
+    """stats.jsonl's rows (parsed within edm2.bounded_json's bounds) that hold a number under every key; a torn or
+    foreign line is skipped. Unless required, a missing file gives no rows."""
     path = run_dir / STATS_FILE
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
         if not required:
-            lines = []
-        else:
-            raise DashboardError(f"{run_dir} has no {STATS_FILE}: not a training run directory") from None
+            return []
+        raise DashboardError(f"{run_dir} has no {STATS_FILE}: not a training run directory") from None
     except OSError as e:
         raise DashboardError(f"{path}: cannot read ({e.strerror or e})") from None
-    columns: dict[str, list[float]] = {key: [] for key in STATS_KEYS}
+    rows = []
     for line in lines:
         try:
             row = bounded_json.parse(line, str(path))
-            values = [float(row[key]) for key in STATS_KEYS]
+            for key in keys:
+                float(row[key])
         except (bounded_json.JSONFileError, TypeError, KeyError, ValueError):
             continue
-        for key, value in zip(STATS_KEYS, values):
-            columns[key].append(value)
-    if required and not columns["kimg"]:
-        raise DashboardError(f"{path} holds no status rows yet")
-    return columns
+        rows.append(row)
+    return rows
+
+
+def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
+    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped.
+
+    Unless required, a missing or empty file gives empty columns (a run whose status interval is longer than its
+    snapshot interval has none at its first snapshot)."""
+    rows = stats_rows(run_dir, STATS_KEYS, required)
+    if required and not rows:
+        raise DashboardError(f"{run_dir / STATS_FILE} holds no status rows yet")
+    return {key: [float(row[key]) for row in rows] for key in STATS_KEYS}
 
 
 def load_records(path: Path) -> dict | None:

@@ -14,7 +14,8 @@ import PIL.Image
 
 from edm2 import bounded_json
 from training import checkpoint
-from training.dashboard import MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, snapshot_numbers
+from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, snapshot_numbers,
+                                stats_rows)
 from training.run_dir import STATS_FILE
 from training.sample_grid import grid_path
 from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
@@ -22,22 +23,13 @@ from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
 
 def status_rows(run_dir: Path) -> list[dict]:
     """stats.jsonl's rows with an image count and every STATUS_KEYS number; a torn or foreign line is skipped."""
-    path = run_dir / STATS_FILE
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise DashboardError(f"{path}: cannot read ({e.strerror or e}): not a training run directory") from None
     rows = []
-    for line in lines:
-        try:
-            row = bounded_json.parse(line, str(path))
-            values = {key: float(row[key]) for key in STATUS_KEYS}
-        except (bounded_json.JSONFileError, TypeError, KeyError, ValueError):
-            continue
+    for row in stats_rows(run_dir, STATUS_KEYS):
+        values = {key: float(row[key]) for key in STATUS_KEYS}
         if isinstance(row.get("nimg"), int) and all(map(math.isfinite, values.values())):
             rows.append(dict(values, nimg=row["nimg"]))
     if not rows:
-        raise DashboardError(f"{path} holds no status rows")
+        raise DashboardError(f"{run_dir / STATS_FILE} holds no status rows")
     return rows
 
 
