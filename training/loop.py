@@ -1,5 +1,19 @@
 """The EDM2 training loop: steps of the paper's recipe until the duration, with status lines, EMA snapshots and
-training states at their intervals, exact resume, and a clean stop on SIGTERM/SIGINT."""
+training states at their intervals, exact resume, and a clean stop on SIGTERM/SIGINT.
+
+The life of a run, in order (every rank runs it; rank 0 alone writes files):
+1. options: training/options.py (TrainingOptions, resolved by train_edm2.py).
+2. run directory and its lock: training/run_dir.py (RunDirectory.open, with training/run_lock.py), log.txt through
+   training/log_tee.py, SIGTERM/SIGINT caught by training/signals.py.
+3. checkpoints.resume: training/checkpoint.py (Checkpoints.resume loads the newest valid training state into
+   training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).
+4. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
+5. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 21's loss, Adam, the EMA update).
+6. outputs: training/outputs.py (status lines and stats.jsonl, EMA snapshots with training/dashboard.py and
+   training/sample_grid.py, training/trackers.py).
+7. checkpoints.save: training/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
+Steps 5 to 7 repeat until the duration or a stop signal.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +29,7 @@ from edm2.networks import count_parameters
 from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.disk import disk_report
-from training.data_order import DataOrder, batches
+from training.data_order import run_batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
@@ -105,11 +119,9 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             state.net, device_ids=[device.index] if device.type == "cuda" else None)
-    order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
-    loaded = batches(dataset, order, opts.workers, device)
-    stack.callback(loaded.close)
+    batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device))
     return TrainingStep(
-        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=loaded,
+        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=batches,
         opts=opts, rounds=rounds, model=model, rank=rank, device=device,
     )
 
