@@ -156,7 +156,8 @@ def _check_tensors(saved: object, shapes: dict[str, torch.Size], path: str | os.
         raise CheckpointError(f"{path}: its {what} is a {type(saved).__name__}, not tensors by name")
     missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
     if missing or extra:
-        raise CheckpointError(f"{path}: its {what} " + (f"lacks {missing[0]}" if missing else f"has an unknown {extra[0]}"))
+        problem = f"lacks {missing[0]}" if missing else f"has an unknown {extra[0]}"
+        raise CheckpointError(f"{path}: its {what} {problem}")
     for name, shape in shapes.items():
         tensor = saved[name]
         if not isinstance(tensor, torch.Tensor) or tensor.shape != shape:
