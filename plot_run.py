@@ -8,8 +8,8 @@ import click
 
 from cli.command import Command
 from edm2 import files
-from training.checkpoint import CheckpointError
 from training.dashboard import PLOTS_DIR, DashboardError, redraw
+from training.run_dir import RunDirectoryError
 from training.tensorboard_import import write_tensorboard
 from training.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_installed
 
@@ -59,7 +59,7 @@ def write_events(run: Path) -> None:
     try:
         files.check_writable_dir(run / TENSORBOARD_DIR)
         folder = write_tensorboard(run)
-    except (DashboardError, CheckpointError, files.OutputError) as e:
+    except (DashboardError, RunDirectoryError, files.OutputError) as e:
         raise click.BadParameter(str(e), param_hint="RUN") from None
     click.echo(f"Saved TensorBoard events in {folder}")
 

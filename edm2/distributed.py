@@ -166,18 +166,24 @@ def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: i
     return RankBatches(items, batch_size, rank, world_size, skip_empty)
 
 
+def on_main_rank(fn: Callable[[], T], errors: tuple[type[BaseException], ...] = (EDM2Error, OSError)) -> T | None:
+    """fn() on rank 0 (None on the others); if it raises one of errors, every rank raises that exception."""
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except errors as e:  # shared with the other ranks, then raised everywhere
+            error = e
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
+    return result
+
+
 def main_rank_first(fn: Callable[[], T]) -> T:
     """Call fn on rank 0, then on the other ranks, so rank 0 alone fills caches (downloads).
 
     If rank 0 raises, every rank raises that exception without calling fn.
     """
-    result, error = None, None
-    if is_main():
-        try:
-            result = fn()
-        except Exception as e:  # shared with the other ranks, then raised everywhere
-            error = e
-    error = broadcast_object(error)
-    if error is not None:
-        raise error
+    result = on_main_rank(fn, errors=(Exception,))
     return result if is_main() else fn()

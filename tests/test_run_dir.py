@@ -19,6 +19,7 @@ from edm2.locks import DestinationInUse
 from edm2.snapshot import images_tag
 from training import checkpoint, run_dir
 from training.options import TrainingOptions
+from training.checkpoint import Checkpoints
 from training.run_dir import RunDirectory
 from training.run_lock import LOCK_FILE, RunLock
 from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, dead_pid
@@ -194,11 +195,11 @@ def tiny_options(run: Path) -> TrainingOptions:
 
 
 def accept_any(state: dict, path: Path) -> None:
-    """A resume_point check that finds every state's tensors fit (the fake states hold none)."""
+    """A Checkpoints.newest check that finds every state's tensors fit (the fake states hold none)."""
 
 
 def fake_state(opts: TrainingOptions, cur_nimg: int, **extra) -> dict:
-    """A training state with empty weights: what resume_point reads of one."""
+    """A training state with empty weights: what Checkpoints.newest reads of one."""
     hyperparameters = opts.hyperparameters()
     return dict(net={}, optimizer={}, ema={}, cur_nimg=cur_nimg, elapsed_s=0.0,
                 options=json.dumps(hyperparameters, sort_keys=True),
@@ -208,27 +209,29 @@ def fake_state(opts: TrainingOptions, cur_nimg: int, **extra) -> dict:
 def test_a_run_gets_an_identity_at_its_start_and_keeps_it_on_resume(tmp_path):
     opts = tiny_options(tmp_path)
     first, other = RunDirectory(tmp_path), RunDirectory(tmp_path / "other")
-    assert first.resume_point(opts, accept_any) == (None, None) and other.resume_point(opts, accept_any) == (None, None)
+    assert Checkpoints(first).newest(opts, accept_any) == (None, None)
+    assert Checkpoints(other).newest(opts, accept_any) == (None, None)
     assert run_dir.RUN_ID.fullmatch(first.run_id) and first.run_id != other.run_id
     # Started, killed before its first training state: the next start keeps training_options.json's identity.
-    checkpoint.save_options(tmp_path, first.options_json(opts))
+    run_dir.save_options(tmp_path, first.options_json(opts))
     again = RunDirectory(tmp_path)
-    again.resume_point(opts, accept_any)
+    checkpoints = Checkpoints(again)
+    checkpoints.newest(opts, accept_any)
     assert again.run_id == first.run_id
     # Every training state carries it, and a resume takes it from the state it resumes from.
-    state_file = again.save_state(fake_state(opts, 1024))
+    state_file = checkpoints.write(fake_state(opts, 1024))
     assert checkpoint.load_state(state_file)["run_id"] == first.run_id
-    checkpoint.save_options(tmp_path, dict(opts.to_json(), run_id="0" * 32))
+    run_dir.save_options(tmp_path, dict(opts.to_json(), run_id="0" * 32))
     resumed = RunDirectory(tmp_path)
-    assert resumed.resume_point(opts, accept_any)[0] == str(state_file) and resumed.run_id == first.run_id
+    assert Checkpoints(resumed).newest(opts, accept_any)[0] == state_file and resumed.run_id == first.run_id
 
 
 def test_a_run_begun_before_run_ids_gets_one_on_resume(tmp_path):
     opts = tiny_options(tmp_path)
-    checkpoint.save_options(tmp_path, opts.to_json())
+    run_dir.save_options(tmp_path, opts.to_json())
     checkpoint.save_state(checkpoint.state_path(tmp_path, 1024), fake_state(opts, 1024))
     run = RunDirectory(tmp_path)
-    assert run.resume_point(opts, accept_any)[1]["cur_nimg"] == 1024 and run_dir.RUN_ID.fullmatch(run.run_id)
+    assert Checkpoints(run).newest(opts, accept_any)[1]["cur_nimg"] == 1024 and run_dir.RUN_ID.fullmatch(run.run_id)
 
 
 @pytest.mark.bad_input
@@ -238,7 +241,7 @@ def test_a_stored_run_id_that_is_not_one_is_refused(tmp_path, run_id):
     path = checkpoint.state_path(tmp_path, 1024)
     checkpoint.save_state(path, fake_state(opts, 1024, run_id=run_id))
     with pytest.raises(checkpoint.CheckpointError, match=f"^{path}: its run_id .* is not 32 hex digits$"):
-        RunDirectory(tmp_path).resume_point(opts, accept_any)
+        Checkpoints(RunDirectory(tmp_path)).newest(opts, accept_any)
 
 
 # Holds a run directory the way a training does, until its standard input closes.

@@ -213,8 +213,7 @@ def test_a_loaded_optimizer_keeps_this_runs_implementation():
         return step.state
 
     fused, foreach = trained_state(dict(fused=True)), trained_state(dict(foreach=True))  # a CUDA run's, a CPU run's
-    saved_fused, saved_foreach = fused.to_dict(TrainingOptions.from_preset("toy-tiny", {}, {}), []), \
-        foreach.to_dict(TrainingOptions.from_preset("toy-tiny", {}, {}), [])
+    saved_fused, saved_foreach = fused.to_dict(), foreach.to_dict()
     fused.load(saved_foreach)
     foreach.load(saved_fused)
     # Each keeps its own implementation (a saved optimizer would otherwise impose its run's) and the moments it read.

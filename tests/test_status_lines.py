@@ -2,7 +2,6 @@
 partial interval said as such, and a precision note that explains the CPU's float32."""
 
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ import torch
 from edm2.encoders import StandardRGBEncoder
 from training import outputs
 from training.options import TrainingOptions
-from tests.helpers import tiny_precond
 
 
 def row(nimg: int) -> dict:
@@ -42,17 +40,15 @@ def test_rates_leave_out_writing_time_and_a_stop_says_its_interval_is_partial(mo
     monkeypatch.setattr(outputs.time, "monotonic", clock)
     opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
                                        StandardRGBEncoder().config(), run_dir=str(tmp_path), data="unused")
-    net = tiny_precond(label_dim=4)
-    state = types.SimpleNamespace(cur_nimg=0, elapsed_s=0.0, net=net, ema=types.SimpleNamespace(get=lambda: []),
-                                  to_dict=lambda opts, digests: {})
+    state = types.SimpleNamespace(cur_nimg=0, elapsed_s=0.0, ema=types.SimpleNamespace(get=lambda: []))
     rows = []
 
     def write_slowly(*args):
         clock.now += 100.0  # a snapshot or training state that takes 100 s to write
 
-    run = types.SimpleNamespace(append_stats=rows.append, save_snapshots=write_slowly,
-                                save_state=lambda saved: write_slowly() or Path("training-state.pt"))
-    out = outputs.Outputs(opts, run, state, torch.device("cpu"))
+    run = types.SimpleNamespace(append_stats=rows.append, save_snapshots=write_slowly)
+    checkpoints = types.SimpleNamespace(save=write_slowly)
+    out = outputs.Outputs(opts, run, checkpoints, state, torch.device("cpu"))
     step_s = 0.5
     for nimg in range(opts.batch, 1024 + 512 + 2 * opts.batch + 1, opts.batch):  # toy-tiny: status 256, snapshot 1Ki
         clock.now += step_s

@@ -290,3 +290,12 @@ def test_plot_run_tensorboard_needs_a_run_and_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(tmp_path / "empty"), "--tensorboard"]),
                    "--tensorboard", "pip install -e .[tensorboard]")
+
+
+@pytest.mark.bad_input
+def test_plot_run_tensorboard_with_a_damaged_options_file_is_one_line(reference_run, tmp_path):
+    run = tmp_path / "copied"
+    shutil.copytree(reference_run, run)
+    (run / "training_options.json").write_text("[1, 2]")
+    assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]),
+                   "RUN", f"{run / 'training_options.json'}: a JSON list, not an object")

@@ -2,17 +2,20 @@
 
 import json
 import math
+import multiprocessing
+import re
 
 import numpy as np
 import pytest
 import torch
 
+from edm2.dataset import ImageFolderDataset
 from edm2.loss import EDM2Loss
-from training import checkpoint
-from training.data_order import DataOrder, round_seed
+from training import checkpoint, loop
+from training.data_order import DataOrder, round_seed, run_batches
 from training.options import OptionsError, OptionsMismatch, TrainingOptions, check_same_hyperparameters, rounds_per_step
 from training.step import accumulate_gradients, drop_labels, optimizer_step
-from tests.helpers import tiny_precond
+from tests.helpers import REPO, tiny_precond
 
 
 def take(iterator, n):
@@ -39,6 +42,29 @@ def test_data_order_resumes_mid_epoch_and_splits_over_ranks():
     ranks = [take(iter(DataOrder(7, 0, rank, 2, 3, start_nimg=0)), 24) for rank in range(2)]
     interleaved = [i for chunk in zip(*(np.reshape(r, (-1, 3)) for r in ranks)) for part in chunk for i in part]
     assert interleaved == single
+
+
+def test_run_batches_start_their_workers_at_the_first_batch_and_stop_them_on_leaving(train_data):
+    dataset, before = ImageFolderDataset(train_data), set(multiprocessing.active_children())
+    with run_batches(dataset, seed=3, start_nimg=8, batch_gpu=4, workers=2, device=torch.device("cpu")) as loaded:
+        assert set(multiprocessing.active_children()) == before  # nothing forked until a batch is asked for
+        images, labels = next(loaded)
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 2
+    assert not any(worker.is_alive() for worker in workers)
+    # The batch is the DataOrder's from the images seen on (one process: rank 0 of 1).
+    order = DataOrder(len(dataset), 3, 0, 1, 4, start_nimg=8)
+    items = [dataset[order.index(position)] for position in range(8, 12)]
+    assert torch.equal(images, torch.stack([torch.from_numpy(image) for image, _ in items]))
+    assert torch.equal(labels, torch.stack([torch.from_numpy(label) for _, label in items]))
+
+
+def test_the_life_of_a_run_names_modules_that_exist():
+    life = loop.__doc__.split("The life of a run")[1]
+    named = re.findall(r"\b(training/\w+\.py)\b", life)
+    assert len(named) >= 10 and all((REPO / path).is_file() for path in named)
+    # Its steps run from the options to the saved training state.
+    assert named[0] == "training/options.py" and named[-1] == "training/checkpoint.py"
 
 
 def test_round_seeds_differ_by_rank_step_and_round():

@@ -1,6 +1,7 @@
-"""Training-state files and the run's options file: names that never collide, durable saves, newest-valid
-lookup (a state is trusted only when its contents agree with its name and the run's network), and a bitwise
-digest of the weights."""
+"""The one owner of a run's training states (training-state-*.pt): Checkpoints saves them, finds the newest valid
+one, verifies it (its contents agree with its name, its hyperparameters with the run's options, its tensors with the
+network) and loads it; below it, the file format: names that never collide, durable saves, whole-file checks, and
+a bitwise digest of the weights."""
 
 from __future__ import annotations
 
@@ -15,24 +16,153 @@ from typing import Callable, Iterable
 
 import torch
 
-from edm2 import bounded_json, files
+from edm2 import bounded_json, distributed, files
 from edm2.errors import EDM2Error
 from edm2.snapshot import images_tag, kimg_to_nimg
+from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
+from training.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
+from training.state import TrainingState
 
 FORMAT_VERSION = 1
 # training-state-{images_tag}.pt, or .{copy}.pt where the plain name belongs to a state a run refused to read.
 STATE_PATTERN = re.compile(r"^training-state-(\d{7,})(?:-(\d+))?(?:\.(\d+))?\.pt$")
-OPTIONS_FILE = "training_options.json"
 REQUIRED_KEYS = ("format_version", "net", "optimizer", "ema", "cur_nimg", "elapsed_s", "options", "options_hash")
 
 
 class CheckpointError(EDM2Error):
-    """A training-state or options file is unreadable, incomplete or inconsistent, or the ranks disagree on the
-    weights."""
+    """A training-state file is unreadable, incomplete or inconsistent, or the ranks disagree on the weights."""
 
 
 class NewerStateError(CheckpointError):
     """A training state written by a newer version of this project (a format version above ours)."""
+
+
+class Checkpoints:
+    """A run's training states, on every rank: rank 0 holds the run directory and reads and writes the files; the
+    other ranks (run None) take part in the collectives and read the state rank 0 chose."""
+
+    def __init__(self, run: RunDirectory | None):
+        self.run = run
+        self.refused: set[str] = set()  # training states this start skipped: never replaced, never pruned
+
+    def resume(self, state: TrainingState, opts: TrainingOptions) -> Path | None:
+        """Every rank: continue state from the run's newest valid training state and return its path, or leave the
+        state new and return None; rank 0 chooses it (newest), the other ranks read the file it names."""
+        path, saved = distributed.on_main_rank(
+            lambda: self.newest(opts, lambda contents, file: check_fits(state, contents, file))) or (None, None)
+        path = distributed.broadcast_object(path)
+        if path and saved is None:
+            saved = load_state(path)
+        if saved is not None:
+            state.load(saved)
+        return path
+
+    def newest(self, opts: TrainingOptions, check: Callable[[dict, Path], None]) -> tuple[Path | None, dict | None]:
+        """Rank 0: the training state to resume from (path, contents): the newest one whose hyperparameters are the
+        run's (OptionsMismatch otherwise) and which passes check (that its tensors fit the network); newer ones that
+        are damaged, inconsistent or from a newer version are skipped with a line each, and never replaced. Settles
+        the run's identity; a run with snapshots but no training state must keep its training_options.json's
+        hyperparameters."""
+
+        def fits(contents: dict, path: Path) -> None:
+            check_same_hyperparameters(state_options(contents, path), opts.hyperparameters())
+            check(contents, path)
+
+        try:
+            found, skipped = load_newest_state(self.run.path, check=fits, report=print)
+            self.refused = {path.name for path in skipped}
+            self.run.take_identity(_run_id(found))
+            if found is not None:
+                self.run.has_results = True
+                return found
+            stored = self.run.snapshot_options()
+            if stored is not None:
+                check_same_hyperparameters(stored, opts.to_json())
+                self.run.has_results = True
+        except OptionsMismatch as e:
+            raise OptionsMismatch(f"{self.run.path}: {e}") from None
+        return None, None
+
+    def save(self, state: TrainingState, opts: TrainingOptions) -> None:
+        """Every rank: hash the weights, so that the file records that the ranks agree; then rank 0 writes the
+        training state and, with --keep-states, deletes the older ones beyond it."""
+        digests = distributed.all_gather_object(weights_digest(state.net))
+        if len(set(digests)) != 1:
+            raise CheckpointError(f"ranks hold different weights at {state.cur_nimg} images: {digests}")
+        if self.run is None:
+            return
+        hyperparameters = opts.hyperparameters()
+        path = self.write(dict(state.to_dict(), options=json.dumps(hyperparameters, sort_keys=True),
+                               options_hash=options_hash(hyperparameters), rank_digests=digests))
+        print(f"Saved {path.name}", flush=True)
+        if opts.keep_states:
+            for old in self.prune(path, opts.keep_states):
+                print(f"Deleted {old.name} (--keep-states={opts.keep_states})", flush=True)
+
+    def write(self, contents: dict) -> Path:
+        """Rank 0: write a training state named by its image count (by another name where that one belongs to a
+        state this start refused to read), stamped with the run's identity; returns its path."""
+        path = state_path(self.run.path, contents["cur_nimg"], avoid=self.refused)
+        save_state(path, dict(contents, run_id=self.run.run_id))
+        self.run.has_results = True
+        return path
+
+    def prune(self, newest: Path, keep: int) -> list[Path]:
+        """Rank 0: delete the run's training states beyond the keep newest, once newest (just written) reads back
+        whole; states this start refused to read are not ours to judge and stay. Returns the deleted paths."""
+        load_state(newest)  # a kill or a bad disk must never leave us with no readable state
+        ours = [p for p in list_states(self.run.path) if p.name not in self.refused]
+        if newest not in ours[:keep]:
+            return []
+        for old in ours[keep:]:
+            old.unlink(missing_ok=True)
+        return ours[keep:]
+
+
+def _run_id(found: tuple[Path, dict] | None) -> str | None:
+    """The run identity the training state found carries; None where none was found or it predates run ids."""
+    if found is None or RUN_ID_KEY not in found[1]:
+        return None
+    return checked_run_id(found[1][RUN_ID_KEY], found[0], CheckpointError)
+
+
+def check_fits(state: TrainingState, saved: dict, path: str | os.PathLike) -> None:
+    """Raise CheckpointError naming the first tensor of a training state (read by load_state) that does not fit
+    state's network, Adam or EMA tracks: a missing or extra name, or another shape."""
+    shapes = {name: tensor.shape for name, tensor in state.net.state_dict().items()}
+    _check_tensors(saved["net"], shapes, path, "net")
+    stds, emas = saved["ema"].get("stds"), saved["ema"].get("emas")
+    if not isinstance(stds, list) or tuple(stds) != state.ema.stds or not isinstance(emas, list) \
+            or len(emas) != len(stds):
+        raise CheckpointError(f"{path}: its EMA tracks are not those of sigma_rel {list(state.ema.stds)}")
+    for index, ema in enumerate(emas):
+        _check_tensors(ema, shapes, path, f"ema track {index}")
+    groups = saved["optimizer"].get("param_groups")
+    params = [p for group in state.optimizer.param_groups for p in group["params"]]
+    if not isinstance(groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else None for g in groups] \
+            != [len(g["params"]) for g in state.optimizer.param_groups]:
+        raise CheckpointError(f"{path}: its optimizer holds other parameter groups than the network's")
+    moments = saved["optimizer"].get("state")
+    if not isinstance(moments, dict) or not set(moments) <= set(range(len(params))):
+        raise CheckpointError(f"{path}: its optimizer state names parameters the network does not have")
+    for index, moment in moments.items():
+        expected = {"step": torch.Size([]), "exp_avg": params[index].shape, "exp_avg_sq": params[index].shape}
+        _check_tensors(moment, expected, path, f"optimizer state {index}")
+
+
+def _check_tensors(saved: object, shapes: dict[str, torch.Size], path: str | os.PathLike, what: str) -> None:
+    """Raise CheckpointError unless saved maps exactly the names of shapes to tensors of those shapes."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: its {what} is a {type(saved).__name__}, not tensors by name")
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    if missing or extra:
+        problem = f"lacks {missing[0]}" if missing else f"has an unknown {extra[0]}"
+        raise CheckpointError(f"{path}: its {what} {problem}")
+    for name, shape in shapes.items():
+        tensor = saved[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != shape:
+            found = f"shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(f"{path}: {what} {name} has {found}, the network's has shape {list(shape)}")
 
 
 def tagged_images(kimg: str, nimg: str | None) -> int:
@@ -169,17 +299,6 @@ def _is_int(value: object) -> bool:
 def options_hash(hyperparameters: dict) -> str:
     """SHA-256 of the hyperparameters' canonical JSON."""
     return hashlib.sha256(json.dumps(hyperparameters, sort_keys=True).encode()).hexdigest()
-
-
-def load_options(run_dir: str | os.PathLike) -> dict | None:
-    """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new run."""
-    return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, CheckpointError)
-
-
-def save_options(run_dir: str | os.PathLike, options: dict) -> None:
-    """Write training_options.json atomically."""
-    with files.atomic_path(Path(run_dir) / OPTIONS_FILE) as tmp:
-        tmp.write_text(json.dumps(options, indent=2, sort_keys=True) + "\n")
 
 
 def weights_digest(net: torch.nn.Module) -> str:

@@ -3,11 +3,14 @@ so a run resumed at any step reads and draws what the uninterrupted run would ha
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
+
+from edm2 import distributed
 
 if TYPE_CHECKING:
     from edm2.dataset import ImageFolderDataset
@@ -94,3 +97,16 @@ def batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device:
             # until exit, where multiprocessing terminates its children by SIGTERM and joins them: it would wait
             # forever. Shut them down here, on every way out.
             loaded._shutdown_workers()
+
+
+@contextlib.contextmanager
+def run_batches(dataset: ImageFolderDataset, seed: int, start_nimg: int, batch_gpu: int, workers: int,
+                device: torch.device) -> Iterator[Iterator]:
+    """This rank's batches of a run from start_nimg images on, in the DataOrder of seed: the loader's workers
+    start when the first batch is asked for and stop on leaving, however the run ends."""
+    order = DataOrder(len(dataset), seed, distributed.get_rank(), distributed.get_world_size(), batch_gpu, start_nimg)
+    loaded = batches(dataset, order, workers, device)
+    try:
+        yield loaded
+    finally:
+        loaded.close()

@@ -1,22 +1,35 @@
 """The EDM2 training loop: steps of the paper's recipe until the duration, with status lines, EMA snapshots and
-training states at their intervals, exact resume, and a clean stop on SIGTERM/SIGINT."""
+training states at their intervals, exact resume, and a clean stop on SIGTERM/SIGINT.
+
+The life of a run, in order (every rank runs it; rank 0 alone writes files):
+1. options: training/options.py (TrainingOptions, resolved by train_edm2.py).
+2. run directory and its lock: training/run_dir.py (RunDirectory.open, with training/run_lock.py), log.txt through
+   training/log_tee.py, SIGTERM/SIGINT caught by training/signals.py.
+3. checkpoints.resume: training/checkpoint.py (Checkpoints.resume loads the newest valid training state into
+   training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).
+4. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
+5. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 21's loss, Adam, the EMA update).
+6. outputs: training/outputs.py (status lines and stats.jsonl, EMA snapshots with training/dashboard.py and
+   training/sample_grid.py, training/trackers.py).
+7. checkpoints.save: training/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
+Steps 5 to 7 repeat until the duration or a stop signal.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from edm2 import distributed
-from edm2.errors import EDM2Error
 from edm2.networks import count_parameters
-from training import checkpoint
+from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.disk import disk_report
-from training.data_order import DataOrder, batches
+from training.data_order import run_batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
@@ -31,8 +44,6 @@ if TYPE_CHECKING:
     from edm2.dataset import ImageFolderDataset
     from edm2.encoders import Encoder
 
-T = TypeVar("T")
-
 
 def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) -> signal.Signals | None:
     """Train (or resume) the run described by opts; every rank calls this inside distributed.session().
@@ -43,16 +54,18 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     # The console guard comes first: a signal's message must not raise from its handler on a dead console.
     with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
         # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
-        run = _on_main_rank(lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
+        run = distributed.on_main_rank(
+            lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
         if run is not None:
             stack.enter_context(tee_output(run.path / LOG_FILE))
         for note in notes:
             print(note, flush=True)
-        step = _resume(opts, dataset, encoder, run)
-        stack.callback(step.batches.close)
+        checkpoints = Checkpoints(run)
+        step = _resume(opts, dataset, encoder, run, checkpoints, stack)
         if step.state.cur_nimg >= opts.duration:
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
-        elif _loop(step, Outputs(opts, run, step.state, step.device, _dashboard(run, opts, dataset, encoder, step),
+        elif _loop(step, Outputs(opts, run, checkpoints, step.state, step.device,
+                                 _dashboard(run, opts, dataset, encoder, step),
                                  **_reporters(run, opts, encoder, step, stack)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
         else:
@@ -76,9 +89,10 @@ def _loop(step: TrainingStep, outputs: Outputs, stop: StopFlag) -> bool:
         outputs.add_loss(loss_sum, step.rounds)
 
 
-def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
-            run: RunDirectory | None) -> TrainingStep:
-    """The run's step parts, its state new or loaded from the newest valid training state (rank 0 decides which)."""
+def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, run: RunDirectory | None,
+            checkpoints: Checkpoints, stack: contextlib.ExitStack) -> TrainingStep:
+    """The run's step parts, its state new or loaded from the newest valid training state, its batches (their loader
+    stopped when stack closes)."""
     rank, world_size, device = distributed.get_rank(), distributed.get_world_size(), distributed.device()
     batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
     if device.type == "cuda":
@@ -87,15 +101,9 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
-    path, saved = _on_main_rank(lambda: run.resume_point(opts, state.check)) or (None, None)
-    path = distributed.broadcast_object(path)
-    if path and saved is None:
-        saved = checkpoint.load_state(path)
-    if saved is not None:
-        state.load(saved)
-        del saved
+    path = checkpoints.resume(state, opts)
     if run:
-        checkpoint.save_options(run.path, run.options_json(opts))
+        run.write_options(opts)
         run.trim_stats(state.cur_nimg)
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     distributed.print0(
@@ -111,11 +119,10 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             state.net, device_ids=[device.index] if device.type == "cuda" else None)
-    order = DataOrder(len(dataset), opts.seed, rank, world_size, batch_gpu, state.cur_nimg)
+    batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device))
     return TrainingStep(
-        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-        batches=batches(dataset, order, opts.workers, device), opts=opts, rounds=rounds, model=model, rank=rank,
-        device=device,
+        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=batches,
+        opts=opts, rounds=rounds, model=model, rank=rank, device=device,
     )
 
 
@@ -126,10 +133,10 @@ def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> 
     return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
 
 
-def _start(path: str | None, init: str | None) -> str:
+def _start(path: Path | None, init: str | None) -> str:
     """How the first line of a run says where it starts: the training state it resumes, or the --init snapshot."""
     if path:
-        return f"Resuming from {Path(path).name}"
+        return f"Resuming from {path.name}"
     return f"Starting from {init}" if init else "Starting"
 
 
@@ -151,16 +158,3 @@ def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder
     grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
     return dict(trackers=trackers, grid=grid)
 
-
-def _on_main_rank(fn: Callable[[], T]) -> T | None:
-    """fn() on rank 0 (None on the others); if it raises a library or file error, every rank raises it."""
-    result, error = None, None
-    if distributed.is_main():
-        try:
-            result = fn()
-        except (EDM2Error, OSError) as e:
-            error = e
-    error = distributed.broadcast_object(error)
-    if error is not None:
-        raise error
-    return result

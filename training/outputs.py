@@ -9,7 +9,7 @@ import time
 import torch
 
 from edm2 import distributed
-from training import checkpoint
+from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
@@ -51,9 +51,11 @@ def status_text(row: dict, duration: int) -> str:
 class Outputs:
     """The writers of one run. Every rank makes the same calls (they hold collectives); rank 0 writes."""
 
-    def __init__(self, opts: TrainingOptions, run: RunDirectory | None, state: TrainingState, device: torch.device,
-                 dashboard: Dashboard | None = None, trackers: Trackers | None = None, grid: SampleGrid | None = None):
-        self.opts, self.run, self.state, self.device, self.dashboard = opts, run, state, device, dashboard
+    def __init__(self, opts: TrainingOptions, run: RunDirectory | None, checkpoints: Checkpoints, state: TrainingState,
+                 device: torch.device, dashboard: Dashboard | None = None, trackers: Trackers | None = None,
+                 grid: SampleGrid | None = None):
+        self.opts, self.run, self.checkpoints, self.state = opts, run, checkpoints, state
+        self.device, self.dashboard = device, dashboard
         self.trackers, self.grid = trackers, grid
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
@@ -126,16 +128,7 @@ class Outputs:
                               {} if grid is None else {"samples": grid})
 
     def training_state(self) -> None:
-        """Write a training state; every rank first hashes its weights so the file records that they agree."""
-        digests = distributed.all_gather_object(checkpoint.weights_digest(self.state.net))
-        if len(set(digests)) != 1:
-            raise checkpoint.CheckpointError(f"ranks hold different weights at {self.state.cur_nimg} images: {digests}")
-        if self.run is None:
-            return
+        """Write a training state (training/checkpoint.py), after the trackers flushed what they logged up to it."""
         if self.trackers:  # what was logged up to this state survives a kill
             self.trackers.flush()
-        path = self.run.save_state(self.state.to_dict(self.opts, digests))
-        print(f"Saved {path.name}", flush=True)
-        if self.opts.keep_states:
-            for old in self.run.prune_states(path, self.opts.keep_states):
-                print(f"Deleted {old.name} (--keep-states={self.opts.keep_states})", flush=True)
+        self.checkpoints.save(self.state, self.opts)

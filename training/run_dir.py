@@ -1,5 +1,5 @@
-"""A run directory, owned by one training at a time: its lock, options, log, stats.jsonl, EMA snapshots and
-training states, and the decision where a rerun resumes.
+"""A run directory, owned by one training at a time: its lock, options file, identity, log, stats.jsonl and EMA
+snapshots; its training states belong to training/checkpoint.py, which decides where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
@@ -22,17 +22,40 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from edm2 import bounded_json, files
+from edm2.errors import EDM2Error
 from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
-from training import checkpoint, trackers
-from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
+from training import trackers
+from training.options import TrainingOptions
 from training.run_lock import RunLock
 
-LOG_FILE, STATS_FILE = "log.txt", "stats.jsonl"
+LOG_FILE, STATS_FILE, OPTIONS_FILE = "log.txt", "stats.jsonl", "training_options.json"
 SNAPSHOT_PREFIX = "network-snapshot"
 # A run's identity (uuid4 hex), in its training_options.json, training states and snapshots' metadata.
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 RUN_ID_KEY = "run_id"  # in training_options.json: the run's identity, beside its options
+
+
+class RunDirectoryError(EDM2Error):
+    """A run directory's training_options.json is unreadable, or holds a run identity that is not one."""
+
+
+def load_options(run_dir: str | os.PathLike) -> dict | None:
+    """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new run."""
+    return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, RunDirectoryError)
+
+
+def save_options(run_dir: str | os.PathLike, options: dict) -> None:
+    """Write training_options.json atomically."""
+    with files.atomic_path(Path(run_dir) / OPTIONS_FILE) as tmp:
+        tmp.write_text(json.dumps(options, indent=2, sort_keys=True) + "\n")
+
+
+def checked_run_id(run_id: object, source: str | os.PathLike, error: type[EDM2Error] = RunDirectoryError) -> str:
+    """run_id read from the file source, raising error unless it is a run identity (32 lowercase hex digits)."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise error(f"{source}: its run_id {str(run_id)[:40]!r} is not 32 hex digits")
+    return run_id
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
@@ -53,10 +76,10 @@ class RunDirectory:
         self.path = Path(path).resolve()
         self.created: list[Path] = []
         self.found: set[str] = set()  # names in the directory when this start took the lock
-        self.refused: set[str] = set()  # training states this start skipped: never replaced
+        # A training state or snapshot, this start's or one it resumes from (training/checkpoint.py): files stay.
         self.has_results = False
         self.lock = RunLock(self.path)
-        self.run_id: str | None = None  # set by resume_point
+        self.run_id: str | None = None  # set by take_identity
 
     @classmethod
     @contextlib.contextmanager
@@ -97,7 +120,7 @@ class RunDirectory:
         snapshot or training state; called while the lock is held, so no other training's file can be among them."""
         if self.has_results:
             return
-        for name in {checkpoint.OPTIONS_FILE, LOG_FILE, STATS_FILE, trackers.WANDB_FILE} - self.found:
+        for name in {OPTIONS_FILE, LOG_FILE, STATS_FILE, trackers.WANDB_FILE} - self.found:
             (self.path / name).unlink(missing_ok=True)
         for name in {trackers.TENSORBOARD_DIR, trackers.WANDB_DIR} - self.found:  # the trackers' logs of this start
             if (self.path / name).is_dir() and not (self.path / name).is_symlink():
@@ -109,47 +132,29 @@ class RunDirectory:
             with contextlib.suppress(OSError):  # not empty: someone else's files; keep them
                 folder.rmdir()
 
-    def resume_point(self, opts: TrainingOptions, check: Callable[[dict, Path], None]) -> tuple[str | None, dict | None]:
-        """The training state to resume from (path, state): the newest one whose hyperparameters are this run's
-        (OptionsMismatch otherwise) and which passes check (that its tensors fit the network); newer ones that
-        are damaged, inconsistent or from a newer version are skipped with a line each, and never replaced."""
+    def take_identity(self, run_id: str | None) -> None:
+        """The run's identity: run_id (the training state it resumes from carries it), else training_options.json's
+        (a run that wrote snapshots before its first training state), else a new one (a new run, or one begun before
+        run ids)."""
+        if run_id is None:
+            options = load_options(self.path)
+            stored = options.get(RUN_ID_KEY) if isinstance(options, dict) else None
+            run_id = uuid.uuid4().hex if stored is None else checked_run_id(stored, self.path / OPTIONS_FILE)
+        self.run_id = run_id
 
-        def fits(state: dict, path: Path) -> None:
-            check_same_hyperparameters(checkpoint.state_options(state, path), opts.hyperparameters())
-            check(state, path)
-
-        try:
-            found, skipped = checkpoint.load_newest_state(self.path, check=fits, report=print)
-            self.refused = {path.name for path in skipped}
-            self.run_id = self._kept_run_id(found)
-            if found is not None:
-                self.has_results = True
-                return str(found[0]), found[1]
-            stored_options = checkpoint.load_options(self.path)
-            if stored_options is not None and any(self.path.glob(f"{SNAPSHOT_PREFIX}-*.safetensors")):
-                check_same_hyperparameters(stored_options, opts.to_json())
-                self.has_results = True
-        except OptionsMismatch as e:
-            raise OptionsMismatch(f"{self.path}: {e}") from None
-        return None, None
-
-    def _kept_run_id(self, found: tuple[Path, dict] | None) -> str:
-        """The identity of the run: the training state's it resumes from, else training_options.json's (a run that
-        wrote snapshots before its first training state), else a new one (a new run, or one begun before run ids)."""
-        if found is not None and RUN_ID_KEY in found[1]:
-            source, run_id = found[0], found[1][RUN_ID_KEY]
-        else:
-            source, options = self.path / checkpoint.OPTIONS_FILE, checkpoint.load_options(self.path)
-            run_id = options.get(RUN_ID_KEY) if isinstance(options, dict) else None
-            if run_id is None:
-                return uuid.uuid4().hex
-        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
-            raise checkpoint.CheckpointError(f"{source}: its run_id {str(run_id)[:40]!r} is not 32 hex digits")
-        return run_id
+    def snapshot_options(self) -> dict | None:
+        """training_options.json of a run that holds snapshots (one stopped before its first training state), or
+        None."""
+        stored = load_options(self.path)
+        return stored if stored is not None and any(self.path.glob(f"{SNAPSHOT_PREFIX}-*.safetensors")) else None
 
     def options_json(self, opts: TrainingOptions) -> dict:
         """What training_options.json holds: the options and the run's identity."""
         return {**opts.to_json(), RUN_ID_KEY: self.run_id}
+
+    def write_options(self, opts: TrainingOptions) -> None:
+        """Write training_options.json: the options and the run's identity."""
+        save_options(self.path, self.options_json(opts))
 
     def trim_stats(self, cur_nimg: int) -> None:
         """Keep the stats rows up to cur_nimg: drop rows a killed run wrote after its last training state, and
@@ -191,25 +196,6 @@ class RunDirectory:
             )
             save_network(snapshot_path(self.path, cur_nimg, std), ema_net, metadata)
         self.has_results = True
-
-    def save_state(self, state: dict) -> Path:
-        """Write a training state named by its image count (by another name where that one belongs to a state
-        this start refused to read); returns its path."""
-        path = checkpoint.state_path(self.path, state["cur_nimg"], avoid=self.refused)
-        checkpoint.save_state(path, dict(state, run_id=self.run_id))
-        self.has_results = True
-        return path
-
-    def prune_states(self, newest: Path, keep: int) -> list[Path]:
-        """Delete this run's training states beyond the keep newest, once newest (just written) reads back whole;
-        states this start refused to read are not ours to judge and stay. Returns the deleted paths."""
-        checkpoint.load_state(newest)  # a kill or a bad disk must never leave us with no readable state
-        ours = [p for p in checkpoint.list_states(self.path) if p.name not in self.refused]
-        if newest not in ours[:keep]:
-            return []
-        for old in ours[keep:]:
-            old.unlink(missing_ok=True)
-        return ours[keep:]
 
 
 def _row_images(line: bytes) -> int | None:

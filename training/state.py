@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.speed import to_channels_last
-from training import checkpoint
-from training.checkpoint import CheckpointError
 from training.architecture import init_weights
 from training.options import TrainingOptions
 
@@ -71,31 +67,8 @@ class TrainingState:
         net.unet.checkpoint_blocks = opts.checkpoint_activations
         return cls(net, adam(net.parameters(), device), PowerFunctionEMA(net, opts.ema_stds))
 
-    def check(self, saved: dict, path: str | os.PathLike) -> None:
-        """Raise CheckpointError naming the first tensor of a training state (read by checkpoint.load_state) that
-        does not fit this state's network, Adam or EMA tracks: a missing or extra name, or another shape."""
-        shapes = {name: tensor.shape for name, tensor in self.net.state_dict().items()}
-        _check_tensors(saved["net"], shapes, path, "net")
-        stds, emas = saved["ema"].get("stds"), saved["ema"].get("emas")
-        if not isinstance(stds, list) or tuple(stds) != self.ema.stds or not isinstance(emas, list) \
-                or len(emas) != len(stds):
-            raise CheckpointError(f"{path}: its EMA tracks are not those of sigma_rel {list(self.ema.stds)}")
-        for index, ema in enumerate(emas):
-            _check_tensors(ema, shapes, path, f"ema track {index}")
-        groups = saved["optimizer"].get("param_groups")
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not isinstance(groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else None for g in groups] \
-                != [len(g["params"]) for g in self.optimizer.param_groups]:
-            raise CheckpointError(f"{path}: its optimizer holds other parameter groups than the network's")
-        moments = saved["optimizer"].get("state")
-        if not isinstance(moments, dict) or not set(moments) <= set(range(len(params))):
-            raise CheckpointError(f"{path}: its optimizer state names parameters the network does not have")
-        for index, moment in moments.items():
-            expected = {"step": torch.Size([]), "exp_avg": params[index].shape, "exp_avg_sq": params[index].shape}
-            _check_tensors(moment, expected, path, f"optimizer state {index}")
-
     def load(self, saved: dict) -> None:
-        """Continue from a training state read by checkpoint.load_state."""
+        """Continue from a training state read (and checked to fit) by training/checkpoint.py."""
         self.net.load_state_dict(saved["net"])
         settings = [(group["fused"], group["foreach"]) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(saved["optimizer"])
@@ -109,25 +82,7 @@ class TrainingState:
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
 
-    def to_dict(self, opts: TrainingOptions, rank_digests: list[str]) -> dict:
-        """The contents of a training-state file; rank_digests records that every rank held these weights."""
-        hyperparameters = opts.hyperparameters()
-        return dict(
-            net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
-            cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s, options=json.dumps(hyperparameters, sort_keys=True),
-            options_hash=checkpoint.options_hash(hyperparameters), rank_digests=rank_digests,
-        )
-
-
-def _check_tensors(saved: object, shapes: dict[str, torch.Size], path: str | os.PathLike, what: str) -> None:
-    """Raise CheckpointError unless saved maps exactly the names of shapes to tensors of those shapes."""
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path}: its {what} is a {type(saved).__name__}, not tensors by name")
-    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
-    if missing or extra:
-        raise CheckpointError(f"{path}: its {what} " + (f"lacks {missing[0]}" if missing else f"has an unknown {extra[0]}"))
-    for name, shape in shapes.items():
-        tensor = saved[name]
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != shape:
-            found = f"shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise CheckpointError(f"{path}: {what} {name} has {found}, the network's has shape {list(shape)}")
+    def to_dict(self) -> dict:
+        """The tensors and counts a training-state file holds (training/checkpoint.py adds the run's options)."""
+        return dict(net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
+                    cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s)

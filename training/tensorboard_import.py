@@ -13,10 +13,9 @@ import numpy as np
 import PIL.Image
 
 from edm2 import bounded_json
-from training import checkpoint
 from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, snapshot_numbers,
                                 stats_rows)
-from training.run_dir import STATS_FILE
+from training.run_dir import STATS_FILE, load_options
 from training.sample_grid import grid_path
 from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
 
@@ -71,7 +70,7 @@ def write_tensorboard(run_dir: str | Path) -> Path:
     """Write RUN/tensorboard/'s event file from the run's records; every record is read first. Returns the folder."""
     run_dir = Path(run_dir)
     status, snapshots = status_rows(run_dir), snapshot_rows(run_dir)
-    options = checkpoint.load_options(run_dir)
+    options = load_options(run_dir)
     tracker = TensorBoardTracker(run_dir, options, purge_step=0)
     try:
         for row in status:
