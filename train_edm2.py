@@ -18,6 +18,7 @@ from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
+from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT  # the U-Net options' bounds are its arguments'
 from training.architecture import (
     UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, read_init, unet_options,
 )
@@ -34,8 +35,6 @@ from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_GRID_STEP
 from training.signals import die_by
 from training.trackers import TRACKERS, TrackerUnavailable, check_installed
 
-# The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
-MAX_CHANNELS, MAX_BLOCKS, MAX_LEVEL_MULT = 4096, 64, 64
 MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 
 EXAMPLES = """
@@ -198,7 +197,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
                    "estimate images/s and the run's remaining time")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
-@click.option("--channel-mult", type=IntList(1, MAX_LEVEL_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
+@click.option("--channel-mult", type=IntList(1, MAX_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
 @click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
               "[default: preset]")

@@ -81,7 +81,9 @@ BAD_VALUES = {
     "grid": ((0, 8), "--grid=(0, 8): expected (rows, cols), or () for none"),
     "loggers": (("mlflow",), "--logger=('mlflow',): expected a tuple of tensorboard, wandb"),
     "run_dir": ("", "--outdir='': expected a path"),
-    "network": ([], "--network=[]: expected an object"),
+    "network": ([], "network=[]: expected an object"),
+    "dataset": (dict(DATA_8X8, resolution="8"), "dataset={'label_dim': 4, 'num_channels': 3, 'resolution': '8'}: "
+                                                "expected a resolution >= 1"),
 }
 
 
@@ -121,8 +123,9 @@ def test_train_refuses_an_init_of_another_architecture_with_the_command_lines_me
     init = init_snapshot(tmp_path / "init.safetensors")
     line = cli_error(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--init={init}", "--channel-mult=1,2")
     snapshot = read_init(str(init))  # the snapshot's architecture, as a run from it takes it; but two levels
-    opts = toy_options(init=snapshot.path, channels=snapshot.channels, network=dict(snapshot.network, channel_mult=[1, 2]),
-                       run_dir=str(tmp_path / "run"), data=str(train_data))
+    opts = toy_options(init=snapshot.path, channels=snapshot.channels,
+                       network=dict(snapshot.network, channel_mult=[1, 2]), run_dir=str(tmp_path / "run"),
+                       data=str(train_data))
     with pytest.raises(NetworkMisfit) as info:
         train_from_python(opts, ImageFolderDataset(str(train_data)))
     assert line == f"Error: Invalid value for --init: {info.value}"
@@ -135,7 +138,8 @@ PREFLIGHT = {
     "other data": (dict(dataset=dict(DATA_8X8, resolution=16)), None,
                    "the options describe the data as {'resolution': 16, "),
     "other encoder": (dict(encoder={"class": "StabilityVAEEncoder"}), None, "the options' encoder is"),
-    "batch over rounds": (dict(batch=16, batch_gpu=5), None, "batch 16 is not divisible by 1 process(es) x batch-gpu 5"),
+    "batch over rounds": (dict(batch=16, batch_gpu=5), None,
+                          "batch 16 is not divisible by 1 process(es) x batch-gpu 5"),
     "another U-Net": (dict(network=dict(INIT_UNET, channels_per_head=4)), None, "network={"),
     "labels not widened": ({}, "two classes", "init.safetensors is a network of 4 classes, but the data's labels are "
                                               "one-hot over 2"),

@@ -120,11 +120,12 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
     if type(encoder) is not type(init.encoder):
         raise NetworkMisfit(f"{name} works on {type(init.encoder).__name__} data but the data is for "
-                           f"{type(encoder).__name__}")
+                            f"{type(encoder).__name__}")
     channels = encoder.out_channels(num_channels)
     if (resolution, channels) != (kwargs["img_resolution"], kwargs["img_channels"]):
         raise NetworkMisfit(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
-                           f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with {channels}")
+                            f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with "
+                            f"{channels}")
     classes = kwargs["label_dim"]
     if bool(label_dim) != bool(classes) or label_dim > classes:
         what = "an unconditional network: train it with --cond=False" if not classes else (
@@ -135,7 +136,7 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
         theirs = effective(kwargs, "model_channels" if option == "channels" else option)
         if value is not None and (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
             raise NetworkMisfit(f"--{option.replace('_', '-')}={_text(value)} contradicts {name}, whose U-Net has "
-                               f"{_text(theirs)}; leave it out to take the snapshot's")
+                                f"{_text(theirs)}; leave it out to take the snapshot's")
 
 
 def _text(value) -> str:

@@ -91,6 +91,7 @@ class TrainingOptions:
     grid_steps: int = DEFAULT_GRID_STEPS
 
     def __post_init__(self) -> None:
+        """Refuse options that cannot work (OptionsError, NetworkMisfit), part by part."""
         _check_recipe(self)
         _check_network(self)
         _check_speed(self)
@@ -137,10 +138,12 @@ _OPTION_NAMES = {"run_dir": "outdir", "rampup_Mimg": "rampup", "loggers": "logge
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    """Raise OptionsError naming the field's option as the command line spells it, unless ok."""
+    """Raise OptionsError naming the field's option as the command line spells it (the field, where no option sets
+    it), unless ok."""
     if not ok:
         option = _OPTION_NAMES.get(field, field.replace("_", "-"))
-        raise OptionsError(f"--{option}={shown(value)}: expected {expected}")
+        name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{option}"
+        raise OptionsError(f"{name}={shown(value)}: expected {expected}")
 
 
 def _counts(opts: TrainingOptions, names: tuple[str, ...], low: int) -> None:
@@ -189,8 +192,12 @@ def _check_network(opts: TrainingOptions) -> None:
     _require(isinstance(opts.dataset, dict), "dataset", opts.dataset, "an object")
     _require(isinstance(opts.network, dict), "network", opts.network, "an object")
     # Options that are only compared (hyperparameters) may leave out the data; preflight refuses such options.
-    if opts.init is None and "resolution" in opts.dataset:
-        check_network_fits_data(opts.dataset["resolution"], opts.channels, opts.network,
+    if "resolution" not in opts.dataset:
+        return
+    resolution = opts.dataset["resolution"]
+    _require(type(resolution) is int and resolution >= 1, "dataset", opts.dataset, "a resolution >= 1")
+    if opts.init is None:
+        check_network_fits_data(resolution, opts.channels, opts.network,
                                 explicit=_unet_shape(opts.network) != _unet_shape(get_preset(opts.preset).network))
 
 
