@@ -18,20 +18,23 @@ from edm2 import distributed, files
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
-from training.architecture import UNET_OPTIONS, check_architecture, check_init, read_init, unet_options
+from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT  # the U-Net options' bounds are its arguments'
+from training.architecture import (
+    UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, read_init, unet_options,
+)
 from training.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, rounds_per_step,
+    DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout,
+    rounds_per_step,
 )
+from training.preflight import dataset_description
 from training.presets import PRESETS, get_preset
 from training.run_dir import RUN_ID_KEY
 from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_GRID_STEPS
 from training.signals import die_by
 from training.trackers import TRACKERS, TrackerUnavailable, check_installed
 
-# The U-Net options' bounds: EDM2-XXL has 448 channels and 3 blocks per level, channel multipliers up to 4.
-MAX_CHANNELS, MAX_BLOCKS, MAX_LEVEL_MULT = 4096, 64, 64
 MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 
 EXAMPLES = """
@@ -88,10 +91,10 @@ def network_options(preset: str, resolution: int, channels: int | None, given: d
     refused with a line that names the option."""
     network = unet_options(get_preset(preset).network, given)
     try:
-        check_architecture(resolution, channels or get_preset(preset).channels, network,
-                           explicit=any(value is not None for value in given.values()))
-    except OptionsError as e:
-        raise click.UsageError(f"{e} (data {resolution}x{resolution})") from None
+        check_network_fits_data(resolution, channels or get_preset(preset).channels, network,
+                                explicit=any(value is not None for value in given.values()))
+    except NetworkMisfit as e:
+        raise click.UsageError(str(e)) from None
     return network
 
 
@@ -105,10 +108,18 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
         snapshot = read_init(init)
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
                    label_dim=dataset.label_dim, encoder=encoder, given=given)
-    except (SnapshotError, files.DownloadError, OptionsError) as e:
+    except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
     dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
+
+
+def build_options(preset: str, dataset: ImageFolderDataset, encoder: Encoder, **values) -> TrainingOptions:
+    """The run's options for this data; what their own checks refuse (TrainingOptions.__post_init__) is one line."""
+    try:
+        return TrainingOptions.from_preset(preset, dataset_description(dataset), encoder.config(), **values)
+    except OptionsError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def config_params(values: dict, path: str) -> dict:
@@ -186,7 +197,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
                    "estimate images/s and the run's remaining time")
 # The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
-@click.option("--channel-mult", type=IntList(1, MAX_LEVEL_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
+@click.option("--channel-mult", type=IntList(1, MAX_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
 @click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
               "[default: preset]")
@@ -224,9 +235,10 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
             check_installed(name)
         except TrackerUnavailable as e:
             raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
-    if overrides["label_dropout"] and not cond:
-        raise click.BadParameter("needs a class-conditional run (--cond=True): an unconditional network has no "
-                                 "label to drop", param_hint="'--label-dropout'")
+    try:
+        check_label_dropout(overrides["label_dropout"], cond)
+    except OptionsError as e:
+        raise click.BadParameter(str(e), param_hint="'--label-dropout'") from None
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
@@ -236,11 +248,9 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     else:
         encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
         overrides.update(from_init)
-    opts = TrainingOptions.from_preset(
-        preset, dataset=dict(resolution=dataset.resolution, num_channels=dataset.num_channels,
-                             label_dim=dataset.label_dim),
-        encoder=encoder.config(), run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu,
-        precision=precision, ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
+    opts = build_options(
+        preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
+        ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
         checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit, **overrides,
     )
     try:

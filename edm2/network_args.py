@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import reprlib
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from edm2.layers import ArchitectureError
 
@@ -104,16 +104,36 @@ def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> 
         real("clip_act", block_args["clip_act"], 0, MAX_SCALE, low_open=True)
     per_head = integer("channels_per_head", block_args["channels_per_head"], 1, MAX_CHANNELS)
     levels = len(mult)
-    if resolution % 2 ** (levels - 1):
+    sizes = level_resolutions(resolution, levels)
+    if sizes is None:
         raise ArchitectureError(f"img_resolution={resolution} does not divide by 2^{levels - 1}, as the "
                                 f"{levels} levels of channel_mult={mult} need")
-    for level, m in enumerate(mult):
-        width, res = channels * m, resolution >> level
-        heads = width // per_head
-        # The lowest level's first decoder block always has attention.
-        if (res in attention or level == levels - 1) and heads and width % heads:
-            raise ArchitectureError(f"attention at {res}x{res} splits {width} channels into {heads} heads of "
-                                    f"channels_per_head={per_head}: they do not divide evenly")
+    for level, res in attention_levels(sizes, attention):
+        width = channels * mult[level]
+        if not whole_heads(width, per_head):
+            raise ArchitectureError(f"attention at {res}x{res} splits {width} channels into {width // per_head} "
+                                    f"heads of channels_per_head={per_head}: they do not divide evenly")
+
+
+def level_resolutions(resolution: int, levels: int) -> list[int] | None:
+    """The resolutions of a U-Net's levels, each half the one before; None where the resolution does not divide by
+    2^(levels-1), so that the decoder could not come back up to the encoder's sizes."""
+    if resolution % 2 ** (levels - 1):
+        return None
+    return [resolution >> level for level in range(levels)]
+
+
+def attention_levels(sizes: list[int], attention: Sequence[int]) -> list[tuple[int, int]]:
+    """(level, resolution) of each level with self-attention: those at attention's resolutions, and the lowest,
+    whose first decoder block always has it (as in the release)."""
+    return [(level, res) for level, res in enumerate(sizes) if res in attention or level == len(sizes) - 1]
+
+
+def whole_heads(width: int, per_head: int) -> bool:
+    """Whether width channels split evenly into width // per_head attention heads (none, when fewer than per_head:
+    that block has no attention)."""
+    heads = width // per_head
+    return not heads or width % heads == 0
 
 
 def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object) -> None:

@@ -15,7 +15,10 @@ from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+# The one mapping of --precision's names: Precond's (use_fp16, use_bf16) flags and the dtype they compute in on CUDA.
+_PRECISIONS = {"fp32": ((False, False), torch.float32), "fp16": ((True, False), torch.float16),
+               "bf16": ((False, True), torch.bfloat16)}
+PRECISIONS = tuple(_PRECISIONS)
 
 
 def compile_by_default(device: torch.device) -> bool:
@@ -79,17 +82,30 @@ def to_channels_last(net: torch.nn.Module) -> torch.nn.Module:
     return net.to(memory_format=torch.channels_last)
 
 
+def precision_flags(precision: str) -> dict[str, bool]:
+    """Precond's use_fp16 and use_bf16 arguments for a precision (fp32, fp16 or bf16)."""
+    use_fp16, use_bf16 = _PRECISIONS[precision][0]
+    return dict(use_fp16=use_fp16, use_bf16=use_bf16)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The dtype a network of this precision computes in on CUDA."""
+    return _PRECISIONS[precision][1]
+
+
 def set_precision(net: Precond, precision: str, cpu_16bit: bool = False) -> Precond:
     """Make net compute in `precision` (fp32, fp16 or bf16) on CUDA, and with cpu_16bit on the CPU too."""
-    net.use_fp16 = precision == "fp16"
-    net.use_bf16 = precision == "bf16"
+    for name, value in precision_flags(precision).items():
+        setattr(net, name, value)
     net.cpu_16bit = cpu_16bit
     return net
 
 
 def snapshot_precision(net: Precond) -> str:
     """The precision a network was made (or trained) with: what set_precision would restore."""
-    return "bf16" if net.use_bf16 else "fp16" if net.use_fp16 else "fp32"
+    # A network built with both flags computes in bfloat16 (Precond.compute_dtype): bf16.
+    flags = (net.use_fp16 and not net.use_bf16, net.use_bf16)
+    return next(name for name, (pair, _) in _PRECISIONS.items() if pair == flags)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from edm2 import benchmark
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
-from edm2.speed import SamplingSpeed, set_precision
+from edm2.speed import PRECISIONS, SamplingSpeed, set_precision
 from edm2.toy_shapes import SHAPES, toy_image
 from training.benchmark import preset_network, synthetic_step, training_flops_per_image, with_unit_gains
 from training.step import training_step
@@ -112,7 +112,7 @@ def section_precision(probe: Probe, config: Config, record: Record) -> None:
     noise = torch.randn_like(images)
     reference = copy.deepcopy(net).double()
     want = loss_and_grads(reference, images.double(), labels.double(), sigma.double(), noise.double())
-    for precision in ("fp32", "fp16", "bf16"):
+    for precision in PRECISIONS:
         # A copy per path: training-mode forwards renormalize the weights in place.
         path = set_precision(copy.deepcopy(net), precision, cpu_16bit=True)
         got = loss_and_grads(path, images, labels, sigma, noise)
@@ -135,7 +135,7 @@ def toy_batches(resolution: int, batch: int, classes: int, seed: int = 0):
 def section_toy_training(probe: Probe, config: Config, record: Record) -> None:
     """(b) Toy training with each precision: the loss goes down, and the 16-bit runs follow the fp32 run."""
     curves = {}
-    for precision in ("fp32", "fp16", "bf16"):
+    for precision in PRECISIONS:
         step = synthetic_step(config.toy_preset, config.toy_batch, probe.device, precision=precision, compile=False,
                               cpu_16bit=True)
         step = dataclasses.replace(step, batches=toy_batches(16, config.toy_batch, 6))

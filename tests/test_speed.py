@@ -11,10 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
-from edm2.speed import to_channels_last
+from edm2.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
+                        to_channels_last)
 from training.benchmark import synthetic_step, with_unit_gains
 from training.options import TrainingOptions, check_same_hyperparameters
-from training.state import adam
+from training.state import adam, init_network
 from training.step import training_step, zero_nonfinite_
 from tests.helpers import bits, randomized, tiny_precond
 
@@ -223,3 +224,17 @@ def test_a_loaded_optimizer_keeps_this_runs_implementation():
         states = [a.optimizer.state[p] for p in a.net.parameters()]
         assert all(s["step"].dtype == torch.float32 and s["step"].item() == 1 for s in states)
         assert all(torch.equal(s["exp_avg"], b["optimizer"]["state"][i]["exp_avg"]) for i, s in enumerate(states))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_precision_name_maps_to_the_flags_and_dtype_it_computes_in_and_back(precision):
+    # The one mapping (edm2.speed): a network built with its flags computes in its dtype, and reads back as its name.
+    net = tiny_precond(**precision_flags(precision))
+    net.cpu_16bit = True  # compute as on CUDA
+    assert net.compute_dtype(CPU) == precision_dtype(precision) and snapshot_precision(net) == precision
+    other = set_precision(tiny_precond(use_fp16=precision != "fp16", use_bf16=precision != "bf16"), precision, True)
+    assert other.compute_dtype(CPU) == precision_dtype(precision) and snapshot_precision(other) == precision
+    # A training network is built with the same flags.
+    opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4), {},
+                                       precision=precision)
+    assert snapshot_precision(init_network(opts, 3)) == precision

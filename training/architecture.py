@@ -11,14 +11,19 @@ import torch
 
 from edm2 import files
 from edm2.encoders import Encoder
+from edm2.errors import EDM2Error
+from edm2.network_args import attention_levels, level_resolutions, whole_heads
 from edm2.networks import Block, UNet
 from edm2.snapshot import load_generator
-from training.options import OptionsError
 
 # The U-Net arguments that train_edm2.py sets with options of the same names (dashes for underscores).
 UNET_OPTIONS = ("channel_mult", "num_blocks", "attn_resolutions")
 # Precond arguments that a run sets from its data and options, not from an --init snapshot's architecture.
 RUN_ARGUMENTS = ("img_resolution", "img_channels", "label_dim", "model_channels", "dropout", "use_fp16", "use_bf16")
+
+
+class NetworkMisfit(EDM2Error):
+    """A U-Net that does not fit the run's data, or an --init snapshot that contradicts the data or the options."""
 
 
 def unet_defaults() -> dict:
@@ -35,8 +40,8 @@ def effective(network: dict, name: str) -> int | list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def check_architecture(resolution: int, channels: int, network: dict, explicit: bool = True) -> None:
-    """Raise OptionsError unless a U-Net of these arguments fits images of this resolution.
+def check_network_fits_data(resolution: int, channels: int, network: dict, explicit: bool = True) -> None:
+    """Raise NetworkMisfit unless a U-Net of these arguments fits images of this resolution.
 
     Every level but the last halves the resolution, and the decoder must come back to the same sizes, so the
     resolution must divide by 2^(levels-1). Attention splits a level's channels into heads of channels_per_head
@@ -46,23 +51,21 @@ def check_architecture(resolution: int, channels: int, network: dict, explicit: 
     """
     mult, attention = effective(network, "channel_mult"), effective(network, "attn_resolutions")
     per_head, levels = effective(network, "channels_per_head"), len(mult)
-    if resolution % 2 ** (levels - 1):
-        raise OptionsError(f"--channel-mult={','.join(map(str, mult))} has {levels} levels: the resolution "
-                           f"{resolution} must be divisible by 2^{levels - 1} = {2 ** (levels - 1)}")
-    sizes = [resolution >> level for level in range(levels)]
+    data = f"(data {resolution}x{resolution})"
+    sizes = level_resolutions(resolution, levels)
+    if sizes is None:
+        raise NetworkMisfit(f"--channel-mult={','.join(map(str, mult))} has {levels} levels: the resolution "
+                            f"{resolution} must be divisible by 2^{levels - 1} = {2 ** (levels - 1)} {data}")
     missing = [res for res in attention if res not in sizes]
     if explicit and missing:
-        raise OptionsError(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
-                           f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them")
-    # The lowest level's first decoder block always has attention (UNet, as in the release).
-    for level, res in enumerate(sizes):
+        raise NetworkMisfit(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
+                            f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them {data}")
+    for level, res in attention_levels(sizes, attention):
         width = channels * mult[level]
-        heads = width // per_head
-        if not (res in attention or level == levels - 1):
-            continue
-        if (heads and width % heads) or (not heads and explicit and res in attention):
-            raise OptionsError(f"attention at {res}x{res} splits --channels={channels} x {mult[level]} = {width} "
-                               f"channels into heads of {per_head}: the product must be a multiple of {per_head}")
+        if not whole_heads(width, per_head) or (explicit and res in attention and width < per_head):
+            raise NetworkMisfit(f"attention at {res}x{res} splits --channels={channels} x {mult[level]} = {width} "
+                                f"channels into heads of {per_head}: the product must be a multiple of {per_head} "
+                                f"{data}")
 
 
 def unet_options(preset_network: dict, given: dict) -> dict:
@@ -110,29 +113,30 @@ def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
                given: dict) -> None:
-    """Raise OptionsError naming what contradicts the --init snapshot: data of another resolution, channel count
+    """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
     --cond=False; data holding some of the classes is fine), or architecture options (given: channels and
     UNET_OPTIONS as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
     if type(encoder) is not type(init.encoder):
-        raise OptionsError(f"{name} works on {type(init.encoder).__name__} data but the data is for "
-                           f"{type(encoder).__name__}")
+        raise NetworkMisfit(f"{name} works on {type(init.encoder).__name__} data but the data is for "
+                            f"{type(encoder).__name__}")
     channels = encoder.out_channels(num_channels)
     if (resolution, channels) != (kwargs["img_resolution"], kwargs["img_channels"]):
-        raise OptionsError(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
-                           f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with {channels}")
+        raise NetworkMisfit(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
+                            f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with "
+                            f"{channels}")
     classes = kwargs["label_dim"]
     if bool(label_dim) != bool(classes) or label_dim > classes:
         what = "an unconditional network: train it with --cond=False" if not classes else (
             f"a network of {classes} classes: train it with --cond=True on data labeled within 0-{classes - 1}")
         have = "--cond=False" if not label_dim else f"the data's labels go up to {label_dim - 1}"
-        raise OptionsError(f"{name} is {what} ({have})")
+        raise NetworkMisfit(f"{name} is {what} ({have})")
     for option, value in given.items():
         theirs = effective(kwargs, "model_channels" if option == "channels" else option)
         if value is not None and (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
-            raise OptionsError(f"--{option.replace('_', '-')}={_text(value)} contradicts {name}, whose U-Net has "
-                               f"{_text(theirs)}; leave it out to take the snapshot's")
+            raise NetworkMisfit(f"--{option.replace('_', '-')}={_text(value)} contradicts {name}, whose U-Net has "
+                                f"{_text(theirs)}; leave it out to take the snapshot's")
 
 
 def _text(value) -> str:

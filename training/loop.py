@@ -26,6 +26,7 @@ import torch
 
 from edm2 import distributed
 from edm2.networks import count_parameters
+from edm2.speed import precision_dtype
 from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.disk import disk_report
@@ -33,6 +34,7 @@ from training.data_order import run_batches
 from training.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
 from training.outputs import Outputs
+from training.preflight import check_run
 from training.run_dir import LOG_FILE, RunDirectory
 from training.sample_grid import SampleGrid
 from training.signals import StopFlag
@@ -50,6 +52,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
 
     Returns the signal that stopped this process's run before its duration, or None.
     """
+    # Before the run directory: what the command line refuses, a run from Python is refused alike.
+    distributed.on_main_rank(lambda: check_run(opts, dataset, encoder, distributed.get_world_size()))
     notes: list[str] = []
     # The console guard comes first: a signal's message must not raise from its handler on a dead console.
     with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
@@ -128,7 +132,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
 
 def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> str:
     """Why the computing dtype is not --precision's, when it is not: the CPU computes in float32 by default."""
-    if dtype == {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[opts.precision]:
+    if dtype == str(precision_dtype(opts.precision)).removeprefix("torch."):
         return ""
     return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
 

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import torch
 
 from edm2.errors import EDM2Error
-from edm2.speed import PRECISIONS, channels_last_by_default, compile_by_default  # noqa: F401 (PRECISIONS: options)
+from edm2.network_args import shown
+from edm2.phema import MAX_STD
+from edm2.speed import PRECISIONS, channels_last_by_default, compile_by_default
+from training.architecture import UNET_OPTIONS, check_network_fits_data
 from training.presets import get_preset
 from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS
+from training.trackers import TRACKERS
 
 # Options that define the trained model; a resumed run must keep them. The others (data path,
 # duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
@@ -39,7 +44,13 @@ class OptionsMismatch(OptionsError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainingOptions:
-    """Everything a run needs; image counts are in images, decay (t_ref of Eq. 67) in iterations."""
+    """Everything a run needs; image counts are in images, decay (t_ref of Eq. 67) in iterations.
+
+    Options check themselves when built (__post_init__), in parts: the recipe, the network, the speed settings, the
+    intervals and reports, the paths. So options built in Python are refused as the command line refuses them, with
+    the same message where the command line has the check; what needs the data itself or the --init snapshot,
+    training.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
+    """
 
     preset: str
     dataset: dict  # resolution, num_channels, label_dim of the training data
@@ -79,6 +90,14 @@ class TrainingOptions:
     grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none
     grid_steps: int = DEFAULT_GRID_STEPS
 
+    def __post_init__(self) -> None:
+        """Refuse options that cannot work (OptionsError, NetworkMisfit), part by part."""
+        _check_recipe(self)
+        _check_network(self)
+        _check_speed(self)
+        _check_reports(self)
+        _check_paths(self)
+
     @classmethod
     def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:
         """The preset's recipe for a dataset, with the overrides that are not None."""
@@ -111,6 +130,109 @@ class TrainingOptions:
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainingOptions)}
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainingOptions) if f.type == "float"}
+
+
+# The fields whose train_edm2.py option is not the field's name with dashes for underscores.
+_OPTION_NAMES = {"run_dir": "outdir", "rampup_Mimg": "rampup", "loggers": "logger", "P_mean": "P_mean",
+                 "P_std": "P_std"}
+
+
+def _require(ok: bool, field: str, value: object, expected: str) -> None:
+    """Raise OptionsError naming the field's option as the command line spells it (the field, where no option sets
+    it), unless ok."""
+    if not ok:
+        option = _OPTION_NAMES.get(field, field.replace("_", "-"))
+        name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{option}"
+        raise OptionsError(f"{name}={shown(value)}: expected {expected}")
+
+
+def _counts(opts: TrainingOptions, names: tuple[str, ...], low: int) -> None:
+    """Each of these fields an integer (bool is none) of at least low."""
+    for name in names:
+        value = getattr(opts, name)
+        _require(type(value) is int and value >= low, name, value, f"an integer >= {low}")
+
+
+def _real(value: object, low: float, low_open: bool = False, high: float = math.inf) -> bool:
+    """Whether value is a finite int or float in [low, high) ((low, high) with low_open)."""
+    return (type(value) is int or (type(value) is float and math.isfinite(value))) and low <= value < high \
+        and not (low_open and value == low)
+
+
+def check_label_dropout(label_dropout: float, cond: bool) -> None:
+    """Raise OptionsError if a run without labels (cond False) would drop them."""
+    if label_dropout and not cond:
+        raise OptionsError("label dropout needs a class-conditional run (--cond=True): an unconditional network has "
+                           "no label to drop")
+
+
+def _check_recipe(opts: TrainingOptions) -> None:
+    """What is trained: the preset, the batch and Eq. 67's learning rate, the noise levels, the loss, the EMA."""
+    get_preset(opts.preset)
+    _counts(opts, ("batch",), 1)
+    _counts(opts, ("seed",), 0)
+    _require(type(opts.cond) is bool, "cond", opts.cond, "True or False")
+    for name in ("dropout", "label_dropout"):
+        _require(_real(getattr(opts, name), 0, high=1), name, getattr(opts, name), "a number in [0, 1)")
+    for name in ("P_std", "lr", "ls"):
+        _require(_real(getattr(opts, name), 0, low_open=True), name, getattr(opts, name), "a number > 0")
+    for name in ("decay", "rampup_Mimg"):
+        _require(_real(getattr(opts, name), 0), name, getattr(opts, name), "a number >= 0")
+    _require(_real(opts.P_mean, -math.inf), "P_mean", opts.P_mean, "a finite number")
+    _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and
+             all(_real(std, 0, low_open=True, high=MAX_STD) for std in opts.ema_stds),
+             "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
+    check_label_dropout(opts.label_dropout, opts.cond)
+
+
+def _check_network(opts: TrainingOptions) -> None:
+    """The U-Net's width and shape against the data's resolution, as train_edm2.py checks them; with --init the
+    snapshot's architecture is checked against the data when training starts (training.preflight)."""
+    _counts(opts, ("channels",), 1)
+    _require(isinstance(opts.dataset, dict), "dataset", opts.dataset, "an object")
+    _require(isinstance(opts.network, dict), "network", opts.network, "an object")
+    # Options that are only compared (hyperparameters) may leave out the data; preflight refuses such options.
+    if "resolution" not in opts.dataset:
+        return
+    resolution = opts.dataset["resolution"]
+    _require(type(resolution) is int and resolution >= 1, "dataset", opts.dataset, "a resolution >= 1")
+    if opts.init is None:
+        check_network_fits_data(resolution, opts.channels, opts.network,
+                                explicit=_unet_shape(opts.network) != _unet_shape(get_preset(opts.preset).network))
+
+
+def _unet_shape(network: dict) -> dict:
+    """The UNET_OPTIONS that network arguments hold, sequences as lists."""
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in network.items() if k in UNET_OPTIONS}
+
+
+def _check_speed(opts: TrainingOptions) -> None:
+    """How fast, not what: the precision, compilation, memory format, activation checkpoints, the batch per round."""
+    _require(opts.precision in PRECISIONS, "precision", opts.precision, f"one of {', '.join(PRECISIONS)}")
+    for name in ("compile", "channels_last"):
+        _require(getattr(opts, name) in (None, True, False), name, getattr(opts, name), "True, False or None")
+    for name in ("checkpoint_activations", "cpu_16bit"):
+        _require(type(getattr(opts, name)) is bool, name, getattr(opts, name), "True or False")
+    _counts(opts, ("batch_gpu", "workers"), 0)
+
+
+def _check_reports(opts: TrainingOptions) -> None:
+    """The duration and the intervals of status lines, snapshots and training states; what rank 0 reports."""
+    _counts(opts, ("duration", "grid_steps"), 1)
+    _counts(opts, ("status", "snapshot", "checkpoint", "keep_states"), 0)
+    _require(isinstance(opts.grid, tuple) and (opts.grid == () or (
+        len(opts.grid) == 2 and all(type(n) is int and n >= 1 for n in opts.grid))), "grid", opts.grid,
+        "(rows, cols), or () for none")
+    _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
+             opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
+
+
+def _check_paths(opts: TrainingOptions) -> None:
+    """The run directory, the data and the --init snapshot: non-empty paths (or URLs)."""
+    for name in ("run_dir", "data", "init"):
+        value = getattr(opts, name)
+        _require((value is None and name == "init") or (isinstance(value, str) and value != ""), name, value,
+                 "a path")
 
 
 def rounds_per_step(batch: int, batch_gpu: int, world_size: int) -> tuple[int, int]:

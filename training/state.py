@@ -8,7 +8,7 @@ import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
-from edm2.speed import to_channels_last
+from edm2.speed import precision_flags, to_channels_last
 from training.architecture import init_weights
 from training.options import TrainingOptions
 
@@ -24,8 +24,7 @@ def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
         label_dim=opts.dataset["label_dim"] if opts.cond else 0,
         model_channels=opts.channels,
         dropout=opts.dropout,
-        use_fp16=opts.precision == "fp16",
-        use_bf16=opts.precision == "bf16",
+        **precision_flags(opts.precision),
         **opts.network,
     )
 
