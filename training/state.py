@@ -10,6 +10,7 @@ import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
+from edm2.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
 from edm2.speed import to_channels_last
 from training import checkpoint
 from training.checkpoint import CheckpointError
@@ -47,7 +48,7 @@ class TrainingState:
 
     net: Precond
     optimizer: torch.optim.Optimizer
-    ema: PowerFunctionEMA
+    ema: PowerFunctionEMA | ShardedPowerFunctionEMA
     cur_nimg: int = 0
     elapsed_s: float = 0.0
 
@@ -69,7 +70,7 @@ class TrainingState:
             to_channels_last(net)
         net.cpu_16bit = opts.cpu_16bit
         net.unet.checkpoint_blocks = opts.checkpoint_activations
-        return cls(net, adam(net.parameters(), device), PowerFunctionEMA(net, opts.ema_stds))
+        return cls(net, adam(net.parameters(), device), power_function_ema(net, opts.ema_stds, opts.ema_shard))
 
     def check(self, saved: dict, path: str | os.PathLike) -> None:
         """Raise CheckpointError naming the first tensor of a training state (read by checkpoint.load_state) that
