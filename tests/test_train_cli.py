@@ -263,6 +263,7 @@ def sharded_run(train_data, tmp_path_factory) -> tuple[Path, str]:
 def test_ema_shard_resumes_a_whole_state_and_writes_bitwise_the_unsharded_runs_files(sharded_run, ddp_run):
     outdir, output = sharded_run
     assert "Resuming from training-state-0000000-512.pt at 512 images" in output
+    assert "; each process keeps 1/2 of the EMA tracks" in output
     pattern = "network-snapshot-0000001-*.safetensors"
     assert len(snapshot_contents(outdir, pattern, SHARD_IGNORE)) == 2
     assert snapshot_contents(outdir, pattern, SHARD_IGNORE) == snapshot_contents(ddp_run[0], pattern, SHARD_IGNORE)
@@ -286,6 +287,7 @@ def test_a_state_written_sharded_resumes_with_one_process(train_data, sharded_ru
         shutil.copytree(source, tmp_path / name)
         result = cli([f"--data={train_data}", "--duration=1088", "--grid=0", *extra], tmp_path / name)
         assert result.exit_code == 0 and "Resuming from training-state-0000001.pt at 1024 images" in result.output
+        assert "EMA tracks" not in result.output
     pattern = "network-snapshot-0000001-1088-*.safetensors"
     resumed = snapshot_contents(tmp_path / "sharded", pattern, SHARD_IGNORE)
     assert len(resumed) == 2 and resumed == snapshot_contents(tmp_path / "whole", pattern, SHARD_IGNORE)
