@@ -191,6 +191,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--checkpoint-activations", is_flag=True,
               help="Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute")
 @click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
+@click.option("--ema-shard", is_flag=True,
+              help="Under torchrun, each process keeps only its 1/N of every EMA track, gathered on rank 0 to write "
+                   "snapshots and training states (the same files); with one process it changes nothing")
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
               "the run would start or resume (stderr), and exit")
 @click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,

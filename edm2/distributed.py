@@ -106,6 +106,20 @@ def all_gather_object(obj: object) -> list:
     return gathered
 
 
+def gather_to_main(x: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's x (all of one shape) flattened and concatenated in rank order, on rank 0 only (None on the
+    others; x itself for one process). A collective call: every rank must make it. Only rank 0 allocates."""
+    if not dist.is_initialized():
+        return x
+    world_size, x = dist.get_world_size(), x.reshape(-1)
+    if dist.get_rank() != 0:
+        dist.gather(x, dst=0)
+        return None
+    out = torch.empty([world_size * x.numel()], dtype=x.dtype, device=x.device)
+    dist.gather(x, list(out.view(world_size, x.numel()).unbind(0)), dst=0)
+    return out
+
+
 def cpu_group() -> object | None:
     """A Gloo group of all ranks for small CPU collectives beside NCCL (None for one process)."""
     return dist.new_group(backend="gloo") if dist.is_initialized() else None

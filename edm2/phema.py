@@ -51,8 +51,8 @@ def power_function_beta(std: float, t_next: float, t_delta: float) -> float:
     return float((1 - t_delta / t_next) ** (std_to_exp(std) + 1))  # Eq. 127
 
 
-def _inference_copy(net: torch.nn.Module) -> torch.nn.Module:
-    # A float32 copy for evaluation only: no gradients carried over or tracked.
+def inference_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of net for evaluation only: no gradients carried over or tracked."""
     ema = copy.deepcopy(net).float().eval().requires_grad_(False)
     for p in ema.parameters():
         p.grad = None
@@ -71,7 +71,7 @@ class PowerFunctionEMA:
         self.net = net
         self.stds = tuple(float(std) for std in stds)
         std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
-        self.emas = [_inference_copy(net) for _ in self.stds]
+        self.emas = [inference_copy(net) for _ in self.stds]
 
     @torch.no_grad()
     def update(self, cur_nimg: int, batch_size: int) -> None:

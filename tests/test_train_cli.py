@@ -231,6 +231,69 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     assert snapshot_contents(outdir, pattern, ignore) == snapshot_contents(ddp_run[0], pattern, ignore)
 
 
+# --ema-shard: the files of a run do not depend on it (it is no hyperparameter, and their options say it).
+SHARD_IGNORE = ("run_dir", "workers", "duration", "ema_shard")
+
+
+def run_torchrun(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """torchrun_command run to its end; it must succeed without a traceback."""
+    result = subprocess.run(torchrun_command(data, outdir, "--workers=0", *extra), cwd=REPO, env=TRAIN_ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    return result
+
+
+def assert_same_ema_tracks(a: Path, b: Path) -> None:
+    """Two training states hold the same EMA tracks and network weights, bit for bit."""
+    a, b = checkpoint.load_state(a), checkpoint.load_state(b)
+    assert a["ema"]["stds"] == b["ema"]["stds"] and len(a["ema"]["emas"]) == len(b["ema"]["emas"]) == 2
+    for x, y in [*zip(a["ema"]["emas"], b["ema"]["emas"]), (a["net"], b["net"])]:
+        assert list(x) == list(y) and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(train_data, tmp_path_factory) -> tuple[Path, str]:
+    """ddp_run's run stopped at 512 images, then resumed with --ema-shard (each of the two processes keeps half of
+    every EMA track) to write its snapshots and training state at 1024; and the resumed run's output."""
+    outdir = tmp_path_factory.mktemp("runs") / "sharded"
+    run_torchrun(train_data, outdir, "--duration=512")
+    return outdir, run_torchrun(train_data, outdir, "--ema-shard").stdout
+
+
+def test_ema_shard_resumes_a_whole_state_and_writes_bitwise_the_unsharded_runs_files(sharded_run, ddp_run):
+    outdir, output = sharded_run
+    assert "Resuming from training-state-0000000-512.pt at 512 images" in output
+    assert "; each process keeps 1/2 of the EMA tracks" in output
+    pattern = "network-snapshot-0000001-*.safetensors"
+    assert len(snapshot_contents(outdir, pattern, SHARD_IGNORE)) == 2
+    assert snapshot_contents(outdir, pattern, SHARD_IGNORE) == snapshot_contents(ddp_run[0], pattern, SHARD_IGNORE)
+    assert_same_ema_tracks(outdir / "training-state-0000001.pt", ddp_run[0] / "training-state-0000001.pt")
+
+
+def test_ema_shard_is_stored_and_read_back_by_config(sharded_run, ddp_run):
+    for run, shard in [(sharded_run[0], True), (ddp_run[0], False)]:
+        assert json.loads((run / "training_options.json").read_text())["ema_shard"] is shard
+        result = CliRunner().invoke(train_edm2.main, [f"--config={run / 'training_options.json'}", "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["ema_shard"] is shard
+    help_text = " ".join(CliRunner().invoke(train_edm2.main, ["--help"]).output.split())
+    assert "with one process it changes nothing" in help_text
+
+
+def test_a_state_written_sharded_resumes_with_one_process(train_data, sharded_run, ddp_run, tmp_path):
+    # One process draws other data and noise than two, so the reference is the unsharded run's state resumed alike;
+    # --ema-shard with one process is accepted and changes nothing.
+    for name, source, extra in [("sharded", sharded_run[0], ["--ema-shard"]), ("whole", ddp_run[0], [])]:
+        shutil.copytree(source, tmp_path / name)
+        result = cli([f"--data={train_data}", "--duration=1088", "--grid=0", *extra], tmp_path / name)
+        assert result.exit_code == 0 and "Resuming from training-state-0000001.pt at 1024 images" in result.output
+        assert "EMA tracks" not in result.output
+    pattern = "network-snapshot-0000001-1088-*.safetensors"
+    resumed = snapshot_contents(tmp_path / "sharded", pattern, SHARD_IGNORE)
+    assert len(resumed) == 2 and resumed == snapshot_contents(tmp_path / "whole", pattern, SHARD_IGNORE)
+    assert_same_ema_tracks(*(tmp_path / name / "training-state-0000001-1088.pt" for name in ("sharded", "whole")))
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "case, message",

@@ -89,10 +89,11 @@ class Checkpoints:
         digests = distributed.all_gather_object(weights_digest(state.net))
         if len(set(digests)) != 1:
             raise CheckpointError(f"ranks hold different weights at {state.cur_nimg} images: {digests}")
+        contents = state.to_dict()  # on every rank: a sharded EMA gathers its tracks on rank 0
         if self.run is None:
             return
         hyperparameters = opts.hyperparameters()
-        path = self.write(dict(state.to_dict(), options=json.dumps(hyperparameters, sort_keys=True),
+        path = self.write(dict(contents, options=json.dumps(hyperparameters, sort_keys=True),
                                options_hash=options_hash(hyperparameters), rank_digests=digests))
         print(f"Saved {path.name}", flush=True)
         if opts.keep_states:

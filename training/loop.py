@@ -26,6 +26,7 @@ import torch
 
 from edm2 import distributed
 from edm2.networks import count_parameters
+from edm2.sharded_ema import ShardedPowerFunctionEMA
 from edm2.speed import precision_dtype
 from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
@@ -110,10 +111,12 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
         run.write_options(opts)
         run.trim_stats(state.cur_nimg)
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
+    sharded = isinstance(state.ema, ShardedPowerFunctionEMA)
     distributed.print0(
         f"{_start(path, opts.init)} at {state.cur_nimg} images; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
+        + (f"; each process keeps 1/{world_size} of the EMA tracks" if sharded else "")
     )
     if run:
         for line in disk_report(opts, state.net, state.cur_nimg, run.path):

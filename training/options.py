@@ -85,6 +85,7 @@ class TrainingOptions:
     channels_last: bool | None = None  # NHWC convolution weights and activations
     checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
     cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
+    ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.sharded_ema)
     # What rank 0 reports, not what is trained: trackers (training/trackers.py) and the snapshots' sample grids.
     loggers: tuple[str, ...] = ()
     grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none

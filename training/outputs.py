@@ -84,10 +84,7 @@ class Outputs:
             self.status(partial=not crossed(prev, cur, opts.status))
         writing = time.monotonic()
         if done or crossed(prev, cur, opts.snapshot):
-            if self.run:
-                self.run.save_snapshots(self.state.ema, cur, opts)
-            if self.dashboard:
-                self.dashboard.update(self.state.ema.get()[0][0], cur)
+            self.snapshots()
             if self.run:
                 self.report_snapshot()
         if done or stopping or crossed(prev, cur, opts.checkpoint):
@@ -117,6 +114,15 @@ class Outputs:
         self.run.append_stats(row)
         if self.trackers:
             self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS})
+
+    def snapshots(self) -> None:
+        """Rank 0: the EMA snapshots and the dashboard. Every rank calls this: a sharded EMA gathers its tracks on
+        rank 0 (edm2.sharded_ema), and they are freed on return, before anything else loads a network."""
+        tracks = self.state.ema.get()
+        if self.run:
+            self.run.save_snapshots(tracks, self.state.cur_nimg, self.opts)
+        if self.dashboard:
+            self.dashboard.update(tracks[0][0], self.state.cur_nimg)
 
     def report_snapshot(self) -> None:
         """Rank 0: the sample grid of the snapshot just written (first EMA track), and the snapshot's numbers and

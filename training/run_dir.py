@@ -21,9 +21,10 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+
 from edm2 import bounded_json, files
 from edm2.errors import EDM2Error
-from edm2.phema import PowerFunctionEMA
 from edm2.snapshot import save_network, snapshot_name
 from training import trackers
 from training.options import TrainingOptions
@@ -187,9 +188,10 @@ class RunDirectory:
         finally:
             os.close(fd)
 
-    def save_snapshots(self, ema: PowerFunctionEMA, cur_nimg: int, opts: TrainingOptions) -> None:
-        """One snapshot file per EMA track, with the metadata generate.py and reconstruct_phema.py read."""
-        for ema_net, std in ema.get():
+    def save_snapshots(self, tracks: list[tuple[torch.nn.Module, float]], cur_nimg: int, opts: TrainingOptions) -> None:
+        """One snapshot file per EMA track (the networks and sigma_rel of the tracker's get()), with the metadata
+        generate.py and reconstruct_phema.py read."""
+        for ema_net, std in tracks:
             metadata = dict(
                 nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
                 loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(), run_id=self.run_id,

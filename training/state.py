@@ -8,6 +8,7 @@ import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
+from edm2.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
 from edm2.speed import precision_flags, to_channels_last
 from training.architecture import init_weights
 from training.options import TrainingOptions
@@ -42,7 +43,7 @@ class TrainingState:
 
     net: Precond
     optimizer: torch.optim.Optimizer
-    ema: PowerFunctionEMA
+    ema: PowerFunctionEMA | ShardedPowerFunctionEMA
     cur_nimg: int = 0
     elapsed_s: float = 0.0
 
@@ -64,7 +65,7 @@ class TrainingState:
             to_channels_last(net)
         net.cpu_16bit = opts.cpu_16bit
         net.unet.checkpoint_blocks = opts.checkpoint_activations
-        return cls(net, adam(net.parameters(), device), PowerFunctionEMA(net, opts.ema_stds))
+        return cls(net, adam(net.parameters(), device), power_function_ema(net, opts.ema_stds, opts.ema_shard))
 
     def load(self, saved: dict) -> None:
         """Continue from a training state read (and checked to fit) by training/checkpoint.py."""
