@@ -5,7 +5,7 @@ be combined, and streams over them to synthesize each requested profile as the w
 tracks of Eq. 129, with the least-squares weights of edm2.phema (Algorithm 3):
 
     for std, net, metadata in posthoc.reconstruct("training-runs/run", stds=[0.05, 0.10]):
-        save_network(f"ema-{std:.3f}.safetensors", net, metadata)
+        save_network(f"ema-{std_tag(std)}.safetensors", net, metadata)
 """
 
 from __future__ import annotations

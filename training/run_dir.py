@@ -2,7 +2,7 @@
 training states, and the decision where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
-network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
+network-snapshot-{images_tag}-{std_tag}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
 state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
 training/dashboard.py), samples/ (the snapshots' sample grids, training/sample_grid.py), with --logger
 tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock
@@ -36,7 +36,7 @@ RUN_ID_KEY = "run_id"  # in training_options.json: the run's identity, beside it
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
-    """network-snapshot-{images_tag}-{std:.3f}.safetensors inside run_dir."""
+    """network-snapshot-{images_tag}-{std_tag}.safetensors inside run_dir."""
     return Path(run_dir) / snapshot_name(SNAPSHOT_PREFIX, nimg, std)
 
 
