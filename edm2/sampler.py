@@ -146,11 +146,9 @@ def edm_sampler(
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
-    net by its own unconditional prediction, both halves from one call on a doubled batch.
-
-    callback, as k-diffusion's samplers call theirs, receives each step's start after its first evaluation:
-    {"x": the point (after churn), "i": the step, "sigma": t_i, "sigma_hat": the level after churn, "denoised":
-    D(x; sigma_hat)}; the steps' points and the returned sample form the trajectory.
+    net by its own unconditional prediction, both halves from one call on a doubled batch. callback(step), as in
+    k-diffusion, gets each step's start: x, i, sigma, sigma_hat (x and sigma after churn) and denoised = D(x;
+    sigma_hat); those x and the returned sample form the trajectory.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver)
