@@ -208,7 +208,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         for class_idx in rows:
             batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
                                       batch_size=batch_size, device=distributed.device(),
-                                              guidance_interval=guidance_interval, **sampler_kwargs)
+                                      guidance_interval=guidance_interval, **sampler_kwargs)
             save_images(batches, outdir, subdirs, class_idx if len(rows) > 1 else None, labels,
                         generated if grid else None)
         if net.label_dim:

@@ -30,7 +30,8 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # A sigma_rel in a file name as read back: std_tag's digits, or any other number of decimals (a name written by hand).
 STD_TAG = r"\d+\.\d+"
 # PREFIX-KIMG[-NIMG]-STD.safetensors (ours, see snapshot_name) or .pkl (the release's raw snapshots).
-SNAPSHOT_NAME = re.compile(rf"(?P<prefix>.+?)-(?P<kimg>\d{{7,}})(?:-(?P<nimg>\d+))?-(?P<std>{STD_TAG})\.(?P<ext>safetensors|pkl)")
+SNAPSHOT_NAME = re.compile(
+    rf"(?P<prefix>.+?)-(?P<kimg>\d{{7,}})(?:-(?P<nimg>\d+))?-(?P<std>{STD_TAG})\.(?P<ext>safetensors|pkl)")
 
 
 def std_tag(std: float) -> str:
