@@ -304,7 +304,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         check_dimensions(reference, ref_path, detectors)
         net, gnet = (speed.apply(n, device) if n not in (None, SELF) else n for n in (net, gnet))
         seeds = range(seed, seed + num_images)
-        images = (batch for _, batch in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
+        images = (batch for _, batch, _ in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
                                                         batch_size=batch_size, device=device,
                                                         guidance_interval=guidance_interval, solver=solver))
         stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress

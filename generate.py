@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -19,17 +20,19 @@ from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
-from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, check_guide,
-                             generate_labeled_images, read_generated_labels, save_generated_labels)
+from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges,
+                             generate_images, load_guide, read_generated_labels, save_generated_labels)
 from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
-from edm2.sampler import SELF, check_settings
-from edm2.snapshot import load_generator, load_network
+from edm2.sampler import SELF, SamplerError, check_settings
+from edm2.snapshot import load_generator
 
 T = TypeVar("T")
 
 # --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
 MAX_STEPS = 10**4
+# The sampler's settings whose options have their names: its errors (NAME=VALUE) name them as --NAME=VALUE.
+SAMPLER_OPTIONS = ("sigma_min", "sigma_max", "rho", "guidance", "S_churn", "S_min", "S_max", "S_noise")
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -52,12 +55,13 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
 def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[float, float] | None,
                       sampler_kwargs: dict) -> None:
     """Refuse sampler settings that cannot work and an output folder that cannot be written, before any loading."""
-    if sampler_kwargs["sigma_min"] >= sampler_kwargs["sigma_max"]:
-        raise click.BadParameter("must be below --sigma_max", param_hint="--sigma_min")
     if guidance_interval is not None and guidance == 1:
         raise click.BadParameter("applies only with guidance: give --guidance other than 1 and --gnet (or a --preset "
                                  "that has them)", param_hint="--guidance-interval")
-    check_settings(guidance=guidance, **sampler_kwargs)
+    try:
+        check_settings(guidance=guidance, **sampler_kwargs)
+    except SamplerError as e:
+        raise click.ClickException(re.sub(rf"\b({'|'.join(SAMPLER_OPTIONS)})=", r"--\1=", str(e))) from None
     files.check_writable_dir(outdir)
 
 
@@ -82,13 +86,7 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
     is loaded only when guidance uses it, and is SELF for --gnet=self."""
     net, encoder, metadata = load_for_option("--net", functools.partial(load_generator, net_path))
     load_for_option("--net", functools.partial(encoder.init, distributed.device()))
-    gnet = None
-    if guidance != 1:
-        gnet = SELF if gnet_path == SELF else load_for_option("--gnet", functools.partial(load_network, gnet_path))[0]
-        try:
-            check_guide(net, metadata, gnet)
-        except GenerationError as e:
-            raise click.BadParameter(str(e), param_hint="--gnet") from None
+    gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guidance != 1 else None
     highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None
     if highest is not None and highest >= net.label_dim:
         raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
@@ -208,9 +206,9 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
                            + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else ""))
         generated, labels = {}, {}
         for class_idx in rows:
-            batches = generate_labeled_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
-                                              batch_size=batch_size, device=distributed.device(),
-                                              guidance_interval=guidance_interval, **sampler_kwargs)
+            batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
+                                      batch_size=batch_size, device=distributed.device(),
+                                      guidance_interval=guidance_interval, **sampler_kwargs)
             save_images(batches, outdir, subdirs, class_idx if len(rows) > 1 else None, labels,
                         generated if grid else None)
         if net.label_dim:

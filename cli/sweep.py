@@ -21,7 +21,7 @@ from edm2 import distributed, files, locks, posthoc, sweep
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
-from edm2.generation import GenerationError, check_guide
+from edm2.generation import GenerationError, load_guide
 from edm2.sampler import SELF
 from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.validation import ValidationError, ValidationSamples
@@ -211,9 +211,7 @@ def guiding_network(gnet_path: str, net, metadata: dict, device: torch.device) -
     """--gnet on device, checked to fit net (whose snapshot's metadata is given; `gen` and `sweep`); SELF for
     --gnet=self, checked to be trained for it."""
     try:
-        gnet = SELF if gnet_path == SELF else distributed.main_rank_first(
-            functools.partial(load_network, gnet_path))[0]  # rank 0 alone downloads
-        check_guide(net, metadata, gnet)
+        gnet = distributed.main_rank_first(functools.partial(load_guide, gnet_path, net, metadata))  # rank 0 downloads
     except (SnapshotError, GenerationError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--gnet") from None
     return gnet if gnet == SELF else gnet.to(device)

@@ -9,7 +9,7 @@ import click
 
 from edm2 import phema, sampler
 from edm2.generation import MAX_SEED, SeedRanges
-from edm2.snapshot import MAX_NIMG
+from edm2.snapshot import MAX_NIMG, std_tag
 
 # Bounds of the integer options that several commands share.
 MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
@@ -106,7 +106,7 @@ class SeedList(click.ParamType):
         return int(digits)
 
 
-# Distinct {std:.3f} file name suffixes in (0, 12^-0.5): 0.001 ... 0.288.
+# Distinct std_tag file name suffixes in (0, 12^-0.5): 0.001 ... 0.288.
 MAX_STD_COUNT = 288
 
 
@@ -114,7 +114,7 @@ class StdList(click.ParamType):
     """Comma-separated sigma_rel values; 'a,b,...,c' expands to the evenly spaced range a, b, ..., c.
 
     Values are sorted and made distinct; each must lie in (0, 12^-0.5) (edm2.phema.MAX_STD), and no two may
-    share the {std:.3f} suffix of a snapshot file name.
+    share the suffix (edm2.snapshot.std_tag) of a snapshot file name.
     """
 
     name = "LIST"
@@ -128,7 +128,7 @@ class StdList(click.ParamType):
         if bad:
             self.fail(f"{bad[0]} is outside (0, {phema.MAX_STD:.4f}), the range of sigma_rel", param, ctx)
         stds = sorted(set(stds))
-        names = [f"{s:.3f}" for s in stds]
+        names = [std_tag(s) for s in stds]
         for s, t, name, next_name in zip(stds, stds[1:], names, names[1:]):
             if name == next_name:
                 self.fail(f"{s} and {t} would share the file name suffix {name}", param, ctx)

@@ -2,7 +2,7 @@
 
 For a plain nn.Module trained by any loop. PostHocEMA tracks power-function EMA profiles of the module with
 the same tracker as our training (edm2.phema.PowerFunctionEMA) and stores them at intervals as
-`{folder}/{prefix}-{step:09d}-{std:.3f}.safetensors`: the module's state dict (floating tensors in a chosen
+`{folder}/{prefix}-{step:09d}-{std_tag(std)}.safetensors`: the module's state dict (floating tensors in a chosen
 dtype, float32 by default) plus JSON metadata under the key 'edm2-ema'. synthesize() solves the least-squares
 weights of Algorithm 3 and combines the stored tracks with edm2.posthoc.combine, the code reconstruct_phema.py
 runs, into an EMA of any length.
@@ -30,7 +30,8 @@ import torch
 
 from edm2 import phema, posthoc
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import FORMAT_VERSION, read_metadata, save_state  # read_metadata checks the version
+# read_metadata checks the version
+from edm2.snapshot import FORMAT_VERSION, STD_TAG, read_metadata, save_state, std_tag
 
 METADATA_KEY = "edm2-ema"
 MAX_STEP = 2**53  # exact as a float64, as any JSON reader holds numbers
@@ -44,14 +45,14 @@ class AnyEMAError(EDM2Error):
 
 def file_name(prefix: str, step: int, std: float) -> str:
     """The name PostHocEMA.save gives the track of sigma_rel `std` after `step` steps."""
-    return f"{prefix}-{step:09d}-{std:.3f}.safetensors"
+    return f"{prefix}-{step:09d}-{std_tag(std)}.safetensors"
 
 
 class PostHocEMA:
     """Power-function EMA tracks of any module, one float32 copy per sigma_rel, saved for post-hoc synthesis."""
 
     def __init__(self, module: torch.nn.Module, stds: Sequence[float] = (0.05, 0.10)):
-        names = [f"{float(s):.3f}" for s in stds]
+        names = [std_tag(float(s)) for s in stds]
         if not names or len(set(names)) != len(names):
             raise AnyEMAError(f"need distinct sigma_rel values (to 3 decimals, as file names hold them), got {stds}")
         self.tracker = phema.PowerFunctionEMA(module, tuple(stds))
@@ -148,7 +149,7 @@ def _tracks(folder: Path, prefix: str) -> list[posthoc.Track]:
     """Every stored track of `prefix` in folder, sorted by step, then sigma_rel."""
     if not folder.is_dir():
         raise AnyEMAError(f"{folder} is not a directory")
-    pattern = re.compile(re.escape(prefix) + r"-\d{9,}-\d+\.\d{3}\.safetensors")
+    pattern = re.compile(re.escape(prefix) + rf"-\d{{9,}}-{STD_TAG}\.safetensors")
     found = {}
     for path in sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name)):
         step, std, buffers = _describe(path)

@@ -7,7 +7,6 @@ The seeds are held as ranges (SeedRanges), each process takes its share of them 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import json
 import os
@@ -21,6 +20,7 @@ from edm2 import bounded_json, distributed, files
 from edm2.dataset import DatasetError, is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.sampler import SELF, edm_sampler
+from edm2.snapshot import load_network
 
 # Seeds lie in [0, 2**32): the release seeds each image's generator with seed % 2**32
 # (StackedRandomGenerator in its generate_images.py), so only these seeds give the release's images.
@@ -195,18 +195,15 @@ def check_guide(net, metadata: dict, gnet) -> None:
         check_guidance_pair(net, gnet)
 
 
-def generate_images(*args, **kwargs) -> Iterator[tuple[list[int], torch.Tensor]]:
-    """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`).
-
-    The arguments are generate_labeled_images's, which this is without the classes.
-    """
-    labeled = generate_labeled_images(*args, **kwargs)
-    with contextlib.closing(labeled):  # closing this generator ends the progress bar at once
-        for batch_seeds, images, _ in labeled:
-            yield batch_seeds, images
+def load_guide(gnet_path: str, net, metadata: dict) -> torch.nn.Module | str:
+    """The guiding network gnet_path names, checked by check_guide to guide net (whose snapshot's metadata is
+    given): SELF for gnet_path 'self', else the loaded network on the CPU."""
+    gnet = SELF if gnet_path == SELF else load_network(gnet_path)[0]
+    check_guide(net, metadata, gnet)
+    return gnet
 
 
-def generate_labeled_images(
+def generate_images(
     net: torch.nn.Module,
     encoder,
     seeds: Sequence[int],

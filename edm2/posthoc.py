@@ -5,7 +5,7 @@ be combined, and streams over them to synthesize each requested profile as the w
 tracks of Eq. 129, with the least-squares weights of edm2.phema (Algorithm 3):
 
     for std, net, metadata in posthoc.reconstruct("training-runs/run", stds=[0.05, 0.10]):
-        save_network(f"ema-{std:.3f}.safetensors", net, metadata)
+        save_network(f"ema-{std_tag(std)}.safetensors", net, metadata)
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def list_snapshots(source: str | os.PathLike | Iterable[str | os.PathLike], inpr
     ours = [s.path for s in snapshots if s.path.suffix == ".safetensors"]
     ref_arch = header_architecture(ours[0]) if ours else None
     for path in ours[1:]:
-        check_architecture(path, header_architecture(path), ours[0], ref_arch)
+        check_same_network(path, header_architecture(path), ours[0], ref_arch)
     return snapshots
 
 
@@ -211,7 +211,7 @@ def header_architecture(path: Path) -> dict[str, tuple[int, ...]]:
         return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
-def check_architecture(name: str | Path, arch: dict, ref_name: str | Path, ref_arch: dict) -> None:
+def check_same_network(name: str | Path, arch: dict, ref_name: str | Path, ref_arch: dict) -> None:
     """Refuse to average snapshots of different networks, naming the first differing tensor."""
     difference = architecture_difference(arch, ref_arch)
     if difference is not None:
@@ -229,7 +229,7 @@ def _accumulate(tracks: Sequence[Track], coefs: np.ndarray, bar: tqdm.tqdm) -> t
         net, meta = track.load()
         arch = architecture(net.state_dict())
         ref_arch = arch if ref_arch is None else ref_arch
-        check_architecture(track.name, arch, tracks[0].name, ref_arch)
+        check_same_network(track.name, arch, tracks[0].name, ref_arch)
         params = [p.detach() for p in net.parameters()]
         if sums is None:
             sums = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(coefs.shape[1])]

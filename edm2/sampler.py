@@ -140,12 +140,15 @@ def edm_sampler(
     dtype: torch.dtype = torch.float32,
     guidance_interval: tuple[float, float] | None = None,
     solver: str = "heun",
+    callback: Callable[[dict], None] | None = None,
 ) -> torch.Tensor:
     """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t) with solver (SOLVERS).
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
-    net by its own unconditional prediction, both halves from one call on a doubled batch.
+    net by its own unconditional prediction, both halves from one call on a doubled batch. callback(step), as in
+    k-diffusion, gets each step's start: x, i, sigma, sigma_hat (x and sigma after churn) and denoised = D(x;
+    sigma_hat); those x and the returned sample form the trajectory.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver)
@@ -159,7 +162,7 @@ def edm_sampler(
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
     if solver == "dpm2m":
-        return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval)
+        return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval, callback)
     for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
         x_cur = x_next
         # Churn (EDM Algorithm 2): raise the noise level to t_hat by adding fresh noise.
@@ -170,7 +173,9 @@ def edm_sampler(
         if gamma > 0:
             x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur)
         # Euler step along dx/dsigma = (x - D(x; sigma)) / sigma (paper Eq. 153) ...
-        d_cur = (x_hat - denoise(x_hat, t_hat, guided)) / t_hat
+        denoised = denoise(x_hat, t_hat, guided)
+        _report(callback, x_hat, i, t_cur, t_hat, denoised)
+        d_cur = (x_hat - denoised) / t_hat
         x_next = x_hat + (t_next - t_hat) * d_cur
         # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
         if solver == "heun" and i < num_steps - 1:
@@ -179,13 +184,21 @@ def edm_sampler(
     return x_next
 
 
-def _dpm_solver_2m(denoise: Callable, x: torch.Tensor, t_steps: list[float],
-                   interval: tuple[float, float] | None) -> torch.Tensor:
+def _report(callback: Callable[[dict], None] | None, x: torch.Tensor, i: int, t_cur: float, t_hat: float,
+            denoised: torch.Tensor) -> None:
+    """Call callback, if any, with step i's start in k-diffusion's keys."""
+    if callback is not None:
+        callback({"x": x, "i": i, "sigma": t_cur, "sigma_hat": t_hat, "denoised": denoised})
+
+
+def _dpm_solver_2m(denoise: Callable, x: torch.Tensor, t_steps: list[float], interval: tuple[float, float] | None,
+                   callback: Callable[[dict], None] | None) -> torch.Tensor:
     """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) from x at t_steps[0] along t_steps, with the data prediction
     x_theta = D (EDM's denoiser: alpha_t = 1, sigma_t = t, so lambda_t = -log t)."""
     d_prev, h_prev = None, 0.0
-    for t_cur, t_next in zip(t_steps[:-2], t_steps[1:-1]):
+    for i, (t_cur, t_next) in enumerate(zip(t_steps[:-2], t_steps[1:-1])):
         d_cur = denoise(x, t_cur, guided_step(t_cur, interval))
+        _report(callback, x, i, t_cur, t_cur, d_cur)
         h = math.log(t_cur / t_next)  # h_i = lambda_{t_i} - lambda_{t_{i-1}}
         if d_prev is None:
             d = d_cur  # the first step is DPM-Solver++(1) (their Eq. 10 with one denoised image)
@@ -198,4 +211,6 @@ def _dpm_solver_2m(denoise: Callable, x: torch.Tensor, t_steps: list[float],
         d_prev, h_prev = d_cur, h
     # The last step ends at sigma = 0, lambda = inf: its factors are 0 and 1, and the solution is the denoised image
     # (as Euler's last step also gives).
-    return denoise(x, t_steps[-2], guided_step(t_steps[-2], interval))
+    denoised = denoise(x, t_steps[-2], guided_step(t_steps[-2], interval))
+    _report(callback, x, len(t_steps) - 2, t_steps[-2], t_steps[-2], denoised)
+    return denoised

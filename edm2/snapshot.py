@@ -27,8 +27,16 @@ MAX_NIMG = 2**53
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# A sigma_rel in a file name as read back: std_tag's digits, or any other number of decimals (a name written by hand).
+STD_TAG = r"\d+\.\d+"
 # PREFIX-KIMG[-NIMG]-STD.safetensors (ours, see snapshot_name) or .pkl (the release's raw snapshots).
-SNAPSHOT_NAME = re.compile(r"(?P<prefix>.+?)-(?P<kimg>\d{7,})(?:-(?P<nimg>\d+))?-(?P<std>\d+\.\d+)\.(?P<ext>safetensors|pkl)")
+SNAPSHOT_NAME = re.compile(
+    rf"(?P<prefix>.+?)-(?P<kimg>\d{{7,}})(?:-(?P<nimg>\d+))?-(?P<std>{STD_TAG})\.(?P<ext>safetensors|pkl)")
+
+
+def std_tag(std: float) -> str:
+    """A sigma_rel as file names carry it: three decimals, as the release names its snapshots (0.050)."""
+    return f"{std:.3f}"
 
 
 def images_tag(nimg: int) -> str:
@@ -51,8 +59,8 @@ def kimg_to_nimg(kimg: int) -> int | None:
 
 
 def snapshot_name(prefix: str, nimg: int, std: float) -> str:
-    """File name of an EMA snapshot or a reconstruction: {prefix}-{images_tag(nimg)}-{std:.3f}.safetensors."""
-    return f"{prefix}-{images_tag(nimg)}-{std:.3f}.safetensors"
+    """File name of an EMA snapshot or a reconstruction: {prefix}-{images_tag(nimg)}-{std_tag(std)}.safetensors."""
+    return f"{prefix}-{images_tag(nimg)}-{std_tag(std)}.safetensors"
 
 
 def save_network(path: str | os.PathLike, net: torch.nn.Module, metadata: dict, key: str = METADATA_KEY,

@@ -85,7 +85,7 @@ class Measure:
         """{metric: value} of net, in the order of self.metrics."""
         results = {}
         if self.detectors:
-            images = (batch for _, batch in generate_images(net, self.encoder, self.seeds, gnet=self.gnet,
+            images = (batch for _, batch, _ in generate_images(net, self.encoder, self.seeds, gnet=self.gnet,
                                                             batch_size=self.batch_size, device=self.device,
                                                             **self.guidance))
             stats, _ = calculate_stats(images, self.detectors, self.device, progress=False)

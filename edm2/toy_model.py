@@ -1,5 +1,5 @@
 """The toy example's denoiser: a small magnitude-preserving MLP that models log p(x; sigma) of 2-D points, its score
-by automatic differentiation, and the EDM sampler's ODE for 2-D points with every step kept for plotting.
+by automatic differentiation, and edm2.sampler's ODE for 2-D points with every step kept for plotting.
 
 The network mirrors the release's ToyModel (toy_example.py; the autoguidance paper, Section 5.1): the input
 (c_in x, log(sigma) / 4, 1) goes through MP linear layers with MP SiLU between them, and the output's mean square,
@@ -16,7 +16,7 @@ import torch
 
 from edm2.layers import mp_silu, normalize
 from edm2.network_args import check_toy
-from edm2.sampler import sigma_steps
+from edm2.sampler import edm_sampler
 
 
 class MPLinear(torch.nn.Module):
@@ -76,33 +76,23 @@ class ToyDenoiser(torch.nn.Module):
             return torch.autograd.grad(self.logp(x, sigma).sum(), x, create_graph=graph)[0]
 
 
-ScoreModel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+def denoiser(model) -> Callable[[torch.Tensor, torch.Tensor, None], torch.Tensor]:
+    """model's denoiser D(x; sigma) = x + sigma^2 score(x; sigma) (EDM Eq. 3), called as edm2.sampler calls a network
+    (points [n, 2], noise levels [n], labels unused); model has score(x, sigma)."""
+
+    def denoise(x: torch.Tensor, sigma: torch.Tensor, labels: None) -> torch.Tensor:
+        return x + sigma[:, None] ** 2 * model.score(x, sigma)
+
+    return denoise
 
 
-def guided_score(net, gnet=None, guidance: float = 1.0) -> ScoreModel:
-    """The score of the guided model: gnet's score extrapolated towards net's by the weight w, i.e. the denoiser
-    blend w D_net + (1 - w) D_gnet of paper Eq. 152 (a denoiser is x + sigma^2 score). net and gnet have score()."""
-    if gnet is None or guidance == 1:
-        return net.score
-    return lambda x, sigma: torch.lerp(gnet.score(x, sigma), net.score(x, sigma), guidance)
-
-
-def sample_trajectories(score: ScoreModel, x_init: torch.Tensor, sigma_max: float, num_steps: int = 32,
-                        sigma_min: float = 0.002, rho: float = 7) -> torch.Tensor:
-    """The probability-flow ODE from x_init at sigma_max down to 0 with Heun's method (EDM Algorithm 1) on the noise
-    levels of edm2.sampler; returns every step's points [num_steps + 1, n, 2] (edm2.sampler keeps only the last)."""
-    levels = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
-
-    def slope(x: torch.Tensor, sigma: float) -> torch.Tensor:
-        # dx/dsigma = (x - D(x; sigma)) / sigma with D = x + sigma^2 score.
-        return -sigma * score(x, torch.full(x.shape[:-1], sigma, device=x.device))
-
-    points = [x_init]
-    for i, (t_cur, t_next) in enumerate(zip(levels[:-1], levels[1:])):
-        x = points[-1]
-        d_cur = slope(x, t_cur)
-        x_next = x + (t_next - t_cur) * d_cur
-        if i < num_steps - 1:
-            x_next = x + (t_next - t_cur) * 0.5 * (d_cur + slope(x_next, t_next))
-        points.append(x_next.detach())
-    return torch.stack(points)
+def sample_trajectories(net, x_init: torch.Tensor, sigma_max: float, gnet=None, guidance: float = 1.0,
+                        num_steps: int = 32, sigma_min: float = 0.002, rho: float = 7) -> torch.Tensor:
+    """Every step's points [num_steps + 1, n, 2] of edm2.sampler's Heun sampler from x_init at sigma_max down to 0,
+    for net guided by gnet with weight guidance (paper Eq. 152); net and gnet have score(x, sigma)."""
+    points = []
+    # The sampler starts from noise * sigma_max: x_init / sigma_max is that noise up to one rounding.
+    last = edm_sampler(denoiser(net), x_init / sigma_max, gnet=None if gnet is None else denoiser(gnet),
+                       guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho,
+                       dtype=x_init.dtype, callback=lambda step: points.append(step["x"]))
+    return torch.stack([*points, last]).detach()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from edm2.networks import Precond, count_parameters  # noqa: E402
 from edm2.phema import PowerFunctionEMA  # noqa: E402
-from edm2.snapshot import save_network  # noqa: E402
+from edm2.snapshot import save_network, snapshot_name  # noqa: E402
 
 
 def write_snapshots(run_dir: Path, net: Precond, num_times: int, images_per_snapshot: int) -> None:
@@ -36,7 +36,7 @@ def write_snapshots(run_dir: Path, net: Precond, num_times: int, images_per_snap
         nimg = k * images_per_snapshot
         ema.update(cur_nimg=nimg, batch_size=images_per_snapshot)
         for track, std in ema.get():
-            save_network(run_dir / f"network-snapshot-{nimg // 1000:07d}-{std:.3f}.safetensors", track,
+            save_network(run_dir / snapshot_name("network-snapshot", nimg, std), track,
                          {"nimg": nimg, "ema_std": std})
 
 

@@ -321,7 +321,7 @@ def test_gen_end_to_end_equals_sampling_then_measuring(setup, tmp_path, guide):
     net, gnet = load_network(net_path)[0], SELF if guide == "self" else load_network(gnet_path)[0]
     batches = generate_images(net, StandardRGBEncoder(), range(3, 7), gnet=gnet, guidance=2.0, batch_size=4,
                               device="cpu")
-    features = features_of(setup, torch.cat([batch for _, batch in batches]))
+    features = features_of(setup, torch.cat([batch for _, batch, _ in batches]))
     stats = {m: {"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)} for m, f in features.items()}
     assert_distances_close(out["results"], expected_distances(stats, ref), fd_rounding(stats, ref, n=4))
 

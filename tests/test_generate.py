@@ -21,7 +21,7 @@ from cli.types import SeedList
 from edm2 import presets_generate, snapshot
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.files import TMP_SUFFIX
-from edm2.generation import MAX_SEED, generate_images, generate_labeled_images
+from edm2.generation import MAX_SEED, generate_images
 from edm2.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import (
     REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, tiny_precond, tree,
@@ -69,11 +69,11 @@ def test_same_seed_same_image_for_batch_sizes_1_and_7(nets):
     kwargs = dict(gnet=gnet, guidance=1.7, num_steps=4, S_churn=10, S_max=10, device="cpu")
     seeds = [3, 14, 15, 92, 65, 35, 89]
     together = list(generate_images(net, StandardRGBEncoder(), seeds, batch_size=7, **kwargs))
-    assert [s for s, _ in together] == [seeds]
+    assert [s for s, _, _ in together] == [seeds]
     images = together[0][1]
     assert images.dtype == torch.uint8 and images.shape == (7, 3, 8, 8)
     for i, seed in enumerate(seeds):
-        [(one_seed, one_image)] = generate_images(net, StandardRGBEncoder(), [seed], batch_size=1, **kwargs)
+        [(one_seed, one_image, _)] = generate_images(net, StandardRGBEncoder(), [seed], batch_size=1, **kwargs)
         assert one_seed == [seed] and torch.equal(one_image[0], images[i])
     assert len({bytes(im.numpy()) for im in images}) == 7
 
@@ -86,7 +86,7 @@ def test_solver_reaches_the_sampler_with_guidance_and_its_interval(nets, tmp_pat
         result = run_cli([*args, "--solver", name, "--outdir", tmp_path / name])
         assert result.exit_code == 0, result.output
     net, gnet = snapshot.load_network(nets["net"])[0], snapshot.load_network(nets["gnet"])[0]
-    [(_, images)] = generate_images(net, StandardRGBEncoder(), range(3), gnet=gnet, guidance=1.7, num_steps=4,
+    [(_, images, _)] = generate_images(net, StandardRGBEncoder(), range(3), gnet=gnet, guidance=1.7, num_steps=4,
                                     guidance_interval=(0.5, 20), solver=solver, batch_size=3, device="cpu")
     written = read_pngs(tmp_path / solver)
     assert list(written) == ["000000.png", "000001.png", "000002.png"]
@@ -344,7 +344,7 @@ def test_a_vae_that_cannot_load_is_refused_before_sampling(tmp_path, monkeypatch
 
 
 def test_a_latent_snapshot_loads_its_vae_before_sampling_and_decodes_with_it(tmp_path, tiny_vae_dir, monkeypatch):
-    real_sampler = generate_labeled_images.__globals__["edm_sampler"]
+    real_sampler = generate_images.__globals__["edm_sampler"]
     vae_loaded = []
 
     def sampler(net, *args, **kwargs):

@@ -11,6 +11,8 @@ from edm2 import generation
 from edm2.encoders import StandardRGBEncoder
 from edm2.errors import EDM2Error
 from edm2.generation import MAX_SEED, SeedRanges
+from edm2.sampler import SELF
+from edm2.snapshot import save_network
 from tests.helpers import tiny_precond
 
 
@@ -147,20 +149,34 @@ def test_generate_images_refuses_bad_input_before_sampling():
             next(generation.generate_images(net, StandardRGBEncoder(), device="cpu", num_steps=2, **kwargs))
 
 
+def test_load_guide_loads_a_guiding_network_and_refuses_one_that_cannot_guide(tmp_path):
+    net, metadata = tiny_generator(), {"training_options": {"label_dropout": 0.1}}
+    for name, gnet in (("fits", tiny_generator(0, seed=1)), ("res16", tiny_generator(0, img_resolution=16))):
+        save_network(tmp_path / f"{name}.safetensors", gnet, {})
+    guide = generation.load_guide(str(tmp_path / "fits.safetensors"), net, metadata)
+    assert {k: v.shape for k, v in guide.state_dict().items()} == {k: v.shape for k, v in net.state_dict().items()
+                                                                   if k in guide.state_dict()}
+    assert guide.label_dim == 0 and generation.load_guide(SELF, net, metadata) == SELF
+    with pytest.raises(generation.GenerationError, match="resolution 16"):
+        generation.load_guide(str(tmp_path / "res16.safetensors"), net, metadata)
+    with pytest.raises(generation.GenerationError, match="label dropout"):
+        generation.load_guide(SELF, net, {})
+
+
 def test_generate_images_over_all_seeds_starts_at_once_without_listing_them():
     net = tiny_generator()
     tracemalloc.start()
     try:
         batches = generation.generate_images(net, StandardRGBEncoder(), SeedRanges([range(0, MAX_SEED)]),
                                              batch_size=2, device="cpu", num_steps=2)
-        seeds, images = next(batches)
+        seeds, images, _ = next(batches)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert seeds == [0, 1] and images.shape == (2, 3, 8, 8)
     # 2**32 seeds as a list would take over 100 GB; one batch of a tiny net needs a few MB at most.
     assert peak < 20_000_000
-    [(one_seed, one_image)] = generation.generate_images(net, StandardRGBEncoder(), [1], batch_size=1, device="cpu",
+    [(one_seed, one_image, _)] = generation.generate_images(net, StandardRGBEncoder(), [1], batch_size=1, device="cpu",
                                                          num_steps=2)
     assert one_seed == [1] and torch.equal(one_image[0], images[1])
 

@@ -1,6 +1,7 @@
 """One writer per destination: the kernel lock refuses a second writer, whatever process ids its file names, and
 is free again the moment its holder ends."""
 
+import errno
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+from edm2 import locks
 from edm2.locks import FOLDER_LOCK, DestinationInUse, DestinationLock, hold_destination
 from tests.helpers import REPO, dead_pid, lock_held_by_child
 
@@ -158,3 +160,68 @@ def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
         os.kill(forked, signal.SIGKILL)
         holder.stdin.close()
         holder.stdout.close()
+
+
+@pytest.mark.bad_input
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    # Followed, the lock would truncate and overwrite whatever file the link names.
+    target, out = tmp_path / "precious.txt", tmp_path / "out"
+    target.write_text("user data")
+    out.mkdir()
+    (out / FOLDER_LOCK).symlink_to(target)
+    with pytest.raises(OSError):
+        DestinationLock(out, "generate.py", FOLDER_LOCK).acquire()
+    assert target.read_text() == "user data"
+
+
+def test_a_filesystem_without_locks_is_an_error_naming_the_lock_file_not_a_refusal(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_locks)
+    with pytest.raises(OSError) as info:  # DestinationInUse ("in use by another process") is no OSError
+        DestinationLock(tmp_path, "training", FOLDER_LOCK).acquire()
+    assert info.value.errno == errno.ENOLCK and info.value.filename == str(tmp_path / FOLDER_LOCK)
+
+
+def test_a_folder_removed_just_before_its_lock_file_is_opened_is_made_again(tmp_path, monkeypatch):
+    # A holder that had created the folder removes it on release, right after this locker made sure of it.
+    real_open, removed = os.open, []
+
+    def open_after_removal(path, *args):
+        if not removed:
+            removed.append(path)
+            os.rmdir(os.path.dirname(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(locks.os, "open", open_after_removal)
+    lock = DestinationLock(tmp_path / "out", "generate.py", FOLDER_LOCK)
+    lock.acquire()
+    monkeypatch.undo()
+    assert removed and named(tmp_path / "out" / FOLDER_LOCK)["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_disk_too_full_for_the_holders_name_still_gives_the_lock(tmp_path, monkeypatch):
+    # The name only makes a refusal readable; the error that counts is the one naming an output the command writes.
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(locks.os, "pwrite", full)
+    with hold_destination(tmp_path, "training", FOLDER_LOCK):
+        monkeypatch.undo()
+        assert (tmp_path / FOLDER_LOCK).read_bytes() == b""
+        with pytest.raises(DestinationInUse, match="in use by another process"):
+            DestinationLock(tmp_path, "second", FOLDER_LOCK).acquire()
+
+
+def test_every_rank_raises_the_main_ranks_refusal(tmp_path, monkeypatch):
+    # Rank 1 of a torchrun job: only the main rank locks; its refusal reaches the others by broadcast, so that no
+    # rank goes on to write the destination (or to wait at a collective the main rank never reaches).
+    refusal = DestinationInUse(f"{tmp_path} is in use by another process")
+    monkeypatch.setattr(locks.distributed, "is_main", lambda: False)
+    monkeypatch.setattr(locks.distributed, "broadcast_object", lambda obj, *args, **kwargs: refusal)
+    with pytest.raises(DestinationInUse) as info:
+        with hold_destination(tmp_path, "generate.py", FOLDER_LOCK):
+            pytest.fail("a rank entered the block although the main rank was refused")
+    assert info.value is refusal and not (tmp_path / FOLDER_LOCK).exists()

@@ -2,6 +2,7 @@
 networks in memory, and the library's errors."""
 
 import copy
+import re
 import shutil
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import reconstruct_phema
-from edm2 import phema, posthoc, snapshot
+from edm2 import anyema, phema, posthoc, snapshot
 from edm2.snapshot import save_network
 from tests.helpers import FAKE_RUN, fake_training_run, tiny_precond
 
@@ -103,6 +104,17 @@ def test_listing_and_times(tmp_path):
 def test_snapshot_names_with_and_without_an_exact_count(name, prefix, nimg):
     match = snapshot.SNAPSHOT_NAME.fullmatch(name)
     assert (match["prefix"], match["nimg"], match["std"]) == (prefix, nimg, "0.050" if "0.050" in name else "0.130")
+
+
+@pytest.mark.parametrize("std", [0.001, 0.05, 0.1234, 0.2884])
+def test_one_helper_writes_the_std_suffix_and_its_pattern_reads_it_back(std):
+    name = snapshot.snapshot_name("phema", 1024, std)
+    assert name == f"phema-0000001-{snapshot.std_tag(std)}.safetensors"
+    read = snapshot.SNAPSHOT_NAME.fullmatch(name)["std"]
+    # Three decimals: the name's sigma_rel is within half a unit of the third (posthoc.STD_TOLERANCE) of std.
+    assert read == snapshot.std_tag(std) and len(read.split(".")[1]) == 3
+    assert abs(float(read) - std) <= posthoc.STD_TOLERANCE
+    assert re.fullmatch(rf"ema-000000007-{snapshot.STD_TAG}\.safetensors", anyema.file_name("ema", 7, std))
 
 
 def test_tracks_named_by_their_exact_count_are_found_by_prefix(tmp_path):

@@ -37,7 +37,6 @@ def predicted_std(num_steps, S_churn=0.0, S_min=0.0, S_max=math.inf, S_noise=1.0
     multiplies x by a constant: Euler 1 + h a(t_hat), Heun 1 + h/2 (a(t_hat) + a(t_next) + h a(t_hat) a(t_next)).
     Churn adds independent noise of variance (t_hat^2 - t^2) S_noise^2 before the step.
     """
-    a = lambda t: t / (t * t + S * S)  # noqa: E731
     i = np.arange(num_steps)
     t = (sigma_max ** (1 / rho) + i / (num_steps - 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
     t = np.append(t, 0.0)
@@ -46,11 +45,16 @@ def predicted_std(num_steps, S_churn=0.0, S_min=0.0, S_max=math.inf, S_noise=1.0
     for k in range(num_steps):
         t_hat = t[k] * (1 + gamma) if S_min <= t[k] <= S_max else t[k]
         var += (t_hat**2 - t[k] ** 2) * S_noise**2
-        h = t[k + 1] - t_hat
-        last = k == num_steps - 1
-        g = 1 + h * a(t_hat) if last else 1 + h / 2 * (a(t_hat) + a(t[k + 1]) + h * a(t_hat) * a(t[k + 1]))
+        g = step_factor(t_hat, t[k + 1], last=k == num_steps - 1)
         var *= g * g
     return math.sqrt(var)
+
+
+def step_factor(t_hat, t_next, last):
+    """The factor one step from t_hat to t_next multiplies x by with exact_denoiser (see predicted_std), in float64."""
+    a = lambda t: t / (t * t + S * S)  # noqa: E731
+    h = t_next - t_hat
+    return 1 + h * a(t_hat) if last else 1 + h / 2 * (a(t_hat) + a(t_next) + h * a(t_hat) * a(t_next))
 
 
 def unit_noise(seed=0, num_pixels=N_PIXELS):
@@ -103,6 +107,40 @@ def test_churn_lands_on_the_data_distribution():
     std128 = predicted_std(128, **churn)
     assert abs(std128 - S) < abs(std_pred - S) / 3
     assert abs(out128.std().item() - std128) < tolerance
+
+
+@pytest.mark.parametrize("solver", sampler.SOLVERS)
+def test_the_callback_sees_each_step_in_k_diffusion_keys_and_changes_nothing(solver):
+    noise, num_steps = unit_noise(2, 4096), 8
+    seen = []
+    out = sampler.edm_sampler(exact_denoiser, noise, num_steps=num_steps, solver=solver, callback=seen.append)
+    assert torch.equal(out, sampler.edm_sampler(exact_denoiser, noise, num_steps=num_steps, solver=solver))
+    levels = sampler.sigma_steps(num_steps, 0.002, 80, 7).tolist()
+    assert [step["i"] for step in seen] == list(range(num_steps))
+    assert [step["sigma"] for step in seen] == [step["sigma_hat"] for step in seen] == levels[:-1]
+    assert torch.equal(seen[0]["x"], noise * levels[0])
+    for step in seen:
+        assert torch.equal(step["denoised"], exact_denoiser(step["x"], torch.full([1], step["sigma"])))
+    if solver == "euler":  # each point is the previous one's Euler step, and the sample the last one's
+        for step, x_next in zip(seen, [*(s["x"] for s in seen[1:]), out]):
+            h = levels[step["i"] + 1] - step["sigma"]
+            assert torch.equal(x_next, step["x"] + h * ((step["x"] - step["denoised"]) / step["sigma"]))
+    if solver == "dpm2m":  # the last step ends at sigma = 0, where the sample is the denoised image
+        assert torch.equal(out, seen[-1]["denoised"])
+
+
+def test_heuns_trajectory_is_the_noise_times_the_closed_form_factor_of_each_step():
+    # With the exact denoiser every Heun step multiplies x by step_factor, so the k-th point the callback sees is
+    # the noise times sigma_max times the product of the first k factors, up to k steps' rounding.
+    noise, num_steps = unit_noise(3, 4096), 8
+    seen = []
+    sampler.edm_sampler(exact_denoiser, noise, num_steps=num_steps, callback=seen.append)
+    levels = sampler.sigma_steps(num_steps, 0.002, 80, 7).tolist()
+    factor = levels[0]
+    for k, step in enumerate(seen):
+        torch.testing.assert_close(step["x"].double(), noise.double() * factor, atol=0,
+                                   rtol=rounding_bound(k, torch.float32))
+        factor *= step_factor(levels[k], levels[k + 1], last=k == num_steps - 1)
 
 
 def smooth_denoiser(scale, shift):

@@ -119,11 +119,11 @@ def test_compiled_and_eager_runs_resume_each_other(aot_eager):
 def test_compiled_sampling_network_keeps_its_names_and_images(aot_eager):
     net = randomized(tiny_precond(img_resolution=8, label_dim=4)).eval().requires_grad_(False)
     names = list(net.state_dict())
-    eager = [images for _, images in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
+    eager = [images for _, images, _ in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
                                                      num_steps=3)]
     speed.SamplingSpeed(compile=True).apply(net, CPU)
     assert net._compiled_call_impl is not None and list(net.state_dict()) == names
-    compiled = [images for _, images in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
+    compiled = [images for _, images, _ in generate_images(net, StandardRGBEncoder(), range(3), batch_size=2, device=CPU,
                                                         num_steps=3)]
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))  # uint8 images of the same computation
 

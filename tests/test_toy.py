@@ -18,7 +18,7 @@ from edm2 import snapshot, toy_gmm
 from edm2.locks import FOLDER_LOCK, hold_destination
 from edm2.plots import toy as toy_plots
 from edm2.release_pickle import ReleasePickleError
-from edm2.toy_model import ToyDenoiser, guided_score, sample_trajectories
+from edm2.toy_model import ToyDenoiser, sample_trajectories
 from edm2.toy_snapshot import load_toy, save_toy
 from edm2.layers import ArchitectureError
 from tests.helpers import (assert_one_error_line, assert_refused, forget_release_standins, install_release_standins,
@@ -106,8 +106,10 @@ def test_trajectories_follow_the_closed_form_ode():
     expected = x0 * s / math.sqrt(s**2 + sigma_max**2)
 
     def error(num_steps):
-        paths = sample_trajectories(GaussianScore(s).score, x0, sigma_max, num_steps=num_steps)
-        assert paths.shape == (num_steps + 1, 64, 2) and torch.equal(paths[0], x0)
+        paths = sample_trajectories(GaussianScore(s), x0, sigma_max, num_steps=num_steps)
+        # The shared sampler starts from noise * sigma_max, here (x0 / sigma_max) * sigma_max: two roundings.
+        assert paths.shape == (num_steps + 1, 64, 2)
+        torch.testing.assert_close(paths[0], x0, rtol=2 * torch.finfo(x0.dtype).eps, atol=0)
         return ((paths[-1] - expected).abs().max() / expected.abs().max()).item()
 
     # Heun's method is second order: doubling the steps divides the error by about 4 (an Euler step or a wrong
@@ -116,11 +118,26 @@ def test_trajectories_follow_the_closed_form_ode():
     assert 3.5 < error(32) / error(64) < 5
 
 
-def test_guided_score_blends_by_the_weight():
-    net, gnet, x, sigma = GaussianScore(0.5), GaussianScore(0.2), torch.randn(8, 2), torch.full([8], 0.3)
-    assert guided_score(net, gnet, 1.0) == net.score
-    torch.testing.assert_close(guided_score(net, gnet, 3.0)(x, sigma), gnet.score(x, sigma) + 3 * (
-        net.score(x, sigma) - gnet.score(x, sigma)))
+class BlendedScore:
+    """The score gnet + w (net - gnet) that guidance by weight w gives (Eq. 152, a denoiser being x + sigma^2 score)."""
+
+    def __init__(self, net, gnet, w):
+        self.net, self.gnet, self.w = net, gnet, w
+
+    def score(self, x, sigma):
+        return self.gnet.score(x, sigma) + self.w * (self.net.score(x, sigma) - self.gnet.score(x, sigma))
+
+
+def test_guided_trajectories_follow_the_blended_score():
+    net, gnet, x0 = GaussianScore(0.5), GaussianScore(0.2), torch.randn(64, 2, dtype=torch.float64)
+    assert torch.equal(sample_trajectories(net, x0, 5.0, gnet, 1.0), sample_trajectories(net, x0, 5.0))
+    guided = sample_trajectories(net, x0, 5.0, gnet, 3.0)
+    # The sampler blends the denoisers, the reference the scores: each of the 63 evaluations rounds the two ways
+    # apart by a few (under 8) roundings of |x|, and the ODE is linear for Gaussians, so a step carries an earlier
+    # error as it carries x, the same fraction of the path's size.
+    torch.testing.assert_close(guided, sample_trajectories(BlendedScore(net, gnet, 3.0), x0, 5.0), rtol=0,
+                               atol=63 * 8 * torch.finfo(torch.float64).eps * guided.abs().max().item())
+    assert (guided[-1] - sample_trajectories(net, x0, 5.0)[-1]).abs().max() > 0.01  # and guidance does act
 
 
 def test_training_fits_the_ground_truth_score():
@@ -305,7 +322,7 @@ def test_autoguidance_concentrates_samples_in_the_class():
             return target.score(x, (sigma**2 + 0.1**2).sqrt())
 
     start = target.sample(128, 5.0, torch.Generator().manual_seed(3))
-    plain = sample_trajectories(target.score, start, 5.0, num_steps=16)[-1]
-    guided = sample_trajectories(guided_score(target, Blurred(), 2.0), start, 5.0, num_steps=16)[-1]
+    plain = sample_trajectories(target, start, 5.0, num_steps=16)[-1]
+    guided = sample_trajectories(target, start, 5.0, Blurred(), 2.0, num_steps=16)[-1]
     assert target.logp(guided).median() > target.logp(plain).median()
     assert np.isfinite(target.logp(guided).numpy()).all()

@@ -171,7 +171,7 @@ def test_grid_of_a_latent_network_is_decoded_by_its_vae(tiny_vae_dir):
     net = tiny_precond(img_channels=4, label_dim=5).eval()
     encoder = StabilityVAEEncoder(vae_name=str(tiny_vae_dir))
     grid = sample_grid.sample_grid(net, encoder, 2, 3, 2, torch.device("cpu"))
-    rows = [images for r in range(2) for _, images in generation.generate_images(
+    rows = [images for r in range(2) for _, images, _ in generation.generate_images(
         net, encoder, range(3 * r, 3 * r + 3), class_idx=r, device="cpu", num_steps=2)]
     expected = tile(torch.cat(rows).permute(0, 2, 3, 1).numpy(), 3)
     assert expected.shape == (2 * 17 - 1, 3 * 17 - 1, 3)  # the tiny VAE decodes 8x8 latents to 16x16 RGB

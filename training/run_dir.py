@@ -2,7 +2,7 @@
 snapshots; its training states belong to training/checkpoint.py, which decides where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
-network-snapshot-{images_tag}-{std:.3f}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
+network-snapshot-{images_tag}-{std_tag}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
 state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
 training/dashboard.py), samples/ (the snapshots' sample grids, training/sample_grid.py), with --logger
 tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock
@@ -60,7 +60,7 @@ def checked_run_id(run_id: object, source: str | os.PathLike, error: type[EDM2Er
 
 
 def snapshot_path(run_dir: str | os.PathLike, nimg: int, std: float) -> Path:
-    """network-snapshot-{images_tag}-{std:.3f}.safetensors inside run_dir."""
+    """network-snapshot-{images_tag}-{std_tag}.safetensors inside run_dir."""
     return Path(run_dir) / snapshot_name(SNAPSHOT_PREFIX, nimg, std)
 
 

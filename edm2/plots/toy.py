@@ -19,7 +19,7 @@ import torch
 
 from edm2.plots import new_figure
 from edm2.toy_gmm import GaussianMixture, ground_truth
-from edm2.toy_model import ToyDenoiser, guided_score, sample_trajectories
+from edm2.toy_model import ToyDenoiser, sample_trajectories
 
 GT_ALL = dict(levels=[-2.12, 0], colors=[[0.9, 0.9, 0.9]], linecolors=[[0.7, 0.7, 0.7]], linewidth=0.75)
 GT_CLASS = dict(levels=[-2.12, 0], colors=[[1.0, 0.8, 0.6]], linecolors=[[0.8, 0.6, 0.5]], linewidth=0.75)
@@ -108,9 +108,8 @@ def _overview_row(figure_axes, net, gnet, guidance: float, device: torch.device,
     start = starting_points(view, generator, device)
     samples = {
         "Ground truth distribution": ground_truth("A", device).sample(view.num_samples, generator=generator),
-        "Sample distribution without guidance": sample_trajectories(net.score, start, view.sigma_max)[-1],
-        "Sample distribution with guidance":
-            sample_trajectories(guided_score(net, gnet, guidance), start, view.sigma_max)[-1],
+        "Sample distribution without guidance": sample_trajectories(net, start, view.sigma_max)[-1],
+        "Sample distribution with guidance": sample_trajectories(net, start, view.sigma_max, gnet, guidance)[-1],
     }
     for axes, (title, points) in zip(figure_axes, samples.items()):
         panel = _Panel(axes, view, grid, title)
@@ -130,11 +129,11 @@ def _close_up_panels(figure_axes, net, gnet, guidance: float, device: torch.devi
     with torch.no_grad():
         p_net, p_gnet = net.logp(grid[2], view.sigma_max), gnet.logp(grid[2], view.sigma_max)
     s_net, s_gnet = net.score(start, sigma), gnet.score(start, sigma)
-    for axes, title, score in ((figure_axes[0], "Trajectories without guidance", net.score),
-                               (figure_axes[4], "Trajectories with guidance", guided_score(net, gnet, guidance))):
+    for axes, title, w in ((figure_axes[0], "Trajectories without guidance", 1.0),
+                           (figure_axes[4], "Trajectories with guidance", guidance)):
         panel = _Panel(axes, view, grid, title)
         panel.density(shaded, **GT_SHADED)
-        paths = sample_trajectories(score, start, view.sigma_max)
+        paths = sample_trajectories(net, start, view.sigma_max, gnet, w)
         panel.trajectories(paths)
         panel.points(paths[-1], size=15)
     densities = (("PDF of main model", p_net, np.linspace(-2.5, 2.5, 20), "Greens", s_net, "C2"),
@@ -172,5 +171,5 @@ def progress_figure(net: ToyDenoiser, title: str, device: torch.device | str = "
     panel.density(ground_truth("AB", device).logp(grid[2]), **GT_ALL)
     panel.density(ground_truth("A", device).logp(grid[2]), **GT_CLASS)
     start = starting_points(view, torch.Generator(device).manual_seed(seed), device)
-    panel.points(sample_trajectories(net.score, start, view.sigma_max)[-1], size=7, alpha=0.25)
+    panel.points(sample_trajectories(net, start, view.sigma_max)[-1], size=7, alpha=0.25)
     return figure
