@@ -124,7 +124,8 @@ def load_state(path: str | os.PathLike) -> dict:
 
 
 def state_options(state: dict, path: str | os.PathLike) -> dict:
-    """The hyperparameters a training state records (a JSON object), parsed within edm2.bounded_json's bounds."""
+    """The hyperparameters a training state records (a JSON object), parsed within the bounds of
+    edm2.bounded_json."""
     if not isinstance(state.get("options"), str):
         raise CheckpointError(f"{path}: its options are not JSON text")
     try:
@@ -172,7 +173,8 @@ def options_hash(hyperparameters: dict) -> str:
 
 
 def load_options(run_dir: str | os.PathLike) -> dict | None:
-    """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new run."""
+    """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new
+    run."""
     return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, CheckpointError)
 
 
