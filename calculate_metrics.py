@@ -17,7 +17,7 @@ from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
-from edm2 import distributed, files, locks, snapshot
+from edm2 import distributed, files, locks
 from edm2.dataset import DatasetError, ImageFolderDataset
 from edm2.detectors import DETECTORS, DetectorError, load_detector
 from edm2.encoders import Encoder, EncoderError
@@ -26,7 +26,7 @@ from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
 from edm2.sampler import SELF
-from edm2.snapshot import SnapshotError
+from edm2.snapshot import SnapshotError, load_generator
 from edm2.speed import SamplingSpeed
 from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 from edm2.sweep import Measure, run_sweep
@@ -139,7 +139,7 @@ def check_dest(dest_path: str) -> Path:
 def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder, dict]:
     """A snapshot (ours or the release's .pkl) on device, its encoder and metadata; bad files name the option."""
     try:
-        net, encoder, metadata = snapshot.load_generator(path)
+        net, encoder, metadata = load_generator(path)
     except (SnapshotError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint=option) from None
     return net.to(device), encoder, metadata

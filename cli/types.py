@@ -168,7 +168,8 @@ class StdList(click.ParamType):
 
 
 class ImageCount(click.ParamType):
-    """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min` and below 2**53 (edm2.snapshot.MAX_NIMG)."""
+    """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min` and below 2**53
+    (edm2.snapshot.MAX_NIMG)."""
 
     name = "NIMG"
     _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}

@@ -5,8 +5,9 @@ The release pickles its classes through `torch_utils.persistence`, which stores 
 execute that source; here a restricted unpickler maps every allowed global to a safe stand-in, keeps
 each persistent object as a record of its class name and state, and rebuilds our own objects from the
 records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings
-(pickles without them, older and third-party ones, get the RGB encoder and no loss), and the toy example's
-`ToyModel` snapshots as our ToyDenoiser.
+(pickles without them, older and third-party ones, get the RGB encoder and no loss). The toy example's
+`ToyModel` snapshots are read by edm2.toy_snapshot with the public helpers here (restricted_load, reading,
+expect_record, rebuild_module), so that the file formats know nothing of the toy example.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from edm2.errors import SnapshotError, one_line
 from edm2.layers import ArchitectureError
 from edm2.network_args import MAX_SCALE, real
 from edm2.networks import Precond
-from edm2.toy_model import ToyDenoiser
 
 
 MAX_KWARGS_DEPTH = 16  # dataset_kwargs nest one or two levels; our metadata JSON may nest 32 in all
@@ -113,14 +113,15 @@ def _module_tensors(state: dict, prefix: str, out: dict[str, torch.Tensor]) -> N
         _module_tensors(child.state, f"{prefix}{name}.", out)
 
 
-def _expect(record, class_names: tuple[str, ...], what: str) -> PersistentRecord:
+def expect_record(record: object, class_names: tuple[str, ...], what: str) -> PersistentRecord:
+    """The record itself when it is a persistent object of one of class_names; otherwise refused, naming `what`."""
     if not isinstance(record, PersistentRecord) or record.class_name not in class_names:
         found = record.class_name if isinstance(record, PersistentRecord) else type(record).__name__
         raise ReleasePickleError(f"{what}: expected {' or '.join(class_names)}, found {found}")
     return record
 
 
-def _rebuild(record: PersistentRecord, module_class: type, what: str) -> torch.nn.Module:
+def rebuild_module(record: PersistentRecord, module_class: type, what: str) -> torch.nn.Module:
     """Our module_class built from the recorded constructor arguments and given the recorded weights; float32, eval.
 
     It is built on the 'meta' device first (no memory), so that arguments declaring a network larger than the
@@ -151,7 +152,7 @@ def _encoder_config(record: PersistentRecord | None) -> dict:
     (generate_images.py falls back to StandardRGBEncoder for pickles that predate the encoder entry)."""
     if record is None:
         return StandardRGBEncoder().config()
-    record = _expect(record, ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
+    record = expect_record(record, ("StabilityVAEEncoder", "StandardRGBEncoder"), "encoder")
     if record.class_name == "StandardRGBEncoder":
         return StandardRGBEncoder().config()
     state = record.state
@@ -185,7 +186,7 @@ def _loss_settings(state: dict) -> dict[str, float]:
         raise ReleasePickleError(f"loss_fn: {e}") from None
 
 
-def _restricted_load(path: str | os.PathLike) -> object:
+def restricted_load(path: str | os.PathLike) -> object:
     """The release pickle's contents, persistent objects as records; nothing in it runs."""
     with open(path, "rb") as f:
         try:
@@ -199,7 +200,7 @@ def _restricted_load(path: str | os.PathLike) -> object:
 
 
 @contextlib.contextmanager
-def _reading(path: str | os.PathLike) -> Iterator[None]:
+def reading(path: str | os.PathLike) -> Iterator[None]:
     """Refusals, and entries of other types than the release's, as one ReleasePickleError naming the file."""
     try:
         yield
@@ -211,11 +212,11 @@ def _reading(path: str | os.PathLike) -> Iterator[None]:
 
 def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
     """Read a release .pkl into (our Precond in eval mode, float32; metadata) without running its code."""
-    data = _restricted_load(path)
+    data = restricted_load(path)
     if not isinstance(data, dict) or "ema" not in data:
         raise ReleasePickleError(f"{path}: expected a dict with an 'ema' network")
-    with _reading(path):
-        net = _rebuild(_expect(data["ema"], ("Precond",), "ema"), Precond, "the release network")
+    with reading(path):
+        net = rebuild_module(expect_record(data["ema"], ("Precond",), "ema"), Precond, "the release network")
         metadata = {
             "source": "release-pickle",
             "network_kwargs": net.init_kwargs,
@@ -224,13 +225,6 @@ def load_release_pickle(path: str | os.PathLike) -> tuple[Precond, dict]:
         }
         # Older and third-party pickles carry no loss; the network and encoder are all that sampling needs.
         if data.get("loss_fn") is not None:
-            metadata["loss"] = _loss_settings(_expect(data["loss_fn"], ("EDM2Loss",), "loss_fn").state)
+            metadata["loss"] = _loss_settings(expect_record(data["loss_fn"], ("EDM2Loss",), "loss_fn").state)
     return net, metadata
 
-
-def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
-    """Read one of the release's toy-example snapshots (toy_example.py's iterNNNN.pkl: a pickled ToyModel) into
-    our ToyDenoiser in eval mode, float32, without running its code."""
-    record = _restricted_load(path)
-    with _reading(path):
-        return _rebuild(_expect(record, ("ToyModel",), "toy example snapshot"), ToyDenoiser, "the toy model")

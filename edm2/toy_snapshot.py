@@ -1,5 +1,5 @@
 """Toy-example snapshot files: the denoiser's safetensors weights plus JSON metadata; the release's toy pickles
-through the restricted importer.
+(pickled ToyModels) through edm2.release_pickle's restricted importer.
 
 The metadata sits under its own key ('edm2-toy'), so an EDM2 command given a toy file, or the toy example given an
 EDM2 snapshot, refuses it in one line.
@@ -13,7 +13,7 @@ import torch
 
 from edm2 import files
 from edm2.errors import one_line
-from edm2.release_pickle import load_release_toy_pickle
+from edm2.release_pickle import expect_record, reading, rebuild_module, restricted_load
 from edm2.snapshot import check_readable, load_weights, read_metadata, save_network
 from edm2.toy_gmm import ToyError
 from edm2.toy_model import ToyDenoiser
@@ -24,6 +24,15 @@ METADATA_KEY = "edm2-toy"
 def save_toy(path: str | os.PathLike, net: ToyDenoiser, metadata: dict) -> None:
     """Write the denoiser's float32 weights and metadata atomically to a .safetensors file."""
     save_network(path, net, metadata, METADATA_KEY, torch.float32)
+
+
+def load_release_toy_pickle(path: str | os.PathLike) -> ToyDenoiser:
+    """Our ToyDenoiser (eval mode, float32) from one of the release's toy-example snapshots (toy_example.py's
+    iterNNNN.pkl: a pickled ToyModel), without running its code."""
+    record = restricted_load(path)
+    with reading(path):
+        model = expect_record(record, ("ToyModel",), "toy example snapshot")
+        return rebuild_module(model, ToyDenoiser, "the toy model")
 
 
 def load_toy(path_or_url: str | os.PathLike) -> tuple[ToyDenoiser, dict]:

@@ -1,5 +1,5 @@
-"""count_flops.py and edm2.flops: the release's way of counting, against paper Table 6 and Appendix D.5, and against
-a trace of a stand-in of the release's network priced by the release's rules."""
+"""count_flops.py and edm2.flops: the release's way of counting, against paper Table 6 and Appendix D.5, and
+against a trace of a stand-in of the release's network priced by the release's rules."""
 
 import math
 import re

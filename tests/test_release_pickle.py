@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import generate
 
-from edm2 import encoders, legacy_storage, release_pickle, snapshot
+from edm2 import encoders, legacy_storage, release_pickle, snapshot, toy_snapshot
 from edm2.errors import EDM2Error
 from edm2.networks import Precond
 from edm2.toy_model import ToyDenoiser
@@ -385,6 +385,6 @@ def test_entries_of_another_type_are_one_line(toy, tmp_path, release_standins):
         ema.meta["state"]["_modules"]["logvar_linear"].meta["state"]["_parameters"] = "not a dict"
         write_release_pickle(path, random_release_tiny_net(), persistence, util, replace=dict(ema=ema))
     forget_release_standins()
-    load = release_pickle.load_release_toy_pickle if toy else release_pickle.load_release_pickle
+    load = toy_snapshot.load_release_toy_pickle if toy else release_pickle.load_release_pickle
     with pytest.raises(release_pickle.ReleasePickleError, match=f"{re.escape(str(path))}: malformed release pickle"):
         load(path)

@@ -255,7 +255,8 @@ def load_state(path: str | os.PathLike) -> dict:
 
 
 def state_options(state: dict, path: str | os.PathLike) -> dict:
-    """The hyperparameters a training state records (a JSON object), parsed within edm2.bounded_json's bounds."""
+    """The hyperparameters a training state records (a JSON object), parsed within the bounds of
+    edm2.bounded_json."""
     if not isinstance(state.get("options"), str):
         raise CheckpointError(f"{path}: its options are not JSON text")
     try:

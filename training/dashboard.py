@@ -44,8 +44,8 @@ class DashboardError(EDM2Error):
 
 
 def stats_rows(run_dir: Path, keys: Sequence[str], required: bool = True) -> list[dict]:
-    """stats.jsonl's rows (parsed within edm2.bounded_json's bounds) that hold a number under every key; a torn or
-    foreign line is skipped. Unless required, a missing file gives no rows."""
+    """stats.jsonl's rows (parsed within edm2.bounded_json's bounds) that hold a number under every key; a torn
+    or foreign line is skipped. Unless required, a missing file gives no rows."""
     path = run_dir / STATS_FILE
     try:
         lines = path.read_bytes().splitlines()

@@ -1,5 +1,5 @@
-"""One training per run directory: edm2.locks's kernel lock on RUN/training.lock, which names the host and process
-holding it and is free again the moment that process ends (no lock is ever judged stale by its process id)."""
+"""One training per run directory: edm2.locks's kernel lock on RUN/training.lock, which names the host and
+process holding it and is free again the moment that process ends (no lock is ever judged stale by its process id)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ LOCK_FILE = "training.lock"
 
 
 class RunLock(DestinationLock):
-    """The lock of one run directory; `acquire` takes it or raises edm2.locks.DestinationInUse, `release` gives it
-    back (and deletes training.lock)."""
+    """The lock of one run directory; `acquire` takes it or raises edm2.locks.DestinationInUse, `release`
+    gives it back (and deletes training.lock)."""
 
     def __init__(self, run_dir: str | os.PathLike):
         super().__init__(run_dir, "training", LOCK_FILE)
