@@ -12,6 +12,7 @@ from edm2.layers import mpconvs, weights_normalized_once
 from edm2.phema import PowerFunctionEMA
 from edm2.sampler import edm_sampler
 from edm2.speed import to_channels_last
+from edm2.validation import loss_per_sigma, validation_loss
 from tests.helpers import bits, randomized, tiny_precond
 
 X, SIGMA, LABELS = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 1.0, 4.0]), \
@@ -60,6 +61,25 @@ def test_the_sampler_normalizes_each_weight_of_both_networks_once_per_run(monkey
     edm_sampler(net, noise, LABELS[:2], gnet=gnet, guidance=2.0, num_steps=4)
     assert len(calls) == len(mpconvs(net)) + len(mpconvs(gnet))
     assert all(layer.normalized_once is None for layer in mpconvs(net, gnet))
+
+
+class FixedSamples:
+    """ValidationSamples' interface over the fixed batch X: y, sigma, n and labels of the samples asked for."""
+
+    num = len(X)
+
+    def batch(self, samples, device):
+        return X[samples], SIGMA[samples].reshape(-1, 1, 1, 1), X.flip(0)[samples], LABELS[samples]
+
+
+def test_the_validation_loss_and_the_loss_per_sigma_normalize_each_weight_once_per_call(monkeypatch):
+    net = randomized(tiny_precond()).eval()
+    calls = count_normalizations(monkeypatch)
+    validation_loss(net, FixedSamples(), batch_size=1)  # three batches
+    assert len(calls) == len(mpconvs(net))
+    loss_per_sigma(net, X, X.flip(0), LABELS, [0.5, 1.0, 2.0])
+    assert len(calls) == 2 * len(mpconvs(net))
+    assert all(layer.normalized_once is None for layer in mpconvs(net))
 
 
 def test_the_normalized_weights_are_dropped_on_exit_even_after_an_error():
