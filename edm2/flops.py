@@ -16,7 +16,8 @@ adds up what the release's network (training/networks_edm2.py) executes for the 
 - attention: the release divides k by sqrt(channels per head), multiplies q^T k as a matmul, takes an
   explicit softmax and multiplies by v; ours calls scaled_dot_product_attention.
 - MPConv: the release normalizes its weight on every call, also in eval mode (linalg_vector_norm, add of
-  eps, div, mul by gain / sqrt(fan_in), plus a div for a learned gain); ours may reuse a normalized weight.
+  eps, div, mul by gain / sqrt(fan_in), plus a div for a learned gain); ours normalizes once per sampler run
+  (edm2.layers.weights_normalized_once).
 - everything else is the same op for op: mp_silu (silu, div), mp_sum (lerp, div), mp_cat (two muls),
   pixel norm (linalg_vector_norm, add, div), clip_ (clamp_), the Fourier embedding (outer, add, cos, mul)
   and the preconditioning (16 scalar ops, c_in * x, c_skip * x + c_out * F_x).

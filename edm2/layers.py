@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -76,110 +75,64 @@ class MPFourier(torch.nn.Module):
         return (y.cos() * math.sqrt(2)).to(x.dtype)
 
 
-_recomputing = threading.local()  # set while activation checkpointing replays a forward pass
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark a replayed forward pass (torch.utils.checkpoint's recomputation): MPConv skips its forced weight
-    normalization there, so the replay computes what the first pass did and leaves the weights alone."""
-    previous = getattr(_recomputing, "active", False)
-    _recomputing.active = True
-    try:
-        yield
-    finally:
-        _recomputing.active = previous
-
-
 class MPConv(torch.nn.Module):
-    """Convolution (kernel [k,k]) or linear layer (kernel []) with forced weight normalization.
+    """Convolution (kernel [k,k]) or linear layer (kernel []) whose weight rows are normalized on use (Eq. 47).
 
-    In evaluation mode, when no gradient is wanted, the normalized, gain-scaled weight is a constant of the
-    weights: it is computed once and reused until the weight or gain changes in place (their version
-    counters), moves (.to, .half, ...), is loaded (load_state_dict), or the layer is set to training mode.
+    The layer never writes its weight. When the stored weight is renormalized and when a normalized weight is
+    reused are decided by the two steps below it: force_weight_normalization (Eq. 66), which the training step
+    applies to every layer before each forward pass, and weights_normalized_once, within which sampling and
+    evaluation use each layer's weight normalized once.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: Sequence[int]):
         super().__init__()
         self.out_channels = out_channels
         self.weight = torch.nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
-        self._cached: tuple[tuple, torch.Tensor] | None = None  # (key, weight) of the evaluation-mode weight
+        self.normalized_once: torch.Tensor | None = None  # set within weights_normalized_once() only
 
     def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1) -> torch.Tensor:
         """Apply the layer with unit-norm weight rows scaled by gain / sqrt(fan_in)."""
-        if self._cacheable(gain):
-            w = self._cached_weight(x.dtype, gain)
-        else:
-            w = self.effective_weight(x.dtype, gain)
+        w = normalized_weight(self.weight) if self.normalized_once is None else self.normalized_once
+        w = (w * (gain / math.sqrt(w[0].numel()))).to(x.dtype)
         if w.ndim == 2:
             return x @ w.t()
         return F.conv2d(x, w, padding=w.shape[-1] // 2)
 
-    def effective_weight(self, dtype: torch.dtype, gain: float | torch.Tensor = 1) -> torch.Tensor:
-        """The weight the layer applies, in dtype; in training mode first forces the stored rows to norm
-        sqrt(fan_in). Normalized in float32 (float64 for a float64 weight, a reference computation)."""
-        w = self._normalization_weight()
-        # A replayed pass finds the weights normalized already; a compiled graph cannot write them (inductor drops
-        # the write), so compiled training applies Eq. 66 before the graph (force_weight_normalization).
-        if self.training and not getattr(_recomputing, "active", False) and not torch.compiler.is_compiling():
-            self._force_normalization(w)
-        # Standard weight normalization on use (Eq. 47) makes the gradient tangent (Eq. 59).
-        w = normalize(w)
-        w = w * (gain / math.sqrt(w[0].numel()))
-        return w.to(dtype)
 
-    def _normalization_weight(self) -> torch.Tensor:
-        """The raw weight in the dtype it is normalized in: float32, or float64 for a float64 weight."""
-        return self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
-
-    def _force_normalization(self, w: torch.Tensor) -> None:
-        """Forced weight normalization (Eq. 66): rows of the raw weight keep norm sqrt(fan_in); w is
-        _normalization_weight()."""
-        with torch.no_grad():
-            self.weight.copy_(normalize(w))
-
-    def _cacheable(self, gain: float | torch.Tensor) -> bool:
-        """Whether the applied weight may be reused: evaluation mode, eager, with no gradient to record (a cached
-        weight cannot be part of more than one autograd graph), on tensors that count their in-place writes."""
-        tensors = [self.weight, *([gain] if isinstance(gain, torch.Tensor) else [])]
-        if self.training or torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
-            return False
-        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-    def _cached_weight(self, dtype: torch.dtype, gain: float | torch.Tensor) -> torch.Tensor:
-        """effective_weight, recomputed only when its inputs changed since the last call."""
-        key = (dtype, torch.is_inference_mode_enabled(), _tensor_key(self.weight),
-               _tensor_key(gain) if isinstance(gain, torch.Tensor) else float(gain))
-        if self._cached is None or self._cached[0] != key:
-            self._cached = None  # free the stale weight before computing the new one
-            self._cached = (key, self.effective_weight(dtype, gain))
-        return self._cached[1]
-
-    def train(self, mode: bool = True) -> MPConv:
-        """Set training mode (see torch.nn.Module.train); entering it frees the cached evaluation-mode weight."""
-        if mode:
-            self._cached = None
-        return super().train(mode)
-
-    def _apply(self, fn, recurse: bool = True):
-        # .to(), .half(), .cuda(), memory formats: the cached weight would keep the old device or dtype.
-        self._cached = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._cached = None
-        super()._load_from_state_dict(*args, **kwargs)
+def normalized_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight with every output row scaled to norm sqrt(fan_in) (normalize), computed in float32 (float64 for a
+    float64 weight, a reference computation)."""
+    return normalize(weight.to(torch.promote_types(weight.dtype, torch.float32)))
 
 
-def force_weight_normalization(module: torch.nn.Module) -> None:
-    """Eq. 66 for every MPConv of module in training mode, with the operations its forward uses: for compiled
-    training, whose graph leaves the weights alone (see MPConv.effective_weight)."""
-    for layer in module.modules():
-        if isinstance(layer, MPConv) and layer.training:
-            layer._force_normalization(layer._normalization_weight())
+def mpconvs(*nets: object) -> list[MPConv]:
+    """The MPConv layers of those nets that are modules (a plain function or None has none), each once."""
+    modules = (m for net in nets if isinstance(net, torch.nn.Module) for m in net.modules())
+    return list(dict.fromkeys(m for m in modules if isinstance(m, MPConv)))
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's current values: in-place writes bump its version counter; replacing its
-    storage (moving it, assigning .data) changes the data pointer, device or dtype."""
-    return id(t), t._version, t.data_ptr(), t.device, t.dtype, t.shape, t.stride()
+def force_weight_normalization(net: torch.nn.Module) -> None:
+    """Forced weight normalization (Eq. 66): every MPConv's stored rows back to norm sqrt(fan_in). The training
+    step applies it before each forward pass, eager or compiled, so that no forward pass writes weights."""
+    with torch.no_grad():
+        for layer in mpconvs(net):
+            layer.weight.copy_(normalized_weight(layer.weight))
+
+
+@contextlib.contextmanager
+def weights_normalized_once(*nets: object) -> Iterator[None]:
+    """Within: no gradients, and every MPConv of the nets applies its weight as normalized on entry, bit for bit
+    what it would compute on each call; on exit the normalized weights are dropped.
+
+    For sampling and evaluation, which apply fixed weights many times: a weight changed within is not seen before
+    the next entry. A nested entry leaves the layers an outer one prepared as they are.
+    """
+    layers = [layer for layer in mpconvs(*nets) if layer.normalized_once is None]
+    with torch.no_grad():
+        try:
+            for layer in layers:
+                layer.normalized_once = normalized_weight(layer.weight)
+            yield
+        finally:
+            for layer in layers:
+                layer.normalized_once = None

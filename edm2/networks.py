@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from typing import Sequence
@@ -12,8 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from edm2 import network_args
-from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, recomputing,
-                         resample)
+from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
 
 
 class Block(torch.nn.Module):
@@ -182,16 +180,9 @@ class UNet(torch.nn.Module):
         """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded."""
         if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()):
             return block(x, emb)
-        # The replay restores the RNG state (dropout draws the same masks). Eager replays skip the forced weight
-        # normalization, which the first pass already applied; a compiled graph replays no side effects.
-        compiling = torch.compiler.is_compiling()
-        context_fn = torch.utils.checkpoint.noop_context_fn if compiling else _no_replay_side_effects
-        return torch.utils.checkpoint.checkpoint(block, x, emb, use_reentrant=False, context_fn=context_fn)
-
-
-def _no_replay_side_effects() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """torch.utils.checkpoint's (first pass, replay) contexts: nothing special, then edm2.layers.recomputing."""
-    return contextlib.nullcontext(), recomputing()
+        # The replay restores the RNG state: dropout draws the same masks. It writes nothing either: the forced
+        # weight normalization happens before the forward pass (edm2.layers.force_weight_normalization).
+        return torch.utils.checkpoint.checkpoint(block, x, emb, use_reentrant=False)
 
 
 class Precond(torch.nn.Module):

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from edm2.errors import EDM2Error
+from edm2.layers import weights_normalized_once
 
 
 class SamplerError(EDM2Error):
@@ -146,9 +147,10 @@ def edm_sampler(
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
-    net by its own unconditional prediction, both halves from one call on a doubled batch. callback(step), as in
-    k-diffusion, gets each step's start: x, i, sigma, sigma_hat (x and sigma after churn) and denoised = D(x;
-    sigma_hat); those x and the returned sample form the trajectory.
+    net by its own unconditional prediction, both halves from one call on a doubled batch. It records no gradients,
+    and normalizes the weights of net and gnet once for the whole run (edm2.layers.weights_normalized_once).
+    callback(step), as in k-diffusion, gets each step's start: x, i, sigma, sigma_hat (x and sigma after churn) and
+    denoised = D(x; sigma_hat); those x and the returned sample form the trajectory.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver)
@@ -161,27 +163,26 @@ def edm_sampler(
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
-    if solver == "dpm2m":
-        return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval, callback)
-    for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
-        x_cur = x_next
-        # Churn (EDM Algorithm 2): raise the noise level to t_hat by adding fresh noise.
-        gamma = gamma_max if S_min <= t_cur <= S_max else 0
-        t_hat = t_cur + gamma * t_cur
-        x_hat = x_cur
-        guided = guided_step(t_cur, guidance_interval)
-        if gamma > 0:
-            x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur)
-        # Euler step along dx/dsigma = (x - D(x; sigma)) / sigma (paper Eq. 153) ...
-        denoised = denoise(x_hat, t_hat, guided)
-        _report(callback, x_hat, i, t_cur, t_hat, denoised)
-        d_cur = (x_hat - denoised) / t_hat
-        x_next = x_hat + (t_next - t_hat) * d_cur
-        # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
-        if solver == "heun" and i < num_steps - 1:
-            d_prime = (x_next - denoise(x_next, t_next, guided)) / t_next
-            x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
-    return x_next
+    with weights_normalized_once(net, gnet):  # every layer's weight normalized once for the whole run
+        if solver == "dpm2m":
+            return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval, callback)
+        for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
+            x_cur = x_next
+            # Churn (EDM Algorithm 2): raise the noise level to t_hat by adding fresh noise.
+            gamma = gamma_max if S_min <= t_cur <= S_max else 0
+            t_hat = t_cur + gamma * t_cur
+            guided = guided_step(t_cur, guidance_interval)
+            x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur) if gamma > 0 else x_cur
+            # Euler step along dx/dsigma = (x - D(x; sigma)) / sigma (paper Eq. 153) ...
+            denoised = denoise(x_hat, t_hat, guided)
+            _report(callback, x_hat, i, t_cur, t_hat, denoised)
+            d_cur = (x_hat - denoised) / t_hat
+            x_next = x_hat + (t_next - t_hat) * d_cur
+            # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
+            if solver == "heun" and i < num_steps - 1:
+                d_prime = (x_next - denoise(x_next, t_next, guided)) / t_next
+                x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
+        return x_next
 
 
 def _report(callback: Callable[[dict], None] | None, x: torch.Tensor, i: int, t_cur: float, t_hat: float,

@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 
@@ -38,32 +37,20 @@ def compile_network(net: torch.nn.Module, backend: str = "inductor") -> torch.nn
 
     In place (nn.Module.compile), not wrapped: parameter and state-dict names stay those of the eager network.
     The backend 'aot_eager' captures the same graphs but runs them with eager kernels (quick to compile: tests).
-    In training mode the forced weight normalization runs eagerly before the graph, which cannot write weights.
     """
-    # Disabled for the compiler here, not by a decorator: that would import torch._dynamo (over a second) with
-    # this module, in every command line, compiling or not.
-    net.register_forward_pre_hook(torch.compiler.disable(_normalize_before_graph))
     net.compile(dynamic=False, backend=backend)
     return net
-
-
-def _normalize_before_graph(module: torch.nn.Module, args: tuple) -> None:
-    """A forward pre-hook: Eq. 66 for a training-mode network, outside (before) its compiled graph."""
-    if module.training:
-        force_weight_normalization(module)
 
 
 def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """loss_fn(net, images, labels) with the network and the loss arithmetic compiled into one graph.
 
-    Outside the graph, in eager mode: the forced weight normalization (Eq. 66), which a compiled training graph
-    would not write back to the weights, and the noise levels and noise, drawn in the order loss_fn draws them so
-    that a compiled run consumes exactly the random numbers of an eager one.
+    Outside the graph, in eager mode: the noise levels and noise, drawn in the order loss_fn draws them so that a
+    compiled run consumes exactly the random numbers of an eager one.
     """
     compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        force_weight_normalization(net)
         sigma = loss_fn.sample_sigma(images.shape[0], images.device)
         noise = torch.randn_like(images)
         return compiled(loss_fn, net, images, labels, sigma, noise)

@@ -22,6 +22,7 @@ from edm2 import distributed
 from edm2.dataset import ImageFolderDataset
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
+from edm2.layers import weights_normalized_once
 from edm2.loss import EDM2Loss, log_normal_sigma
 
 
@@ -81,7 +82,6 @@ def check_fits(dataset: ImageFolderDataset, encoder: Encoder, img_channels: int,
                               f"{label_dim} classes")
 
 
-@torch.no_grad()
 def validation_loss(net: torch.nn.Module, samples: ValidationSamples, batch_size: int = 64,
                     device: torch.device | str = "cpu") -> float:
     """Eq. 14 per element, the mean over the samples of lambda(sigma) |D(y + sigma n; sigma) - y|^2 / elements,
@@ -90,11 +90,12 @@ def validation_loss(net: torch.nn.Module, samples: ValidationSamples, batch_size
     total = torch.zeros([], dtype=torch.float64, device=device)
     batches = distributed.rank_batches(range(samples.num), batch_size, distributed.get_rank(),
                                        distributed.get_world_size(), skip_empty=True)
-    for batch in batches:
-        y, sigma, noise, labels = samples.batch(batch, device)
-        denoised = net(y + sigma * noise, sigma, labels)
-        error = (denoised.to(torch.float64) - y.to(torch.float64)).square().flatten(1).mean(1)
-        total += (weight(sigma.to(torch.float64)).flatten() * error).sum()
+    with weights_normalized_once(net):
+        for batch in batches:
+            y, sigma, noise, labels = samples.batch(batch, device)
+            denoised = net(y + sigma * noise, sigma, labels)
+            error = (denoised.to(torch.float64) - y.to(torch.float64)).square().flatten(1).mean(1)
+            total += (weight(sigma.to(torch.float64)).flatten() * error).sum()
     return float(distributed.all_reduce_sum(total)) / samples.num
 
 
@@ -103,7 +104,6 @@ def sigma_grid(P_mean: float, P_std: float, num: int = 11, spread: float = 2.5) 
     return np.exp(np.linspace(P_mean - spread * P_std, P_mean + spread * P_std, num)).tolist()
 
 
-@torch.no_grad()
 def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor | None,
                    sigmas: Sequence[float]) -> tuple[list[float], list[float]]:
     """At each sigma, lambda(sigma) L(D; sigma) (Eq. 13 per element, on the batch y with unit noise n) and u(sigma).
@@ -113,9 +113,10 @@ def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, l
     """
     weight = EDM2Loss(sigma_data=net.sigma_data).weight
     errors, logvars = [], []
-    for sigma in sigmas:
-        denoised, logvar = net(y + sigma * noise, sigma, labels, return_logvar=True)
-        error = (denoised.to(torch.float64) - y.to(torch.float64)).square().mean()
-        errors.append(float(weight(torch.tensor(sigma, dtype=torch.float64)) * error))
-        logvars.append(float(logvar.flatten()[0]))
+    with weights_normalized_once(net):
+        for sigma in sigmas:
+            denoised, logvar = net(y + sigma * noise, sigma, labels, return_logvar=True)
+            error = (denoised.to(torch.float64) - y.to(torch.float64)).square().mean()
+            errors.append(float(weight(torch.tensor(sigma, dtype=torch.float64)) * error))
+            logvars.append(float(logvar.flatten()[0]))
     return errors, logvars

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from edm2 import benchmark
+from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.speed import PRECISIONS, SamplingSpeed, set_precision
@@ -93,8 +94,10 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def loss_and_grads(net: Precond, images, labels, sigma, noise) -> tuple[torch.Tensor, torch.Tensor]:
-    """The denoiser output and the gradient of the summed Eq. 21 loss, all parameters flattened into one vector."""
+    """The denoiser output and the gradient of the summed Eq. 21 loss, all parameters flattened into one vector,
+    after the forced weight normalization (Eq. 66) as a training step applies it."""
     net.zero_grad(set_to_none=True)
+    force_weight_normalization(net)
     denoised = net(images + noise * sigma, sigma, labels)
     EDM2Loss()(net, images, labels, sigma=sigma, noise=noise).sum().backward()
     return denoised.detach(), torch.cat([p.grad.flatten() for p in net.parameters()])
@@ -113,7 +116,7 @@ def section_precision(probe: Probe, config: Config, record: Record) -> None:
     reference = copy.deepcopy(net).double()
     want = loss_and_grads(reference, images.double(), labels.double(), sigma.double(), noise.double())
     for precision in PRECISIONS:
-        # A copy per path: training-mode forwards renormalize the weights in place.
+        # A copy per path: the forced weight normalization rewrites the weights in place.
         path = set_precision(copy.deepcopy(net), precision, cpu_16bit=True)
         got = loss_and_grads(path, images, labels, sigma, noise)
         record(precision, dict(output=relative_error(got[0], want[0]), gradient=relative_error(got[1], want[1])))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edm2 import networks
-from edm2.layers import ArchitectureError, normalize
+from edm2.layers import ArchitectureError, force_weight_normalization, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
 from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
 
@@ -93,12 +93,13 @@ def test_forced_weight_normalization_and_tangent_gradient():
     with torch.no_grad():
         for p in net.parameters():
             if p.ndim > 1:
-                p.mul_(3.7)  # far from the constraint, so only the forward pass can restore it
+                p.mul_(3.7)  # far from the constraint, so only Eq. 66 can restore it
         net.unet.out_gain.fill_(1.0)
         for name, p in net.named_parameters():
             if name.endswith("emb_gain"):
                 p.fill_(0.5)
     net.train()
+    force_weight_normalization(net)  # as the training step does before every forward pass
     d, logvar = net(torch.randn(4, 3, 8, 8), torch.rand(4) + 0.1, torch.eye(10)[:4], return_logvar=True)
     (d.square().sum() + logvar.sum()).backward()
     weights = [(n, p) for n, p in net.named_parameters() if n.endswith(".weight")]
@@ -114,6 +115,18 @@ def test_forced_weight_normalization_and_tangent_gradient():
         # Eq. 59: the gradient is tangent to the weight. float32 round-off leaves |cos| ~ 1e-5; an
         # unprojected gradient would have |cos| of order 0.1 to 1.
         assert cos.abs().max() < 1e-3, name
+
+
+def test_a_training_mode_forward_and_backward_never_write_the_weights():
+    torch.manual_seed(0)
+    net = tiny_net().train()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(3.7)  # far from the constraint: a forced normalization inside the forward would change them
+    before = [p.detach().clone() for p in net.parameters()]
+    d, logvar = net(torch.randn(4, 3, 8, 8), torch.rand(4) + 0.1, torch.eye(10)[:4], return_logvar=True)
+    (d.square().sum() + logvar.sum()).backward()
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
 
 
 def test_eval_mode_does_not_touch_weights():

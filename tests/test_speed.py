@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
@@ -129,6 +130,7 @@ def training_gradients(net, seed=0, rounds=1):
     sigma, noise = (torch.randn(4, 1, 1, 1) * 1.2 - 0.4).exp(), torch.randn(4, 3, 8, 8)
     net.train().zero_grad(set_to_none=True)
     for _ in range(rounds):
+        force_weight_normalization(net)  # as the training step does before every forward pass
         loss = EDM2Loss()(net, images, labels, sigma=sigma, noise=noise)
         loss.mean().backward()
     return loss.detach(), [p.grad.clone() for p in net.parameters()]
@@ -168,7 +170,7 @@ def test_checkpointed_blocks_give_the_same_gradients_and_weights_with_less_store
 
     ((loss, grads), full), ((loss_l, grads_l), stored) = stored_bytes(net), stored_bytes(lean)
     # The replay runs the same kernels on the same inputs with the same dropout masks (RNG state restored), and
-    # skips the forced weight normalization the first pass already applied: bit-for-bit the plain network.
+    # writes no weights (Eq. 66 comes before the forward pass): bit-for-bit the plain network.
     assert torch.equal(bits(loss_l), bits(loss))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(grads_l, grads))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(lean.parameters(), net.parameters()))

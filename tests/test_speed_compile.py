@@ -13,6 +13,7 @@ import torch._inductor.config
 from edm2 import speed
 from edm2.generation import generate_images
 from edm2.encoders import StandardRGBEncoder
+from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from training import step as step_module
@@ -39,6 +40,7 @@ def loss_step(net, loss_fn, seed):
     shape = (3, net.img_channels, net.img_resolution, net.img_resolution)
     images, labels = torch.randn(shape, generator=torch.Generator().manual_seed(7)), torch.eye(2)[[0, 1, 1]]
     torch.manual_seed(seed)  # the loss draws its noise levels and noise from the global generator
+    force_weight_normalization(net)  # as the training step does before every forward pass
     loss = loss_fn(net, images, labels)
     loss.sum().backward()
     grads = [p.grad.clone() for p in net.parameters()]
@@ -128,13 +130,18 @@ def test_compiled_sampling_network_keeps_its_names_and_images(aot_eager):
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))  # uint8 images of the same computation
 
 
-def test_a_compiled_network_in_training_mode_still_forces_the_weight_norms(aot_eager):
+def test_a_compiled_network_in_training_mode_computes_with_the_forced_weights_and_writes_none(aot_eager):
     eager, compiled = tiniest(), speed.compile_network(tiniest())
     images, sigma, labels = torch.randn(3, 2, 4, 4), torch.tensor([0.5, 1.0, 2.0]), torch.eye(2)[[0, 1, 1]]
-    # With u(sigma) as training computes it: the eager forward then normalizes every layer, logvar_linear included.
+    initial = [p.detach().clone() for p in eager.parameters()]
+    for net in (eager, compiled):
+        force_weight_normalization(net)  # the training step's Eq. 66, the same call for both
+    forced = [p.detach().clone() for p in eager.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(forced, initial))
+    # With u(sigma) as training computes it: every layer, logvar_linear included.
     want = eager(images, sigma, labels, return_logvar=True)
     got = compiled(images, sigma, labels, return_logvar=True)
-    # The write of Eq. 66 happened (before the graph) exactly as the eager forward does it, and the graph computed
-    # with the normalized weights.
-    assert all(torch.equal(a, b) for a, b in zip(compiled.parameters(), eager.parameters()))
+    # Neither forward pass wrote the weights, and the graph computed with the normalized ones.
+    assert all(torch.equal(a, b) for a, b in zip(compiled.parameters(), forced))
+    assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), forced))
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edm2.dataset import ImageFolderDataset
+from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from training import checkpoint, loop
 from training.data_order import DataOrder, round_seed, run_batches
@@ -127,6 +128,7 @@ def test_gradient_accumulation_equals_one_big_batch():
         torch.testing.assert_close(gs, 256 * g1, rtol=1e-5, atol=1e-6)
     # The gradient is that of the batch mean of each image's summed loss (release convention).
     net = tiny_net()
+    force_weight_normalization(net)  # as accumulate_gradients does before every forward pass
     FixedNoiseLoss()(net, images, labels).sum(dim=(1, 2, 3)).mean().backward()
     for g1, p in zip(grads_1, net.parameters()):
         # The same upstream gradient (1/8 per element) either way: equal up to kernel reassociation.
@@ -243,6 +245,7 @@ def test_label_dropout_zero_is_the_round_without_dropout_bitwise():
     # The round as it was before label dropout existed: the round's seed, then the loss on the labels as read.
     net = tiny_net()
     torch.manual_seed(7)
+    force_weight_normalization(net)  # as accumulate_gradients does before every forward pass
     expected = RecordingLoss()(net, images, labels)
     expected.sum().mul(1 / images.shape[0]).backward()
     assert torch.equal(labels_seen, labels) and torch.equal(rng_after, torch.get_rng_state())

@@ -1,52 +1,107 @@
-"""The evaluation-mode weight cache of MPConv: bitwise the uncached computation, computed once, and recomputed after
-every way the weights can change."""
+"""weights_normalized_once, the one place where a normalized weight is reused: bitwise the computation on every call,
+each layer normalized once per entry, dropped on exit, and every way the weights can change seen by the next entry."""
 
 import copy
+import weakref
 
 import pytest
 import torch
 
-from edm2.layers import MPConv
+from edm2 import layers
+from edm2.layers import mpconvs, weights_normalized_once
 from edm2.phema import PowerFunctionEMA
+from edm2.sampler import edm_sampler
 from edm2.speed import to_channels_last
+from edm2.validation import loss_per_sigma, validation_loss
 from tests.helpers import bits, randomized, tiny_precond
 
 X, SIGMA, LABELS = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 1.0, 4.0]), \
     torch.eye(10)[:3]
 
 
-def convs(net):
-    return [m for m in net.modules() if isinstance(m, MPConv)]
-
-
-def cached(net):
-    """The output with the cache in use (evaluation mode, no gradient)."""
-    with torch.no_grad():
+def prepared(net):
+    """The output with each weight normalized once, on entry."""
+    with weights_normalized_once(net):
         return net.eval()(X.to(net.base_dtype()), SIGMA, LABELS)
 
 
-def uncached(net):
-    """The same output computed from the weights as they are now: recording gradients bypasses the cache."""
-    with torch.enable_grad():
-        return net.eval().requires_grad_(True)(X.to(net.base_dtype()), SIGMA, LABELS).detach()
+def per_call(net):
+    """The same output with every layer normalizing its weight as it is called."""
+    with torch.no_grad():
+        return net.eval()(X.to(net.base_dtype()), SIGMA, LABELS)
 
 
 def bits_equal(a, b):
     return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
-def test_cached_weights_are_computed_once_and_give_the_same_bits(monkeypatch):
-    net = randomized(tiny_precond())
+def count_normalizations(monkeypatch):
+    """The layers' weights normalized from now on, one entry per normalization."""
     calls = []
-    original = MPConv.effective_weight
-    monkeypatch.setattr(MPConv, "effective_weight", lambda self, *a: calls.append(self) or original(self, *a))
-    used = len(convs(net.unet))  # without return_logvar, the log-variance head is not evaluated
-    first = cached(net)
-    assert len(calls) == used
-    second = cached(net)
-    assert len(calls) == used  # nothing recomputed
-    assert bits_equal(first, second) and bits_equal(first, uncached(net))
-    assert len(calls) == 2 * used  # the gradient-recording call computed its own
+    original = layers.normalized_weight
+    monkeypatch.setattr(layers, "normalized_weight", lambda weight: calls.append(weight) or original(weight))
+    return calls
+
+
+def test_each_weight_is_normalized_once_per_entry_and_gives_the_same_bits(monkeypatch):
+    net = randomized(tiny_precond())
+    want = per_call(net)
+    calls = count_normalizations(monkeypatch)
+    with weights_normalized_once(net):
+        assert len(calls) == len(mpconvs(net))  # every layer, the log-variance head included
+        first, second = (net.eval()(X, SIGMA, LABELS) for _ in range(2))
+    assert len(calls) == len(mpconvs(net))  # the calls normalized nothing
+    assert bits_equal(first, want) and bits_equal(second, want)
+
+
+def test_the_sampler_normalizes_each_weight_of_both_networks_once_per_run(monkeypatch):
+    net, gnet = randomized(tiny_precond()).eval(), randomized(tiny_precond(), seed=2).eval()
+    noise = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    calls = count_normalizations(monkeypatch)
+    edm_sampler(net, noise, LABELS[:2], gnet=gnet, guidance=2.0, num_steps=4)
+    assert len(calls) == len(mpconvs(net)) + len(mpconvs(gnet))
+    assert all(layer.normalized_once is None for layer in mpconvs(net, gnet))
+
+
+class FixedSamples:
+    """ValidationSamples' interface over the fixed batch X: y, sigma, n and labels of the samples asked for."""
+
+    num = len(X)
+
+    def batch(self, samples, device):
+        return X[samples], SIGMA[samples].reshape(-1, 1, 1, 1), X.flip(0)[samples], LABELS[samples]
+
+
+def test_the_validation_loss_and_the_loss_per_sigma_normalize_each_weight_once_per_call(monkeypatch):
+    net = randomized(tiny_precond()).eval()
+    calls = count_normalizations(monkeypatch)
+    validation_loss(net, FixedSamples(), batch_size=1)  # three batches
+    assert len(calls) == len(mpconvs(net))
+    loss_per_sigma(net, X, X.flip(0), LABELS, [0.5, 1.0, 2.0])
+    assert len(calls) == 2 * len(mpconvs(net))
+    assert all(layer.normalized_once is None for layer in mpconvs(net))
+
+
+def test_the_normalized_weights_are_dropped_on_exit_even_after_an_error():
+    net = randomized(tiny_precond())
+    with weights_normalized_once(net):
+        held = [weakref.ref(layer.normalized_once) for layer in mpconvs(net)]
+    assert all(layer.normalized_once is None for layer in mpconvs(net))
+    assert all(ref() is None for ref in held)  # nothing else keeps them: their memory is free
+    with pytest.raises(RuntimeError), weights_normalized_once(net):
+        net(X[:, :2], SIGMA, LABELS)  # two channels where the network takes three
+    assert all(layer.normalized_once is None for layer in mpconvs(net))
+
+
+def test_a_nested_entry_leaves_the_outer_ones_weights():
+    net, other = randomized(tiny_precond()), randomized(tiny_precond(), seed=4)
+    with weights_normalized_once(net):
+        outer = [layer.normalized_once for layer in mpconvs(net)]
+        with weights_normalized_once(net, other):
+            assert all(layer.normalized_once is w for layer, w in zip(mpconvs(net), outer))
+            assert all(layer.normalized_once is not None for layer in mpconvs(other))
+        assert all(layer.normalized_once is w for layer, w in zip(mpconvs(net), outer))
+        assert all(layer.normalized_once is None for layer in mpconvs(other))
 
 
 def change_weight(net):
@@ -63,9 +118,8 @@ def load_other(net):
     net.load_state_dict(randomized(tiny_precond(), seed=5).state_dict())
 
 
-def train_forward(net):
-    net.train()(X, SIGMA, LABELS)  # forced weight normalization rewrites every weight in place
-    net.eval()
+def forced_normalization(net):
+    layers.force_weight_normalization(net)  # Eq. 66 rewrites every weight in place
 
 
 def adam_step(net):
@@ -75,59 +129,59 @@ def adam_step(net):
     optimizer.step()
 
 
-def ema_of(net):
+def assign_data(net):
+    weight = net.unet.out_conv.weight
+    weight.data = weight.data * 2  # a new storage
+
+
+@pytest.mark.parametrize("change", [change_weight, change_gain, load_other, forced_normalization, adam_step,
+                                    assign_data])
+def test_the_next_entry_sees_every_change_of_the_weights(change):
+    net = randomized(tiny_precond())
+    before = prepared(net)
+    change(net)
+    after = prepared(net)
+    assert not torch.equal(after, before)
+    assert bits_equal(after, per_call(net))
+
+
+def test_a_change_within_an_entry_waits_for_the_next_one():
+    net = randomized(tiny_precond()).eval()
+    before = per_call(net)
+    with weights_normalized_once(net):
+        change_weight(net)
+        assert bits_equal(net(X, SIGMA, LABELS), before)  # the weights as they were on entry, as documented
+    assert bits_equal(prepared(net), per_call(net)) and not torch.equal(prepared(net), before)
+
+
+def test_the_ema_tracker_and_dtype_device_and_format_changes_are_seen():
+    net = randomized(tiny_precond())
     tracker = PowerFunctionEMA(net, stds=(0.1,))
     ema = tracker.emas[0]
-    cached(ema)  # fill the EMA's cache, then let the tracker move it
+    prepared(ema)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1)
     tracker.update(cur_nimg=64, batch_size=32)
-    return ema
-
-
-def assign_data(net):
-    weight = net.unet.out_conv.weight
-    weight.data = weight.data * 2  # a new storage: the data pointer changes
-
-
-@pytest.mark.parametrize("change", [change_weight, change_gain, load_other, train_forward, adam_step, assign_data])
-def test_cache_follows_every_change_of_the_weights(change):
-    net = randomized(tiny_precond())
-    before = cached(net)
-    change(net)
-    after = cached(net)
-    assert not torch.equal(after, before)
-    assert bits_equal(after, uncached(net))
-
-
-def test_cache_follows_the_ema_tracker_and_dtype_device_and_format_changes():
-    net = randomized(tiny_precond())
-    ema = ema_of(net)
-    assert bits_equal(cached(ema), uncached(ema))
-    cached(net)
-    double = net.double()  # .to(dtype): a float64 network computes in float64 with float64 weights
-    assert all(conv._cached is None for conv in convs(double))
-    assert cached(double).dtype == torch.float64 and bits_equal(cached(double), uncached(double))
-    cached(net.float())
-    to_channels_last(net)
-    assert all(conv._cached is None for conv in convs(net))
-    assert bits_equal(cached(net), uncached(net))
-    cached(net)
+    assert bits_equal(prepared(ema), per_call(ema))
+    double = net.double()  # a float64 network computes in float64 with float64 weights
+    assert prepared(double).dtype == torch.float64 and bits_equal(prepared(double), per_call(double))
+    to_channels_last(net.float())
+    assert bits_equal(prepared(net), per_call(net))
     meta = copy.deepcopy(net).to("meta")  # any .to(device)
-    assert all(conv._cached is None for conv in convs(meta))
-    assert any(conv._cached is not None for conv in convs(net.eval()))  # eval() keeps it; training frees it
-    assert all(conv._cached is None for conv in convs(net.train()))
+    with weights_normalized_once(meta):
+        assert all(layer.normalized_once.device.type == "meta" for layer in mpconvs(meta))
 
 
-def test_no_cache_while_gradients_are_recorded_or_for_inference_tensors():
+def test_no_gradients_within_an_entry_and_every_backward_outside_computes_its_own():
     net = randomized(tiny_precond()).eval()
-    for _ in range(2):  # a cached weight would make the second backward reuse the first graph's freed buffers
+    for _ in range(2):  # a weight reused across graphs would make the second backward reuse freed buffers
         net(X, SIGMA, LABELS).square().sum().backward()
-    assert all(conv._cached is None for conv in convs(net))
+    with weights_normalized_once(net):
+        assert not net(X, SIGMA, LABELS).requires_grad
+    assert all(layer.normalized_once is None for layer in mpconvs(net))
     with torch.inference_mode():
         frozen = randomized(tiny_precond()).eval()
-        out = frozen(X, SIGMA, LABELS)
-    assert all(conv._cached is None for conv in convs(frozen))  # inference tensors keep no version counter
-    with torch.inference_mode():
-        assert torch.equal(frozen(X, SIGMA, LABELS), out)
+        want = frozen(X, SIGMA, LABELS)
+        with weights_normalized_once(frozen):
+            assert bits_equal(frozen(X, SIGMA, LABELS), want)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.speed import compile_loss
 from training.data_order import label_dropout_seed, round_seed
@@ -63,9 +64,10 @@ def training_step(step: TrainingStep) -> torch.Tensor:
 def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder,
                          batches: Iterator, *, seeds: list[int], scale: float, device: torch.device,
                          label_dropout: float = 0.0) -> torch.Tensor:
-    """Backpropagate one batch per seed (the round's random draws), all-reducing gradients after the last
-    under DistributedDataParallel; returns the sum of the rounds' mean losses. Each image's label becomes the
-    all-zero label with probability label_dropout (classifier-free guidance)."""
+    """Backpropagate one batch per seed (the round's random draws), each forward pass after the forced weight
+    normalization (Eq. 66) of every layer, all-reducing gradients after the last under DistributedDataParallel;
+    returns the sum of the rounds' mean losses. Each image's label becomes the all-zero label with probability
+    label_dropout (classifier-free guidance)."""
     rounds = len(seeds)
     loss_sum = torch.zeros([], device=device)
     for round_idx, seed in enumerate(seeds):
@@ -77,6 +79,7 @@ def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Te
             labels = labels.to(device, non_blocking=True) if labels.shape[1] else None
             if label_dropout and labels is not None:
                 labels = drop_labels(labels, label_dropout, label_dropout_seed(seed))
+            force_weight_normalization(model)
             loss = loss_fn(model, images, labels)
             # Sum over elements, mean over the rank's share of the batch; DDP averages over ranks.
             loss.sum().mul(scale / (rounds * images.shape[0])).backward()
