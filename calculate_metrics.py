@@ -17,19 +17,19 @@ from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
-from edm2 import distributed, files, locks
-from edm2.dataset import DatasetError, ImageFolderDataset
-from edm2.detectors import DETECTORS, DetectorError, load_detector
+from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError
+from edm2.eval.detectors import DETECTORS, DetectorError, load_detector
+from edm2.eval.metrics import calculate_stats, frechet_distance
+from edm2.eval.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
+from edm2.eval.sweep import Measure, run_sweep
+from edm2.formats.snapshot import SnapshotError, load_generator
 from edm2.generation import MAX_SEED, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
-from edm2.metrics import calculate_stats, frechet_distance
 from edm2.networks import Precond
+from edm2.runtime import distributed, files, locks
+from edm2.runtime.speed import SamplingSpeed
 from edm2.sampler import SELF
-from edm2.snapshot import SnapshotError, load_generator
-from edm2.speed import SamplingSpeed
-from edm2.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
-from edm2.sweep import Measure, run_sweep
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
 WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}

@@ -1,6 +1,6 @@
 """Count an EDM2 network's parameters and flops per evaluation as the release counts them (paper Table 6).
 
-The counting is edm2.flops's; this command line finds the network (a snapshot of ours, a release pickle, a URL,
+The counting is edm2.eval.flops's; this command line finds the network (a snapshot of ours, a release pickle, a URL,
 or a preset name, built on the meta device without weights) and prints the numbers.
 """
 
@@ -13,9 +13,10 @@ import click
 import torch
 
 from cli.command import Command
-from edm2 import flops, presets_generate
+from edm2 import presets_generate
+from edm2.eval import flops
+from edm2.formats.snapshot import load_network
 from edm2.networks import Precond
-from edm2.snapshot import load_network
 from training import presets
 
 # The data of the release's training presets: (resolution, channels, classes) of what the network sees,

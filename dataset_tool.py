@@ -14,15 +14,15 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
-from edm2 import distributed, files, locks
-from edm2.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
-                          open_image_source)
-from edm2.dataset import DatasetError, ImageFolderDataset, image_fname
-from edm2.dataset_writer import dataset_writer, png_bytes
+from edm2.data.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
+                               open_image_source)
+from edm2.data.dataset import DatasetError, ImageFolderDataset, image_fname
+from edm2.data.dataset_writer import dataset_writer, png_bytes
+from edm2.data.toy_shapes import SHAPES, toy_image
+from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
+from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
-from edm2.toy_shapes import SHAPES, toy_image
-from edm2.transforms import TRANSFORMS, TransformError, make_transform
-from edm2.vae_datasets import decoded_images, encode_dataset, label_of
+from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
 MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels
@@ -30,7 +30,7 @@ MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixel
 
 @contextlib.contextmanager
 def claimed_dest(dest: Path, command: str) -> Iterator[None]:
-    """Hold dest for the block (one writer at a time: edm2.locks), refusing a dest that exists or cannot be
+    """Hold dest for the block (one writer at a time: edm2.runtime.locks), refusing a dest that exists or cannot be
     written; remove what killed earlier runs left."""
     try:
         files.check_writable_dir(dest.parent)

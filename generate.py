@@ -18,14 +18,14 @@ from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
-from edm2 import distributed, files, locks
 from edm2.errors import EDM2Error, one_line
+from edm2.formats.snapshot import load_generator
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges,
                              generate_images, load_guide, read_generated_labels, save_generated_labels)
 from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
+from edm2.runtime import distributed, files, locks
 from edm2.sampler import SELF, SamplerError, check_settings
-from edm2.snapshot import load_generator
 
 T = TypeVar("T")
 

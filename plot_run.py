@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from cli.command import Command
-from edm2 import files
+from edm2.runtime import files
 from training.dashboard import PLOTS_DIR, DashboardError, redraw
 from training.run_dir import RunDirectoryError
 from training.tensorboard_import import write_tensorboard

@@ -14,8 +14,9 @@ import tqdm
 from cli.command import Command
 from cli.speed import threads_option
 from cli.types import MAX_KIMG, MAX_STD_COUNT, Integer, StdList
-from edm2 import distributed, files, locks, posthoc
-from edm2.snapshot import save_network, snapshot_name
+from edm2 import posthoc
+from edm2.formats.snapshot import save_network, snapshot_name
+from edm2.runtime import distributed, files, locks
 
 
 def newest_run_dir(root: Path = Path("training-runs")) -> Path:
@@ -86,7 +87,7 @@ Examples:
 def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
     """Synthesize EMA profiles of any length from the EMA snapshots of a training run.
 
-    Outputs are PREFIX-KIMG-STD.safetensors snapshots that edm2.snapshot.load_network and generate.py
+    Outputs are PREFIX-KIMG-STD.safetensors snapshots that edm2.formats.snapshot.load_network and generate.py
     read. Inputs are our network-snapshot-*.safetensors files or the release's raw snapshot pickles
     (edm2-img512-xs-0134217-0.050.pkl). From Python: edm2.posthoc.reconstruct.
     """

@@ -1,6 +1,6 @@
 """2-D toy example of the autoguidance paper ("Guiding a Diffusion Model with a Bad Version of Itself", Figure 1).
 
-The ground truth is edm2.toy_gmm's, the denoiser edm2.toy_model's, the training training.toy's and the figure
+The ground truth is edm2.toy.gmm's, the denoiser edm2.toy.model's, the training training.toy's and the figure
 edm2.plots.toy's; this command line checks the options, wires them and reports.
 """
 
@@ -13,10 +13,11 @@ import click
 
 from cli.command import Group
 from cli.types import Integer, Number
-from edm2 import distributed, files, locks, plots
+from edm2 import plots
 from edm2.errors import EDM2Error, one_line
 from edm2.plots.toy import progress_figure, toy_figure
-from edm2.toy_snapshot import load_toy, save_toy
+from edm2.runtime import distributed, files, locks
+from edm2.toy.snapshot import load_toy, save_toy
 from training.toy import ToyTraining, train_toy
 
 RELEASE_URL = "https://nvlabs-fi-cdn.nvidia.com/edm2/toy-example/"

@@ -10,7 +10,7 @@ from typing import Callable
 
 import click
 
-from edm2 import bounded_json
+from edm2.runtime import bounded_json
 
 CONFIG_PARAM = "config"
 MAX_SHOWN = 10  # unknown keys named in the error line, which stays one line for a file of thousands

@@ -9,7 +9,7 @@ from typing import Callable
 import click
 import torch
 
-from edm2.speed import PRECISIONS, SamplingSpeed
+from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 
 OPTIONS = ("compile_", "channels_last", "precision", "cpu_16bit")
 

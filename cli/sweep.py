@@ -17,14 +17,16 @@ import torch
 from cli.solver import solver_option
 from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, Number, SigmaInterval, StdList
 
-from edm2 import distributed, files, locks, posthoc, sweep
-from edm2.dataset import DatasetError, ImageFolderDataset
+from edm2 import posthoc
+from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
+from edm2.eval import sweep
+from edm2.eval.validation import ValidationError, ValidationSamples
+from edm2.formats.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.generation import GenerationError, load_guide
+from edm2.runtime import distributed, files, locks
 from edm2.sampler import SELF
-from edm2.snapshot import load_network, read_metadata, save_network, snapshot_name
-from edm2.validation import ValidationError, ValidationSamples
 
 
 EPILOG = """\b
@@ -141,7 +143,7 @@ def plan(indir: Path, kimgs: tuple[int, ...] | None, stds: list[float], dest: Pa
 
 @contextlib.contextmanager
 def held_outputs(plan: SweepPlan) -> Iterator[None]:
-    """Hold the results file (and the --save folder) for the sweep, one run at a time (edm2.locks): two sweeps
+    """Hold the results file (and the --save folder) for the sweep, one run at a time (edm2.runtime.locks): two sweeps
     into one --dest each rewrote it with its own rows only. The rows measured so far are read under that lock."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(locks.hold_destination(plan.dest / sweep.SWEEP_JSON, "calculate_metrics.py sweep"))

@@ -8,13 +8,13 @@ import re
 import click
 
 from edm2 import phema, sampler
+from edm2.formats.snapshot import MAX_NIMG, std_tag
 from edm2.generation import MAX_SEED, SeedRanges
-from edm2.snapshot import MAX_NIMG, std_tag
 
 # Bounds of the integer options that several commands share.
 MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
 MAX_WORKERS = 1024  # data-loading processes per GPU
-MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.snapshot.MAX_NIMG)
+MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.formats.snapshot.MAX_NIMG)
 MAX_IMAGES = 10**8  # images to read, write or generate: dataset file names number them with 8 digits
 MAX_RESOLUTION = 8192  # image sizes: 16 times ImageNet-512's, 200 MB per RGB image
 MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.generation.MAX_SEED)
@@ -114,7 +114,7 @@ class StdList(click.ParamType):
     """Comma-separated sigma_rel values; 'a,b,...,c' expands to the evenly spaced range a, b, ..., c.
 
     Values are sorted and made distinct; each must lie in (0, 12^-0.5) (edm2.phema.MAX_STD), and no two may
-    share the suffix (edm2.snapshot.std_tag) of a snapshot file name.
+    share the suffix (edm2.formats.snapshot.std_tag) of a snapshot file name.
     """
 
     name = "LIST"
@@ -169,7 +169,7 @@ class StdList(click.ParamType):
 
 class ImageCount(click.ParamType):
     """An image count such as 2048, 128Ki, 8Mi or 10M, at least `min` and below 2**53
-    (edm2.snapshot.MAX_NIMG)."""
+    (edm2.formats.snapshot.MAX_NIMG)."""
 
     name = "NIMG"
     _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}

@@ -31,7 +31,7 @@ import torch
 from edm2 import phema, posthoc
 from edm2.errors import EDM2Error, SnapshotError
 # read_metadata checks the version
-from edm2.snapshot import FORMAT_VERSION, STD_TAG, read_metadata, save_state, std_tag
+from edm2.formats.snapshot import FORMAT_VERSION, STD_TAG, read_metadata, save_state, std_tag
 
 METADATA_KEY = "edm2-ema"
 MAX_STEP = 2**53  # exact as a float64, as any JSON reader holds numbers

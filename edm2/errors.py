@@ -28,6 +28,6 @@ def one_line(error: BaseException) -> str:
 class SnapshotError(EDM2Error):
     """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle.
 
-    It lives here, not in edm2.snapshot, so that edm2.release_pickle can derive its error from it while
-    edm2.snapshot imports edm2.release_pickle to load the release's files: no import cycle.
+    It lives here, not in edm2.formats.snapshot, so that edm2.formats.release_pickle can derive its error from it while
+    edm2.formats.snapshot imports edm2.formats.release_pickle to load the release's files: no import cycle.
     """

@@ -16,11 +16,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import tqdm
 
-from edm2 import bounded_json, distributed, files
-from edm2.dataset import DatasetError, is_class, parse_labels
+from edm2.data.dataset import DatasetError, is_class, parse_labels
 from edm2.errors import EDM2Error
+from edm2.formats.snapshot import load_network
+from edm2.runtime import bounded_json, distributed, files
 from edm2.sampler import SELF, edm_sampler
-from edm2.snapshot import load_network
 
 # Seeds lie in [0, 2**32): the release seeds each image's generator with seed % 2**32
 # (StackedRandomGenerator in its generate_images.py), so only these seeds give the release's images.

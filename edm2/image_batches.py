@@ -6,8 +6,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from edm2 import distributed
 from edm2.generation import GRID_FILE
+from edm2.runtime import distributed
 
 
 def sample_indices(fnames: list[str]) -> np.ndarray:

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import PIL.Image
 
-from edm2 import files
+from edm2.runtime import files
 
 # A one-pixel gap of this value between the images of a grid, and in the empty cells of its last row.
 GRID_GAP_VALUE = 255

@@ -278,7 +278,7 @@ def count_parameters(net: torch.nn.Module) -> int:
 
 def count_macs(net: Precond, batch_size: int = 1) -> int:
     """Multiply-accumulates of one evaluation in convolutions, linear layers and attention, counted on the meta
-    device: about 1% under Table 6's 'gigaflops', which also count elementwise operations (see edm2.flops)."""
+    device: about 1% under Table 6's 'gigaflops', which also count elementwise operations (see edm2.eval.flops)."""
     macs = 0
 
     def conv_hook(module: MPConv, inputs: tuple, output: torch.Tensor) -> None:

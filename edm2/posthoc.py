@@ -25,8 +25,8 @@ import tqdm
 
 from edm2 import phema
 from edm2.errors import EDM2Error, SnapshotError
-from edm2.snapshot import (MAX_NIMG, SNAPSHOT_NAME, architecture, architecture_difference, check_readable, kimg_to_nimg,
-                           load_network, read_metadata)
+from edm2.formats.snapshot import (MAX_NIMG, SNAPSHOT_NAME, architecture, architecture_difference, check_readable,
+                                   kimg_to_nimg, load_network, read_metadata)
 
 # A requested input sigma_rel selects the tracks within half a unit of the file names' third decimal.
 STD_TOLERANCE = 5e-4
@@ -78,7 +78,7 @@ class Snapshot:
     run: RunOf | None = None
 
     def track(self) -> Track:
-        """This file as a Track named by its file name, loaded by edm2.snapshot.load_network."""
+        """This file as a Track named by its file name, loaded by edm2.formats.snapshot.load_network."""
         return Track(self.path.name, self.nimg, self.std, functools.partial(load_network, self.path))
 
 

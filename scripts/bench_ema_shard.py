@@ -3,7 +3,7 @@
 Two tables. Computed: per preset, the parameters (counted on the meta device, nothing allocated) x 4 bytes x the
 preset's EMA tracks, against one rank's share of them sharded over --ranks processes. Measured: two Gloo processes
 on the CPU each build --preset's network and sum the storage bytes its EMA tracker holds, whole
-(edm2.phema.PowerFunctionEMA) and sharded (edm2.sharded_ema), after one update; rank 0 also checks that the
+(edm2.phema.PowerFunctionEMA) and sharded (edm2.runtime.sharded_ema), after one update; rank 0 also checks that the
 gathered tracks equal the whole ones bit for bit. Example:
 
     python scripts/bench_ema_shard.py --preset=toy-small
@@ -23,10 +23,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from edm2 import distributed  # noqa: E402
 from edm2.networks import count_parameters  # noqa: E402
 from edm2.phema import PowerFunctionEMA  # noqa: E402
-from edm2.sharded_ema import ShardedPowerFunctionEMA  # noqa: E402
+from edm2.runtime import distributed  # noqa: E402
+from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA  # noqa: E402
 from training.disk import PRESET_DATA, size_text  # noqa: E402
 from training.options import TrainingOptions  # noqa: E402
 from training.presets import get_preset  # noqa: E402

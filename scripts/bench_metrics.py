@@ -13,8 +13,8 @@ import click
 import numpy as np
 import torch
 
-from edm2.detectors import DINOv2ViT
-from edm2.metrics import FeatureStats, frechet_distance
+from edm2.eval.detectors import DINOv2ViT
+from edm2.eval.metrics import FeatureStats, frechet_distance
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:

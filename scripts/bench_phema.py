@@ -21,9 +21,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from edm2.formats.snapshot import save_network, snapshot_name  # noqa: E402
 from edm2.networks import Precond, count_parameters  # noqa: E402
 from edm2.phema import PowerFunctionEMA  # noqa: E402
-from edm2.snapshot import save_network, snapshot_name  # noqa: E402
 
 
 def write_snapshots(run_dir: Path, net: Precond, num_times: int, images_per_snapshot: int) -> None:

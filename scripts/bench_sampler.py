@@ -11,9 +11,9 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
-from edm2 import benchmark
+from edm2.eval import benchmark
 from edm2.networks import Precond
-from edm2.speed import PRECISIONS, SamplingSpeed
+from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 from training.benchmark import preset_network
 
 SIZES = ("xs", "s", "m", "l", "xl", "xxl")

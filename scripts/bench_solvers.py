@@ -24,10 +24,10 @@ import PIL.Image
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
+from edm2.formats.snapshot import load_network
 from edm2.generation import seeded_inputs
 from edm2.sampler import SOLVERS, edm_sampler, evaluations
-from edm2.snapshot import load_network
-from edm2.toy_gmm import ground_truth
+from edm2.toy.gmm import ground_truth
 
 HEUN_BAR_STEPS = 32  # 63 evaluations, the release's default
 
@@ -112,7 +112,7 @@ def measure(net_path, seeds, ref_steps, max_steps):
               help="Heun steps of the reference solution")
 @click.option("--max-steps", type=click.IntRange(min=2), default=2048, show_default=True, help="Give up beyond")
 def gmm(points, ref_steps, max_steps):
-    """The same with the exact denoiser of the autoguidance paper's 2-D toy (class A of edm2.toy_gmm's fractal
+    """The same with the exact denoiser of the autoguidance paper's 2-D toy (class A of edm2.toy.gmm's fractal
     mixture), D(x; sigma) = x + sigma^2 score(x; sigma), in float64 sampling (the score is float32)."""
     truth = ground_truth("A")
 

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from edm2.encoders import StandardRGBEncoder  # noqa: E402
+from edm2.formats.snapshot import save_network, snapshot_name  # noqa: E402
 from edm2.networks import Precond, count_parameters  # noqa: E402
-from edm2.snapshot import save_network, snapshot_name  # noqa: E402
 
 CHILD = """
 import resource, runpy, sys

@@ -11,8 +11,9 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
-from edm2 import benchmark, distributed
-from edm2.speed import PRECISIONS
+from edm2.eval import benchmark
+from edm2.runtime import distributed
+from edm2.runtime.speed import PRECISIONS
 from training.benchmark import synthetic_step, training_flops_per_image
 from training.outputs import max_memory_gb
 from training.presets import PRESETS

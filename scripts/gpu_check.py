@@ -25,8 +25,8 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
-from edm2 import files
 from edm2.errors import EDM2Error, one_line
+from edm2.runtime import files
 from scripts import gpu_check_sections as sections
 
 # name: (what it checks, the most seconds it may take, its function)

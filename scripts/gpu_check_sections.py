@@ -20,12 +20,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from edm2 import benchmark
+from edm2.data.toy_shapes import SHAPES, toy_image
+from edm2.eval import benchmark
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
-from edm2.speed import PRECISIONS, SamplingSpeed, set_precision
-from edm2.toy_shapes import SHAPES, toy_image
+from edm2.runtime.speed import PRECISIONS, SamplingSpeed, set_precision
 from training.benchmark import preset_network, synthetic_step, training_flops_per_image, with_unit_gains
 from training.step import training_step
 

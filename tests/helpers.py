@@ -28,10 +28,10 @@ import PIL.Image
 import safetensors.torch
 import torch
 
-from edm2 import detectors
+from edm2.eval import detectors
+from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
-from edm2.snapshot import save_network, snapshot_name
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -54,7 +54,7 @@ IMG512_PARAMS = {
 IMG64_UNET_PARAMS = {
     "xs": 124_710_821, "s": 280_209_253, "m": 497_803_045, "l": 777_492_197, "xl": 1_119_276_709,
 }
-# Paper Table 6, "gigaflops" per evaluation, img512: the release's count (edm2.flops), a multiply-accumulate as
+# Paper Table 6, "gigaflops" per evaluation, img512: the release's count (edm2.eval.flops), a multiply-accumulate as
 # one operation and elementwise operations included; the multiply-accumulates alone (count_macs) are ~1% fewer.
 TABLE6_GMACS = {"xs": 45.5, "s": 102.2, "m": 180.8, "l": 282.2, "xl": 405.9, "xxl": 552.1}
 
@@ -453,7 +453,7 @@ def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers"))
     two runs of the same command)."""
     import safetensors.torch
 
-    from edm2.snapshot import read_metadata
+    from edm2.formats.snapshot import read_metadata
 
     contents = {}
     for path in sorted(outdir.glob(pattern)):
@@ -467,7 +467,7 @@ def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers"))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Datasets built by hand, independently of edm2.dataset_writer.
+# Datasets built by hand, independently of edm2.data.dataset_writer.
 
 def png_file(array: np.ndarray) -> bytes:
     """PNG bytes of a uint8 HWC (or HW grayscale) array, written by PIL with its default compression."""
@@ -514,7 +514,7 @@ def dead_pid() -> int:
 # nothing). Prints 'held' and holds the lock until its stdin closes.
 _HOLD_LOCK = """\
 import sys
-from edm2.locks import DestinationLock
+from edm2.runtime.locks import DestinationLock
 lock = DestinationLock(sys.argv[1], sys.argv[2], sys.argv[3] or None)
 lock.acquire()
 if sys.argv[4]:

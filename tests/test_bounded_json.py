@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from edm2 import bounded_json
-from edm2.bounded_json import JSONFileError
+from edm2.runtime import bounded_json
+from edm2.runtime.bounded_json import JSONFileError
 
 pytestmark = pytest.mark.bad_input
 
@@ -51,7 +51,7 @@ def test_deep_nesting_is_refused_within_a_memory_bound(tmp_path):
     path = tmp_path / "deep.json"
     path.write_bytes(b"[" * 10_000_000 + b"]" * 10_000_000)
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30));"
-            "from edm2 import bounded_json\n"
+            "from edm2.runtime import bounded_json\n"
             "try:\n bounded_json.read(sys.argv[1])\nexcept bounded_json.JSONFileError as e:\n print(e)")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -21,12 +21,12 @@ import torch
 from click.testing import CliRunner
 
 import calculate_metrics
-from edm2 import detectors, metrics, stats_files
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
+from edm2.eval import detectors, metrics, stats_files
+from edm2.formats.snapshot import load_network, save_network
 from edm2.generation import generate_images
-from edm2.locks import hold_destination
+from edm2.runtime.locks import hold_destination
 from edm2.sampler import SELF
-from edm2.snapshot import load_network, save_network
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
                            free_port, pin_detector_file, png_bomb_zip, png_file, random_dinov2_state_dict, randomized,
                            run_python_script, tiny_precond)
@@ -88,7 +88,7 @@ def launcher(setup):
     path = setup["root"] / "pinned_calculate_metrics.py"
     path.write_text("import dataclasses, runpy, sys\n"
                     f"sys.path.insert(0, {str(REPO)!r})\n"
-                    "from edm2 import detectors\n"
+                    "from edm2.eval import detectors\n"
                     f"for metric, digest in {digests!r}.items():\n"
                     "    published = detectors.PUBLISHED[metric]\n"
                     "    detectors.PUBLISHED[metric] = dataclasses.replace(published, sha256=digest)\n"
@@ -570,7 +570,7 @@ def test_ref_dest_on_a_read_only_or_full_filesystem(setup, launcher, tmp_path, m
 
 def test_ref_removes_what_a_killed_run_left(setup, tmp_path):
     dest = tmp_path / "a.npz"
-    script = ("import os, sys; from edm2 import files\n"
+    script = ("import os, sys; from edm2.runtime import files\n"
               "with files.atomic_path(sys.argv[1]) as tmp:\n"
               "    tmp.write_bytes(b'half'); os._exit(9)\n")
     assert subprocess.run([sys.executable, "-c", script, str(dest)], cwd=REPO).returncode == 9
@@ -582,7 +582,7 @@ def test_ref_removes_what_a_killed_run_left(setup, tmp_path):
 @pytest.mark.bad_input
 def test_ref_refuses_a_decompression_bomb_within_a_memory_bound(tmp_path):
     # Its address space capped at what reading two small images needs (the run then stops at a missing detector
-    # file) plus 1 GiB: a PNG of 8200x8200 RGBA (256 MiB, beyond edm2.dataset_files.MAX_IMAGE_PIXELS) is refused
+    # file) plus 1 GiB: a PNG of 8200x8200 RGBA (256 MiB, beyond edm2.data.dataset_files.MAX_IMAGE_PIXELS) is refused
     # from its header.
     small = tmp_path / "small"
     small.mkdir()

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from cli.command import Command, Group
 from cli.types import Number
-from edm2 import distributed
 from edm2.errors import EDM2Error
+from edm2.runtime import distributed
 from tests.helpers import assert_one_error_line
 
 

@@ -13,7 +13,7 @@ import calculate_metrics
 import generate
 import train_edm2
 from edm2.encoders import StandardRGBEncoder
-from edm2.snapshot import save_network
+from edm2.formats.snapshot import save_network
 from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, tiny_precond
 
 

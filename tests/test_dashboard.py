@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import plot_run
-from edm2.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.layers import MPConv
 from edm2.plots.run import dashboard_figure, magnitudes_figure

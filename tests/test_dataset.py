@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
-from edm2.dataset_files import MAX_IMAGE_PIXELS
+from edm2.data.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
+from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error
 from tests.helpers import (assert_refused, black_png, png_bomb_zip, png_file, run_python_script, run_training,
                            write_image_dataset, write_members)

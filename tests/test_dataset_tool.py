@@ -16,10 +16,10 @@ import torch
 from click.testing import CliRunner
 
 import dataset_tool
-from edm2 import toy_shapes
-from edm2.dataset import ImageFolderDataset, image_fname, latent_fname
+from edm2.data import toy_shapes
+from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
-from edm2.locks import DestinationLock
+from edm2.runtime.locks import DestinationLock
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_bomb_zip, png_file,
                            run_python_script, save_tiny_vae, wait_for, write_members)
 
@@ -114,7 +114,7 @@ def test_convert_follows_symlinked_class_folders(tmp_path, class_folders):
 @pytest.mark.bad_input
 def test_convert_refuses_decompression_bombs_within_a_memory_bound(tmp_path):
     # Its address space capped at what converting a small image needs plus 1 GiB: a PNG inflating to 3 GiB (PIL's
-    # own bound) and one of 256 MiB (8200x8200 RGBA, beyond edm2.dataset.MAX_IMAGE_PIXELS) are refused unread.
+    # own bound) and one of 256 MiB (8200x8200 RGBA, beyond edm2.data.dataset.MAX_IMAGE_PIXELS) are refused unread.
     small = write_members(tmp_path / "small", {"a.png": png_file(np.zeros((8, 8, 3), np.uint8))})
     result, peak = run_python_script(["dataset_tool.py", "convert", f"--source={small}",
                                       f"--dest={tmp_path / 'small.zip'}", "--workers=0"])

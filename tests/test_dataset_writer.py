@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edm2 import files
-from edm2.dataset import ImageFolderDataset, image_fname
-from edm2.dataset_writer import dataset_writer, png_bytes
+from edm2.data.dataset import ImageFolderDataset, image_fname
+from edm2.data.dataset_writer import dataset_writer, png_bytes
+from edm2.runtime import files
 from tests.helpers import REPO
 
 
@@ -52,7 +52,7 @@ def test_a_killed_writer_leaves_a_temporary_folder_that_remove_stale_temporaries
     # A ZIP is written through files.atomic_path (tests/test_files.py); a folder has its own temporary.
     dest_name = "out"
     script = ("import os, sys, numpy as np\n"
-              "from edm2.dataset_writer import dataset_writer, png_bytes\n"
+              "from edm2.data.dataset_writer import dataset_writer, png_bytes\n"
               "with dataset_writer(sys.argv[1]) as writer:\n"
               "    writer.add('00000/img00000000.png', png_bytes(np.zeros((4, 4, 3), np.uint8)))\n"
               "    os._exit(9)\n")

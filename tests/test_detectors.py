@@ -17,7 +17,8 @@ import torch
 from click.testing import CliRunner
 
 import calculate_metrics
-from edm2 import detectors, files, pinned_files
+from edm2.eval import detectors
+from edm2.runtime import files, pinned_files
 from tests.helpers import (FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
                            official_dinov2_shapes, pin_detector_file, random_dinov2_state_dict, run_within_memory)
 
@@ -31,7 +32,7 @@ FLOAT32_PASS = 16 * math.sqrt(588) * torch.finfo(torch.float32).eps
 
 
 def reference_dinov2(state, images_uint8, heads):
-    """DINOv2 forward written from the architecture description, sharing no code with edm2.detectors."""
+    """DINOv2 forward written from the architecture description, sharing no code with edm2.eval.detectors."""
     x = torch.nn.functional.interpolate(images_uint8.double(), size=(224, 224), mode="bicubic", antialias=True) / 255
     x = (x - torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64)[:, None, None]) / \
         torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64)[:, None, None]
@@ -367,7 +368,7 @@ def test_hostile_detector_files_are_refused_within_a_memory_bound(tmp_path, metr
     else:
         with open(path, "wb") as f:
             f.truncate(256 << 20)  # sparse: costs no disk, reads as zeros; four times the memory allowed
-    done = run_within_memory("from edm2 import detectors", "detectors.load_detector(sys.argv[1], sys.argv[2])",
+    done = run_within_memory("from edm2.eval import detectors", "detectors.load_detector(sys.argv[1], sys.argv[2])",
                              64 << 20, metric, str(path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"refused: {path} is not the published") and "SHA-256" in done.stdout

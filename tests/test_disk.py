@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.snapshot import load_network
+from edm2.formats.snapshot import load_network
 from training import checkpoint, disk
 from training.options import TrainingOptions
 from training.presets import PRESETS, get_preset

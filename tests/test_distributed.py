@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from edm2 import distributed
 from edm2.generation import SeedRanges
+from edm2.runtime import distributed
 from tests.helpers import REPO, free_port
 
 
@@ -61,7 +61,7 @@ def test_main_rank_first_single_process():
 RANK_FIRST_SCRIPT = """
 import os, sys, time
 from pathlib import Path
-from edm2 import distributed
+from edm2.runtime import distributed
 
 distributed.init()
 rank, log = distributed.get_rank(), Path(sys.argv[1])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edm2 import files
+from edm2.runtime import files
 from tests.helpers import REPO, dead_pid
 
 
@@ -88,7 +88,7 @@ def test_atomic_path_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_
 
 def test_a_killed_writer_leaves_a_temporary_that_a_rerun_removes(tmp_path):
     # A child process dies inside atomic_path, as a SIGKILL would leave it.
-    script = ("import os, sys; from edm2 import files\n"
+    script = ("import os, sys; from edm2.runtime import files\n"
               "with files.atomic_path(sys.argv[1]) as tmp:\n"
               "    tmp.write_bytes(b'half'); os._exit(9)\n")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state.pt")], cwd=REPO)
@@ -129,7 +129,7 @@ def test_check_writable_dir(tmp_path):
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare to mount a read-only folder")
 def test_check_writable_dir_refuses_a_read_only_filesystem_also_for_root(tmp_path):
     (tmp_path / "ro").mkdir()
-    script = ("from edm2 import files\n"
+    script = ("from edm2.runtime import files\n"
               f"try:\n    files.check_writable_dir({str(tmp_path / 'ro' / 'out')!r})\n"
               "except files.OutputError as e:\n    print(e)\n")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {tmp_path / 'ro'} && "

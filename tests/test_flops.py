@@ -1,4 +1,4 @@
-"""count_flops.py and edm2.flops: the release's way of counting, against paper Table 6 and Appendix D.5, and
+"""count_flops.py and edm2.eval.flops: the release's way of counting, against paper Table 6 and Appendix D.5, and
 against a trace of a stand-in of the release's network priced by the release's rules."""
 
 import math
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 import count_flops
-from edm2 import flops
+from edm2.eval import flops
+from edm2.formats.snapshot import load_network, save_network
 from edm2.networks import Precond
-from edm2.snapshot import load_network, save_network
 from tests.helpers import (IMG512_PARAMS, RELEASE_TINY, TABLE6_GMACS, assert_refused, forget_release_standins,
                            random_release_tiny_net, randomized, tiny_precond, write_release_pickle)
 

@@ -18,11 +18,12 @@ from click.testing import CliRunner
 
 import generate
 from cli.types import SeedList
-from edm2 import presets_generate, snapshot
+from edm2 import presets_generate
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.files import TMP_SUFFIX
+from edm2.formats import snapshot
 from edm2.generation import MAX_SEED, generate_images
-from edm2.locks import FOLDER_LOCK, hold_destination
+from edm2.runtime.files import TMP_SUFFIX
+from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import (
     REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, tiny_precond, tree,
 )

@@ -10,9 +10,9 @@ import torch
 from edm2 import generation
 from edm2.encoders import StandardRGBEncoder
 from edm2.errors import EDM2Error
+from edm2.formats.snapshot import save_network
 from edm2.generation import MAX_SEED, SeedRanges
 from edm2.sampler import SELF
-from edm2.snapshot import save_network
 from tests.helpers import tiny_precond
 
 

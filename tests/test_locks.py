@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from edm2 import locks
-from edm2.locks import FOLDER_LOCK, DestinationInUse, DestinationLock, hold_destination
+from edm2.runtime import locks
+from edm2.runtime.locks import FOLDER_LOCK, DestinationInUse, DestinationLock, hold_destination
 from tests.helpers import REPO, dead_pid, lock_held_by_child
 
 
@@ -143,7 +143,7 @@ def test_release_leaves_a_lock_file_that_is_no_longer_its_own(tmp_path):
 
 def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
     # A DataLoader worker forked by a training shares its open files; it must not hold the run after a SIGKILL.
-    script = ("import os, signal, sys\nfrom edm2.locks import DestinationLock\n"
+    script = ("import os, signal, sys\nfrom edm2.runtime.locks import DestinationLock\n"
               "DestinationLock(sys.argv[1], 'training', 'training.lock').acquire()\n"
               "child = os.fork()\nif child == 0:\n    signal.pause()\n    os._exit(0)\n"
               "print(child, flush=True)\nsys.stdin.read()\n")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from edm2 import metrics
+from edm2.eval import metrics
 from tests.helpers import random_covariance
 
 # Unit round-off of float64: a sum of n terms computed in any order is off by at most about n * U64 * sum|term|.

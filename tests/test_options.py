@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 import train_edm2
-from edm2 import distributed
-from edm2.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
-from edm2.snapshot import save_network
+from edm2.formats.snapshot import save_network
+from edm2.runtime import distributed
 from training.architecture import NetworkMisfit, read_init, unet_options
 from training.loop import train
 from training.options import OptionsError, TrainingOptions

@@ -15,8 +15,8 @@ import dataset_tool
 import generate
 import reconstruct_phema
 import train_edm2
-from edm2.dataset import ImageFolderDataset
-from edm2.snapshot import load_network, read_metadata
+from edm2.data.dataset import ImageFolderDataset
+from edm2.formats.snapshot import load_network, read_metadata
 from tests.helpers import assert_one_error_line, assert_refused
 
 # README: --resolution=96, --preset=edm2-img64-xs --channel-mult=1,2,3,4 --attn-resolutions=24,12; here 12x12

@@ -11,8 +11,9 @@ import torch
 from click.testing import CliRunner
 
 import reconstruct_phema
-from edm2 import anyema, phema, posthoc, snapshot
-from edm2.snapshot import save_network
+from edm2 import anyema, phema, posthoc
+from edm2.formats import snapshot
+from edm2.formats.snapshot import save_network
 from tests.helpers import FAKE_RUN, fake_training_run, tiny_precond
 
 

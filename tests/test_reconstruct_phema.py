@@ -16,10 +16,11 @@ from click.testing import CliRunner
 
 import reconstruct_phema
 from cli.types import StdList
-from edm2 import files, phema, posthoc
-from edm2.locks import FOLDER_LOCK, hold_destination
+from edm2 import phema, posthoc
+from edm2.formats.snapshot import load_network, save_network
+from edm2.runtime import files
+from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
-from edm2.snapshot import load_network, save_network
 from tests.helpers import (FAKE_RUN, REPO, assert_one_error_line, assert_refused, fake_training_run, forget_release_standins,
                            random_release_tiny_net, tiny_precond, write_release_pickle)
 
@@ -116,7 +117,7 @@ def test_reconstruction_from_our_run_loads_and_samples(tmp_path, monkeypatch):
 
 
 def test_release_pickles_as_inputs(tmp_path, release_standins):
-    # Raw snapshots in the release's format, read through edm2.snapshot.load_network's safe importer;
+    # Raw snapshots in the release's format, read through edm2.formats.snapshot.load_network's safe importer;
     # the image count comes from the file name's kimg (the release's naming: kimg = images // 1000 of 1024-image batches).
     names = []
     for seed, (kimg, std) in enumerate([(134217, 0.05), (134217, 0.10), (268435, 0.05), (268435, 0.10)]):

@@ -22,10 +22,12 @@ from click.testing import CliRunner
 
 import generate
 
-from edm2 import encoders, legacy_storage, release_pickle, snapshot, toy_snapshot
+from edm2 import encoders
 from edm2.errors import EDM2Error
+from edm2.formats import legacy_storage, release_pickle, snapshot
 from edm2.networks import Precond
-from edm2.toy_model import ToyDenoiser
+from edm2.toy import snapshot as toy_snapshot
+from edm2.toy.model import ToyDenoiser
 from tests.helpers import (
     RELEASE_TINY,
     assert_one_error_line,
@@ -334,7 +336,7 @@ def test_garbage_in_a_release_pickle_is_one_line(case, tmp_path, release_standin
 
 
 def test_dataset_kwargs_nest_no_deeper_than_our_metadata_may(tmp_path, release_standins):
-    # Nested within the unpickler's bound but beyond what our snapshot metadata may carry (edm2.bounded_json).
+    # Nested within the unpickler's bound but beyond what our snapshot metadata may carry (edm2.runtime.bounded_json).
     deep, shallow = release_pickle.MAX_KWARGS_DEPTH + 1, release_pickle.MAX_KWARGS_DEPTH
     deeply_nested_pickle(tmp_path / "deep.pkl", deep, *release_standins)
     deeply_nested_pickle(tmp_path / "shallow.pkl", shallow, *release_standins)

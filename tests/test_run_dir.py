@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.locks import DestinationInUse
-from edm2.snapshot import images_tag
+from edm2.formats.snapshot import images_tag
+from edm2.runtime.locks import DestinationInUse
 from training import checkpoint, run_dir
 from training.options import TrainingOptions
 from training.checkpoint import Checkpoints

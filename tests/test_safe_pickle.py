@@ -13,8 +13,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from edm2 import safe_pickle
 from edm2.errors import EDM2Error
+from edm2.formats import safe_pickle
 
 
 class RunsCode:

@@ -1,4 +1,4 @@
-"""edm2.sharded_ema: each rank's part of the EMA tracks, gathered, is bitwise edm2.phema.PowerFunctionEMA's tracks.
+"""edm2.runtime.sharded_ema: each rank's part of the EMA tracks, gathered, is bitwise edm2.phema.PowerFunctionEMA's tracks.
 
 The ranks are simulated in one process: one tracker per rank index, and gather_to_main replaced by the
 concatenation of every rank's part, as torch.distributed.gather makes it on rank 0. train_edm2.py --ema-shard
@@ -8,9 +8,9 @@ under torchrun is tested in tests/test_train_cli.py.
 import pytest
 import torch
 
-from edm2 import sharded_ema
 from edm2.phema import EMAError, PowerFunctionEMA
-from edm2.sharded_ema import ShardedPowerFunctionEMA, shard_bounds
+from edm2.runtime import sharded_ema
+from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, shard_bounds
 
 STDS = (0.05, 0.10)
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 import generate
 import reconstruct_phema
 from edm2.encoders import StandardRGBEncoder
-from edm2.snapshot import FORMAT_VERSION, SnapshotError, load_generator, load_network, read_metadata, save_network
+from edm2.formats.snapshot import (FORMAT_VERSION, SnapshotError, load_generator, load_network, read_metadata,
+                                   save_network)
 from tests.helpers import (FAKE_RUN, REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
 
 

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
-from edm2.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
-                        to_channels_last)
+from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
+                                to_channels_last)
 from training.benchmark import synthetic_step, with_unit_gains
 from training.options import TrainingOptions, check_same_hyperparameters
 from training.state import adam, init_network
@@ -230,7 +230,7 @@ def test_a_loaded_optimizer_keeps_this_runs_implementation():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_precision_name_maps_to_the_flags_and_dtype_it_computes_in_and_back(precision):
-    # The one mapping (edm2.speed): a network built with its flags computes in its dtype, and reads back as its name.
+    # The one mapping (edm2.runtime.speed): a network built with its flags computes in its dtype, and reads back as its name.
     net = tiny_precond(**precision_flags(precision))
     net.cpu_16bit = True  # compute as on CUDA
     assert net.compute_dtype(CPU) == precision_dtype(precision) and snapshot_precision(net) == precision

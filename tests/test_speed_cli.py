@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import calculate_metrics
 import generate
 import train_edm2
-from edm2 import snapshot
 from edm2.encoders import StandardRGBEncoder
+from edm2.formats import snapshot
 from tests.helpers import REPO, TRAIN_ENV, assert_one_error_line, randomized, run_training, tiny_precond, tree
 
 FAST = ["--steps=4", "--seeds=0-3", "--batch=2"]

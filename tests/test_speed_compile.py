@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch._inductor.config
 
-from edm2 import speed
-from edm2.generation import generate_images
 from edm2.encoders import StandardRGBEncoder
+from edm2.generation import generate_images
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
+from edm2.runtime import speed
 from training import step as step_module
 from training.benchmark import synthetic_step
 from training.state import adam

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edm2 import stats_files
+from edm2.eval import stats_files
 from tests.helpers import random_covariance, run_within_memory
 
 
@@ -137,7 +137,7 @@ def test_npz_headers_declaring_more_than_the_file_holds_are_refused_within_a_mem
     # (1e6, 1e6) float64 is 8 TB; (4096, 4096) is 128 MiB, within the width bound but not in a file of a few
     # hundred bytes. Either is refused from its header, within 64 MiB more address space than the process uses.
     path = npz_with(tmp_path / "ref.npz", {"fid/mu": np.zeros(8), "fid/sigma": npy_declaring(shape)})
-    done = run_within_memory("from edm2 import stats_files", "stats_files.load_stats(sys.argv[1])", 64 << 20,
+    done = run_within_memory("from edm2.eval import stats_files", "stats_files.load_stats(sys.argv[1])", 64 << 20,
                              str(path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"refused: {path}: fid/sigma.npy declares ") and str(shape[0]) in done.stdout
@@ -189,7 +189,7 @@ def test_non_finite_statistics_are_refused(tmp_path, where, bad, kind):
 
 
 def test_statistics_wider_than_the_bound_are_refused(tmp_path):
-    # A pickle builds its arrays before any check can see them (edm2.safe_pickle bounds that); the width bound
+    # A pickle builds its arrays before any check can see them (edm2.formats.safe_pickle bounds that); the width bound
     # still keeps such statistics from reaching the Frechet distance.
     width = stats_files.MAX_FEATURES + 1
     with open(tmp_path / "wide.pkl", "wb") as f:

@@ -32,7 +32,7 @@ def product_files() -> list[str]:
 
 
 def module_name(path: str) -> str:
-    """'edm2/files.py' -> 'edm2.files'; a package's __init__ is the package."""
+    """'edm2/runtime/files.py' -> 'edm2.runtime.files'; a package's __init__ is the package."""
     return path[:-3].replace("/", ".").removesuffix(".__init__")
 
 
@@ -43,7 +43,7 @@ def imported_modules(path: str, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # 'from edm2 import files' imports the module edm2.files when one exists.
+            # 'from edm2.runtime import files' imports the module edm2.runtime.files when one exists.
             names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
                      for alias in node.names]
         else:

@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from edm2 import generation, posthoc
-from edm2.locks import FOLDER_LOCK, hold_destination
-from edm2.plots.sweep import sweep_figure
 from edm2.encoders import StabilityVAEEncoder
+from edm2.eval.sweep import SweepError, SweepResults, run_sweep
+from edm2.formats.snapshot import METADATA_KEY, load_network, read_metadata, save_network
+from edm2.plots.sweep import sweep_figure
+from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
-from edm2.snapshot import METADATA_KEY, load_network, read_metadata, save_network
-from edm2.sweep import SweepError, SweepResults, run_sweep
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
                            write_image_dataset)
 

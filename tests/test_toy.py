@@ -14,13 +14,14 @@ import torch
 from click.testing import CliRunner
 
 import toy_example
-from edm2 import snapshot, toy_gmm
-from edm2.locks import FOLDER_LOCK, hold_destination
-from edm2.plots import toy as toy_plots
-from edm2.release_pickle import ReleasePickleError
-from edm2.toy_model import ToyDenoiser, sample_trajectories
-from edm2.toy_snapshot import load_toy, save_toy
+from edm2.formats import snapshot
+from edm2.formats.release_pickle import ReleasePickleError
 from edm2.layers import ArchitectureError
+from edm2.plots import toy as toy_plots
+from edm2.runtime.locks import FOLDER_LOCK, hold_destination
+from edm2.toy import gmm as toy_gmm
+from edm2.toy.model import ToyDenoiser, sample_trajectories
+from edm2.toy.snapshot import load_toy, save_toy
 from tests.helpers import (assert_one_error_line, assert_refused, forget_release_standins, install_release_standins,
                            randomized, run_with_memory_limit, write_raw_snapshot, write_release_toy_pickle)
 from training.toy import ToyTraining, train_toy

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.snapshot import load_network, read_metadata
+from edm2.formats.snapshot import load_network, read_metadata
 from training import checkpoint
 from training.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
@@ -462,7 +462,7 @@ def test_read_only_outdir(train_data, tmp_path):
 
 # Run inside the namespace after a training on the tiny disk: what the run directory holds, and that
 # every snapshot in it loads.
-LIST_RUN = ("import json, pathlib, sys; from edm2.snapshot import load_network; "
+LIST_RUN = ("import json, pathlib, sys; from edm2.formats.snapshot import load_network; "
             "run = pathlib.Path(sys.argv[1]); print('FILES', json.dumps(sorted(p.name for p in run.iterdir()))); "
             "[load_network(p) for p in run.glob('*.safetensors')]; print('LOADED')")
 

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-from edm2.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageFolderDataset
 from training import checkpoint, data_order
 from training.log_tee import Tee
 from tests.helpers import (

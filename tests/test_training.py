@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from edm2.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageFolderDataset
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from training import checkpoint, loop

@@ -4,9 +4,9 @@ that turns a mode and an output size into an image function."""
 import numpy as np
 import pytest
 
-from edm2 import transforms
+from edm2.data import transforms
+from edm2.data.transforms import TransformError, make_transform
 from edm2.errors import EDM2Error
-from edm2.transforms import TransformError, make_transform
 
 # center-crop-dhariwal equals an independent computation of ADM's procedure, which
 # resamples like PIL: separable (horizontal, then vertical), support scaled by the reduction

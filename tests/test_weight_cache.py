@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from edm2 import layers
+from edm2.eval.validation import loss_per_sigma, validation_loss
 from edm2.layers import mpconvs, weights_normalized_once
 from edm2.phema import PowerFunctionEMA
+from edm2.runtime.speed import to_channels_last
 from edm2.sampler import edm_sampler
-from edm2.speed import to_channels_last
-from edm2.validation import loss_per_sigma, validation_loss
 from tests.helpers import bits, randomized, tiny_precond
 
 X, SIGMA, LABELS = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 1.0, 4.0]), \

@@ -9,12 +9,12 @@ import os
 
 import torch
 
-from edm2 import files
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
+from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
 from edm2.networks import Block, UNet
-from edm2.snapshot import load_generator
+from edm2.runtime import files
 
 # The U-Net arguments that train_edm2.py sets with options of the same names (dashes for underscores).
 UNET_OPTIONS = ("channel_mult", "num_blocks", "attn_resolutions")

@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from edm2 import bounded_json, distributed, files
 from edm2.errors import EDM2Error
-from edm2.snapshot import images_tag, kimg_to_nimg
+from edm2.formats.snapshot import images_tag, kimg_to_nimg
+from edm2.runtime import bounded_json, distributed, files
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
 from training.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
 from training.state import TrainingState
@@ -167,7 +167,7 @@ def _check_tensors(saved: object, shapes: dict[str, torch.Size], path: str | os.
 
 
 def tagged_images(kimg: str, nimg: str | None) -> int:
-    """The image count of a name's tag (edm2.snapshot.images_tag); a bare kimg means the multiple of 1024 with
+    """The image count of a name's tag (edm2.formats.snapshot.images_tag); a bare kimg means the multiple of 1024 with
     that kimg, or kimg * 1000 for an older name that has none."""
     if nimg is not None:
         return int(nimg)
@@ -256,7 +256,7 @@ def load_state(path: str | os.PathLike) -> dict:
 
 def state_options(state: dict, path: str | os.PathLike) -> dict:
     """The hyperparameters a training state records (a JSON object), parsed within the bounds of
-    edm2.bounded_json."""
+    edm2.runtime.bounded_json."""
     if not isinstance(state.get("options"), str):
         raise CheckpointError(f"{path}: its options are not JSON text")
     try:

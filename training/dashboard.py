@@ -10,7 +10,7 @@ Files, each written atomically:
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
   plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
 The fixed batch is PROBE_IMAGES dataset images evenly spaced through the dataset with the draws of seeds
-0..PROBE_IMAGES-1 (edm2.validation.ValidationSamples): the same at every snapshot and on every resume. They are
+0..PROBE_IMAGES-1 (edm2.eval.validation.ValidationSamples): the same at every snapshot and on every resume. They are
 training images, as EDM2 trains on the whole dataset; what is fixed is the batch and its draws. The network is
 the first EMA track (the newest snapshot's network, before its float16 rounding in the file).
 """
@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from edm2 import bounded_json, files
 from edm2.errors import EDM2Error, one_line
-from edm2.magnitudes import block_output_rms, weight_rms
-from edm2.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from edm2.eval.magnitudes import block_output_rms, weight_rms
+from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from edm2.runtime import bounded_json, files
 from training.run_dir import STATS_FILE
 
 PLOTS_DIR = "plots"
@@ -44,7 +44,7 @@ class DashboardError(EDM2Error):
 
 
 def stats_rows(run_dir: Path, keys: Sequence[str], required: bool = True) -> list[dict]:
-    """stats.jsonl's rows (parsed within edm2.bounded_json's bounds) that hold a number under every key; a torn
+    """stats.jsonl's rows (parsed within edm2.runtime.bounded_json's bounds) that hold a number under every key; a torn
     or foreign line is skipped. Unless required, a missing file gives no rows."""
     path = run_dir / STATS_FILE
     try:

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
-from edm2 import distributed
+from edm2.runtime import distributed
 
 if TYPE_CHECKING:
-    from edm2.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageFolderDataset
 
 
 def round_seed(seed: int, rank: int, cur_nimg: int, round_idx: int) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from edm2.toy_shapes import SHAPES
+from edm2.data.toy_shapes import SHAPES
 from training.options import TrainingOptions
 from training.presets import IMG64, IMG512, TOY, get_preset
 from training.state import init_network

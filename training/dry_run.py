@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edm2 import distributed
 from edm2.networks import count_parameters
+from edm2.runtime import distributed
 from training import checkpoint
 from training.data_order import DataOrder, data_loader
 from training.options import TrainingOptions, rounds_per_step
@@ -19,7 +19,7 @@ from training.state import TrainingState, init_network
 from training.step import TrainingStep, training_loss, training_step
 
 if TYPE_CHECKING:
-    from edm2.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageFolderDataset
     from edm2.encoders import Encoder
 
 

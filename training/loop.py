@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edm2 import distributed
 from edm2.networks import count_parameters
-from edm2.sharded_ema import ShardedPowerFunctionEMA
-from edm2.speed import precision_dtype
+from edm2.runtime import distributed
+from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
+from edm2.runtime.speed import precision_dtype
 from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.disk import disk_report
@@ -44,7 +44,7 @@ from training.step import TrainingStep, training_loss, training_step
 from training.trackers import Trackers
 
 if TYPE_CHECKING:
-    from edm2.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageFolderDataset
     from edm2.encoders import Encoder
 
 

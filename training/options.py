@@ -12,7 +12,7 @@ import torch
 from edm2.errors import EDM2Error
 from edm2.network_args import shown
 from edm2.phema import MAX_STD
-from edm2.speed import PRECISIONS, channels_last_by_default, compile_by_default
+from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import UNET_OPTIONS, check_network_fits_data
 from training.presets import get_preset
 from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS
@@ -80,12 +80,12 @@ class TrainingOptions:
     workers: int = 2
     keep_states: int = 0  # training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter)
     init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
-    # How fast, not what: a resumed run may change these (edm2/speed.py). None: the device's default.
+    # How fast, not what: a resumed run may change these (edm2/runtime/speed.py). None: the device's default.
     compile: bool | None = None  # torch.compile of the network and the loss
     channels_last: bool | None = None  # NHWC convolution weights and activations
     checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
     cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
-    ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.sharded_ema)
+    ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema)
     # What rank 0 reports, not what is trained: trackers (training/trackers.py) and the snapshots' sample grids.
     loggers: tuple[str, ...] = ()
     grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none

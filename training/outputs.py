@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from edm2 import distributed
+from edm2.runtime import distributed
 from training.checkpoint import Checkpoints
 from training.dashboard import Dashboard
 from training.lr_schedule import learning_rate_schedule
@@ -117,7 +117,7 @@ class Outputs:
 
     def snapshots(self) -> None:
         """Rank 0: the EMA snapshots and the dashboard. Every rank calls this: a sharded EMA gathers its tracks on
-        rank 0 (edm2.sharded_ema), and they are freed on return, before anything else loads a network."""
+        rank 0 (edm2.runtime.sharded_ema), and they are freed on return, before anything else loads a network."""
         tracks = self.state.ema.get()
         if self.run:
             self.run.save_snapshots(tracks, self.state.cur_nimg, self.opts)

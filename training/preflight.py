@@ -10,7 +10,7 @@ from training.architecture import UNET_OPTIONS, NetworkMisfit, check_init, read_
 from training.options import OptionsError, TrainingOptions, rounds_per_step
 
 if TYPE_CHECKING:
-    from edm2.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageFolderDataset
     from edm2.encoders import Encoder
 
 

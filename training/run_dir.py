@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from edm2 import bounded_json, files
 from edm2.errors import EDM2Error
-from edm2.snapshot import save_network, snapshot_name
+from edm2.formats.snapshot import save_network, snapshot_name
+from edm2.runtime import bounded_json, files
 from training import trackers
 from training.options import TrainingOptions
 from training.run_lock import RunLock
@@ -42,7 +42,7 @@ class RunDirectoryError(EDM2Error):
 
 
 def load_options(run_dir: str | os.PathLike) -> dict | None:
-    """The run's training_options.json (a JSON object within edm2.bounded_json's bounds), or None for a new run."""
+    """The run's training_options.json (a JSON object within edm2.runtime.bounded_json's bounds), or None for a new run."""
     return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, RunDirectoryError)
 
 
@@ -202,7 +202,7 @@ class RunDirectory:
 
 def _row_images(line: bytes) -> int | None:
     """The image count of one stats.jsonl line; None for an empty, torn or foreign line (also one beyond
-    edm2.bounded_json's bounds)."""
+    edm2.runtime.bounded_json's bounds)."""
     try:
         row = bounded_json.parse(line, STATS_FILE)
     except bounded_json.JSONFileError:

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edm2 import files
 from edm2.errors import one_line
+from edm2.formats.snapshot import images_tag, load_network
 from edm2.generation import sample_batch
 from edm2.image_grid import save_png, tile
-from edm2.snapshot import images_tag, load_network
-from edm2.speed import SamplingSpeed
+from edm2.runtime import files
+from edm2.runtime.speed import SamplingSpeed
 
 SAMPLES_DIR = "samples"
 DEFAULT_GRID = (4, 8)  # rows x columns

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from edm2 import distributed
+from edm2.runtime import distributed
 
 
 class StopFlag:

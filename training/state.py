@@ -8,8 +8,8 @@ import torch
 
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
-from edm2.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
-from edm2.speed import precision_flags, to_channels_last
+from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
+from edm2.runtime.speed import precision_flags, to_channels_last
 from training.architecture import init_weights
 from training.options import TrainingOptions
 

@@ -15,7 +15,7 @@ import torch
 
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
-from edm2.speed import compile_loss
+from edm2.runtime.speed import compile_loss
 from training.data_order import label_dropout_seed, round_seed
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
@@ -30,7 +30,7 @@ class TrainingStep:
     """The parts every step of a run shares; the state changes in place."""
 
     state: TrainingState
-    loss_fn: EDM2Loss | Callable[..., torch.Tensor]  # EDM2Loss or edm2.speed.compile_loss(EDM2Loss)
+    loss_fn: EDM2Loss | Callable[..., torch.Tensor]  # EDM2Loss or edm2.runtime.speed.compile_loss(EDM2Loss)
     encoder: Encoder
     batches: Iterator  # (images, labels) of batch_gpu images each, `rounds` per step
     opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed, label_dropout

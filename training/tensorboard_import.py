@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 
-from edm2 import bounded_json
+from edm2.runtime import bounded_json
 from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, snapshot_numbers,
                                 stats_rows)
 from training.run_dir import STATS_FILE, load_options

@@ -15,8 +15,8 @@ import torch
 
 from edm2.loss import log_normal_sigma
 from edm2.phema import PowerFunctionEMA
-from edm2.toy_gmm import ground_truth
-from edm2.toy_model import ToyDenoiser
+from edm2.toy.gmm import ground_truth
+from edm2.toy.model import ToyDenoiser
 from training.lr_schedule import learning_rate_schedule
 from training.state import adam
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edm2 import bounded_json, files
 from edm2.errors import EDM2Error, one_line
+from edm2.runtime import bounded_json, files
 
 TRACKERS = ("tensorboard", "wandb")
 _MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}

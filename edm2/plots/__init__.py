@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 
 import matplotlib.figure  # noqa: E402  (after the backend is chosen)
 
-from edm2 import files  # noqa: E402
+from edm2.runtime import files  # noqa: E402
 
 
 def new_figure(width: float = 6.4, height: float = 4.8, layout: str | None = "constrained") -> matplotlib.figure.Figure:

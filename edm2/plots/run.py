@@ -12,7 +12,7 @@ import matplotlib.ticker
 import numpy as np
 
 from edm2 import plots
-from edm2.magnitudes import bucket
+from edm2.eval.magnitudes import bucket
 
 # No mathtext anywhere: plain-text labels, and plain tick labels on log axes (matplotlib's default ones are
 # mathtext). Its parser (pyparsing) leaves reference cycles of exceptions and their tracebacks, which keep the

@@ -8,7 +8,7 @@ from typing import Sequence
 import matplotlib.figure
 
 from edm2 import plots
-from edm2.sweep import best_rows
+from edm2.eval.sweep import best_rows
 
 LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2"}  # plain text, no mathtext
 

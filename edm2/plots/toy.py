@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from edm2.plots import new_figure
-from edm2.toy_gmm import GaussianMixture, ground_truth
-from edm2.toy_model import ToyDenoiser, sample_trajectories
+from edm2.toy.gmm import GaussianMixture, ground_truth
+from edm2.toy.model import ToyDenoiser, sample_trajectories
 
 GT_ALL = dict(levels=[-2.12, 0], colors=[[0.9, 0.9, 0.9]], linecolors=[[0.7, 0.7, 0.7]], linewidth=0.75)
 GT_CLASS = dict(levels=[-2.12, 0], colors=[[1.0, 0.8, 0.6]], linecolors=[[0.8, 0.6, 0.5]], linewidth=0.75)

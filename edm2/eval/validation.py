@@ -18,12 +18,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edm2 import distributed
-from edm2.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
 from edm2.layers import weights_normalized_once
 from edm2.loss import EDM2Loss, log_normal_sigma
+from edm2.runtime import distributed
 
 
 class ValidationError(EDM2Error):

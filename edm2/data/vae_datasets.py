@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from edm2 import bounded_json, distributed, files
-from edm2.dataset import LABELS_FILE, DatasetError, ImageFolderDataset, latent_fname
-from edm2.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
+from edm2.data.dataset import LABELS_FILE, DatasetError, ImageFolderDataset, latent_fname
+from edm2.data.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
 from edm2.encoders import StabilityVAEEncoder
 from edm2.errors import one_line
+from edm2.runtime import bounded_json, distributed, files
 
 ENCODE_MANIFEST = "encode.json"
 _LATENT_GLOB = "*/img-mean-std-*.npy"

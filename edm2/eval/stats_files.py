@@ -13,9 +13,10 @@ from typing import IO, Mapping
 
 import numpy as np
 
-from edm2 import files, safe_pickle
 from edm2.errors import EDM2Error
-from edm2.metrics import Stats
+from edm2.eval.metrics import Stats
+from edm2.formats import safe_pickle
+from edm2.runtime import files
 
 
 class StatsError(EDM2Error):

@@ -1,5 +1,5 @@
 """Toy-example snapshot files: the denoiser's safetensors weights plus JSON metadata; the release's toy pickles
-(pickled ToyModels) through edm2.release_pickle's restricted importer.
+(pickled ToyModels) through edm2.formats.release_pickle's restricted importer.
 
 The metadata sits under its own key ('edm2-toy'), so an EDM2 command given a toy file, or the toy example given an
 EDM2 snapshot, refuses it in one line.
@@ -11,12 +11,12 @@ import os
 
 import torch
 
-from edm2 import files
 from edm2.errors import one_line
-from edm2.release_pickle import expect_record, reading, rebuild_module, restricted_load
-from edm2.snapshot import check_readable, load_weights, read_metadata, save_network
-from edm2.toy_gmm import ToyError
-from edm2.toy_model import ToyDenoiser
+from edm2.formats.release_pickle import expect_record, reading, rebuild_module, restricted_load
+from edm2.formats.snapshot import check_readable, load_weights, read_metadata, save_network
+from edm2.runtime import files
+from edm2.toy.gmm import ToyError
+from edm2.toy.model import ToyDenoiser
 
 METADATA_KEY = "edm2-toy"
 

@@ -12,11 +12,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from edm2 import bounded_json, files
 from edm2.encoders import Encoder, encoder_from_config
 from edm2.errors import SnapshotError, one_line
+from edm2.formats.release_pickle import load_release_pickle
 from edm2.networks import Precond
-from edm2.release_pickle import load_release_pickle
+from edm2.runtime import bounded_json, files
 
 FORMAT_VERSION = 1
 METADATA_KEY = "edm2"

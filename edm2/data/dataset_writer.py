@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 import numpy as np
 import PIL.Image
 
-from edm2 import files
-from edm2.dataset import LABELS_FILE
+from edm2.data.dataset import LABELS_FILE
+from edm2.runtime import files
 
 # A fixed timestamp keeps ZIP bytes identical between runs that write identical files.
 _ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)

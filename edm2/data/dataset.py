@@ -1,7 +1,7 @@
 """Reading release-format datasets: a directory or ZIP of PNG or NPY images plus dataset.json (and, for metrics,
 folders and ZIPs of images in any format PIL reads).
 
-Writing them is edm2/dataset_writer.py's job; dataset_tool.py makes them from other images.
+Writing them is edm2/data/dataset_writer.py's job; dataset_tool.py makes them from other images.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 import PIL.Image
 import torch
 
-from edm2 import bounded_json
-from edm2.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
+from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
+from edm2.runtime import bounded_json
 
 IMAGE_SUFFIXES = (".png", ".npy")
 # The one rule, for training and metrics alike: images in a PIL mode that is no channel layout of its own are

@@ -21,11 +21,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from edm2 import bounded_json, distributed, files, posthoc
+from edm2 import posthoc
 from edm2.errors import EDM2Error
+from edm2.eval.metrics import calculate_stats, frechet_distance
+from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.generation import generate_images
-from edm2.metrics import calculate_stats, frechet_distance
-from edm2.validation import ValidationSamples, validation_loss
+from edm2.runtime import bounded_json, distributed, files
 
 SWEEP_JSON, SWEEP_PNG = "ema-sweep.json", "ema-sweep.png"
 
@@ -71,7 +72,7 @@ class SweepResults:
 
 class Measure:
     """The metrics of one network: Frechet distances of generated images to reference statistics, and the
-    validation loss (edm2.validation) on fixed samples; each row's numbers for every rank."""
+    validation loss (edm2.eval.validation) on fixed samples; each row's numbers for every rank."""
 
     def __init__(self, metrics: Sequence[str], encoder, seeds: Sequence[int], batch_size: int,
                  device: torch.device, detectors: dict | None = None, reference: dict | None = None,
@@ -98,7 +99,7 @@ class Measure:
 
 
 def round_to_stored(net: torch.nn.Module) -> torch.nn.Module:
-    """Round the parameters to float16 and back, as edm2.snapshot.save_network stores them; returns net."""
+    """Round the parameters to float16 and back, as edm2.formats.snapshot.save_network stores them; returns net."""
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(p.to(torch.float16).to(p.dtype))

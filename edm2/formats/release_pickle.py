@@ -6,7 +6,7 @@ execute that source; here a restricted unpickler maps every allowed global to a 
 each persistent object as a record of its class name and state, and rebuilds our own objects from the
 records: `Precond` from its constructor arguments and weights, the encoder and loss as plain settings
 (pickles without them, older and third-party ones, get the RGB encoder and no loss). The toy example's
-`ToyModel` snapshots are read by edm2.toy_snapshot with the public helpers here (restricted_load, reading,
+`ToyModel` snapshots are read by edm2.toy.snapshot with the public helpers here (restricted_load, reading,
 expect_record, rebuild_module), so that the file formats know nothing of the toy example.
 """
 
@@ -22,9 +22,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from edm2 import legacy_storage, safe_pickle
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
+from edm2.formats import legacy_storage, safe_pickle
 from edm2.layers import ArchitectureError
 from edm2.network_args import MAX_SCALE, real
 from edm2.networks import Precond
@@ -162,7 +162,7 @@ def _encoder_config(record: PersistentRecord | None) -> dict:
 
 def _plain(value, depth: int = 0):
     """Recursively turn pickled containers and NumPy values into JSON-friendly Python values (at most
-    MAX_KWARGS_DEPTH levels: the metadata we write them into must stay readable by edm2.bounded_json)."""
+    MAX_KWARGS_DEPTH levels: the metadata we write them into must stay readable by edm2.runtime.bounded_json)."""
     if isinstance(value, (dict, list, tuple)) and depth >= MAX_KWARGS_DEPTH:
         raise ReleasePickleError(f"dataset_kwargs nested more than {MAX_KWARGS_DEPTH} levels deep")
     if isinstance(value, dict):

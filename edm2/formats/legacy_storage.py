@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edm2 import safe_pickle
-from edm2.safe_pickle import RefusedPickle
+from edm2.formats import safe_pickle
+from edm2.formats.safe_pickle import RefusedPickle
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
 PROTOCOL_VERSION = 1001  # torch.serialization.PROTOCOL_VERSION

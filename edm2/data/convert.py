@@ -16,9 +16,9 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
-from edm2.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
-from edm2.dataset_writer import DatasetWriter, png_bytes
+from edm2.data.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
+from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
+from edm2.data.dataset_writer import DatasetWriter, png_bytes
 from edm2.errors import one_line
 
 

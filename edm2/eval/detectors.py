@@ -2,7 +2,7 @@
 
 FID and FD_DINOv2 are defined by two published files: StyleGAN2-ADA's TorchScript Inception (a program, run as it
 is) and DINOv2's ViT-L/14 state dict (weights for our own network). A file is loaded only if its SHA-256 is the
-published one (edm2/pinned_files.py); every other file, whatever it holds, is refused before anything parses it.
+published one (edm2/runtime/pinned_files.py); every other file, whatever it holds, is refused before anything parses it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edm2 import files, pinned_files
 from edm2.errors import EDM2Error, one_line
+from edm2.runtime import files, pinned_files
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"

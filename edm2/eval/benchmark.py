@@ -2,7 +2,7 @@
 utilization (MFU), and the sampler's images/s with the FLOPs behind them.
 
 A FLOP count here is 2 x the multiply-accumulates of edm2.networks.count_macs, the convention of MFU (Table 6's
-"gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.flops).
+"gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The files of a dataset (a directory or ZIP) read within bounds, and the headers of its images.
 
 What a hostile file declares (a ZIP member's size, an image's pixels, a .npy array's shape) is checked before
-anything of that size is allocated; edm2/dataset.py reads datasets through these.
+anything of that size is allocated; edm2/data/dataset.py reads datasets through these.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import scipy.linalg
 import torch
 import tqdm
 
-from edm2 import distributed
 from edm2.errors import EDM2Error
+from edm2.runtime import distributed
 
 Stats = dict[str, dict[str, np.ndarray]]
 

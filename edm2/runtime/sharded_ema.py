@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from edm2 import distributed
 from edm2.phema import EMAError, PowerFunctionEMA, inference_copy, power_function_beta, std_to_exp
+from edm2.runtime import distributed
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:

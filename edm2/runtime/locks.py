@@ -29,8 +29,8 @@ import weakref
 from pathlib import Path
 from typing import Callable, Iterator
 
-from edm2 import bounded_json, distributed
 from edm2.errors import EDM2Error
+from edm2.runtime import bounded_json, distributed
 
 FOLDER_LOCK = ".lock"  # a folder destination's lock file, inside it; a file destination's is .NAME.lock beside it
 _INFO_BYTES = 4096  # what a holder writes is about 100 bytes
