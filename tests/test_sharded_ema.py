@@ -1,4 +1,5 @@
-"""edm2.runtime.sharded_ema: each rank's part of the EMA tracks, gathered, is bitwise edm2.phema.PowerFunctionEMA's tracks.
+"""edm2.runtime.sharded_ema: each rank's part of the EMA tracks, gathered, is bitwise
+edm2.phema.PowerFunctionEMA's tracks.
 
 The ranks are simulated in one process: one tracker per rank index, and gather_to_main replaced by the
 concatenation of every rank's part, as torch.distributed.gather makes it on rank 0. train_edm2.py --ema-shard

@@ -230,7 +230,8 @@ def test_a_loaded_optimizer_keeps_this_runs_implementation():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_precision_name_maps_to_the_flags_and_dtype_it_computes_in_and_back(precision):
-    # The one mapping (edm2.runtime.speed): a network built with its flags computes in its dtype, and reads back as its name.
+    # The one mapping (edm2.runtime.speed): a network built with its flags computes in its dtype, and reads back as
+    # its name.
     net = tiny_precond(**precision_flags(precision))
     net.cpu_16bit = True  # compute as on CUDA
     assert net.compute_dtype(CPU) == precision_dtype(precision) and snapshot_precision(net) == precision

@@ -42,7 +42,8 @@ class RunDirectoryError(EDM2Error):
 
 
 def load_options(run_dir: str | os.PathLike) -> dict | None:
-    """The run's training_options.json (a JSON object within edm2.runtime.bounded_json's bounds), or None for a new run."""
+    """The run's training_options.json (a JSON object within edm2.runtime.bounded_json's bounds), or None for a
+    new run."""
     return bounded_json.read_object(Path(run_dir) / OPTIONS_FILE, RunDirectoryError)
 
 
