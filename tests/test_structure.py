@@ -12,6 +12,25 @@ from edm2.errors import EDM2Error
 from tests.helpers import REPO
 
 PACKAGES = ("edm2", "training", "cli")
+# The layers of the code, low to high (README, Layout): a module imports only modules of its own layer or lower.
+# A key names a module or a package with everything in it; a module's layer is that of the longest key naming it.
+LAYERS = {
+    "edm2.errors": 0,
+    **dict.fromkeys(("edm2.layers", "edm2.networks", "edm2.network_args", "edm2.loss", "edm2.sampler", "edm2.phema",
+                     "edm2.encoders"), 1),  # the model
+    "edm2.runtime": 2,
+    "edm2.data": 3,
+    "edm2.formats": 4,
+    "edm2.toy": 5,
+    **dict.fromkeys(("edm2.posthoc", "edm2.anyema", "edm2.generation", "edm2.presets_generate", "edm2.image_batches",
+                     "edm2.image_grid"), 6),  # the procedures over files
+    "edm2.eval": 7,
+    "edm2.plots": 8,
+    "training": 9,
+    "cli": 9,
+}
+COMMAND_LINES = 10  # the command lines and scripts/, above everything
+APART = {"training", "cli"}  # one layer, neither importing the other
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Raised on purpose without being bad input: an abstract method, and the second Ctrl-C that aborts at once.
@@ -78,6 +97,38 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_the_checks_cover_every_python_file_of_the_packages():
+    # A pathspec's '*' matches '/' too, so product_files holds the subpackages (edm2/runtime/files.py, ...).
+    every = [f for package in PACKAGES for f in tracked(package) if f.endswith(".py")]
+    assert any(f.count("/") > 1 for f in every) and set(every) <= set(product_files())
+
+
+def layer(module: str) -> int | None:
+    """A project module's layer: from LAYERS, COMMAND_LINES outside the packages, None when LAYERS has no place."""
+    if module.split(".")[0] not in PACKAGES:
+        return COMMAND_LINES
+    if module == "edm2":  # the package itself holds only its docstring
+        return 0
+    keys = [key for key in LAYERS if module == key or module.startswith(key + ".")]
+    return LAYERS[max(keys, key=len)] if keys else None
+
+
+def test_every_module_has_a_layer():
+    missing = [name for name in map(module_name, product_files()) if layer(name) is None]
+    assert not missing, f"modules without a layer in LAYERS: {missing}"
+
+
+def test_modules_import_only_their_own_layer_or_lower():
+    files = {module_name(f): f for f in product_files()}
+    wrong = []
+    for name, path in files.items():
+        for target in sorted(imported_modules(path, set(files)) - {name}):
+            apart = {name.split(".")[0], target.split(".")[0]}
+            if (layer(target) or 0) > (layer(name) or 0) or (apart <= APART and len(apart) == 2):
+                wrong.append(f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})")
+    assert not wrong, "imports against the layers: " + "; ".join(wrong)
 
 
 @pytest.mark.parametrize("path", tracked("tests/test_*.py"))
