@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+import edm2
 from edm2.errors import EDM2Error
 from tests.helpers import REPO
 
@@ -170,3 +171,8 @@ def test_library_errors_share_one_root(path):
     wrong = [(line, cls.__name__) for line, cls in raised_classes(path)
              if not issubclass(cls, (EDM2Error, *NOT_ERRORS))]
     assert not wrong, f"{path} raises errors outside EDM2Error: {wrong}"
+
+
+def test_the_package_docstring_names_every_subpackage():
+    subpackages = {path.split("/")[1] for path in tracked("edm2/*/__init__.py")}
+    assert subpackages and not [name for name in subpackages if f"{name} (" not in " ".join(edm2.__doc__.split())]
