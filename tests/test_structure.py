@@ -4,6 +4,7 @@ test modules independent of each other, nothing that names a file outside the re
 import ast
 import importlib
 import inspect
+import re
 import subprocess
 
 import pytest
@@ -130,6 +131,17 @@ def test_modules_import_only_their_own_layer_or_lower():
             if (layer(target) or 0) > (layer(name) or 0) or (apart <= APART and len(apart) == 2):
                 wrong.append(f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})")
     assert not wrong, "imports against the layers: " + "; ".join(wrong)
+
+
+def test_the_readme_quotes_the_layers():
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("```\n", readme.index("Layers, low to high")) + 4:]
+    quoted, rank = {}, None
+    for line in block[:block.index("```")].splitlines():
+        if line[:1].isdigit():
+            rank = int(line.split()[0])
+        quoted |= dict.fromkeys(re.findall(r"\b(?:edm2\.\w+|training|cli)\b", line), rank)
+    assert quoted == LAYERS
 
 
 @pytest.mark.parametrize("path", tracked("tests/test_*.py"))
