@@ -132,3 +132,28 @@ def test_readme_any_model_posthoc_ema_runs(tmp_path, monkeypatch):
     model = namespace["model"]
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
     assert not torch.equal(state["0.weight"], namespace["ema"].get()[0][0].state_dict()["0.weight"])
+
+
+def importable_prefix(name: str) -> tuple[object, list[str]]:
+    """The longest importable module that starts the dotted name, and the attribute names after it."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            return importlib.import_module(".".join(parts[:i])), parts[i:]
+        except ModuleNotFoundError:
+            continue
+    raise AssertionError(f"{name} names no module")
+
+
+def test_every_code_name_in_the_readme_exists():
+    # The Python API and the table of equations name modules, classes and functions as `edm2.x.y`.
+    readme = (REPO / "README.md").read_text()
+    sections = [readme.split(heading, 1)[1].split("\n#", 1)[0] for heading in ("## Python API",)]
+    names = set(re.findall(r"`((?:edm2|training|cli)\.[\w.]+)[`(]", "".join(sections)))
+    missing = []
+    for name in sorted(names):
+        value, attributes = importable_prefix(name)
+        for attribute in attributes:
+            value = getattr(value, attribute, None)
+        missing += [name] if value is None else []
+    assert names and not missing, missing
