@@ -148,7 +148,8 @@ def importable_prefix(name: str) -> tuple[object, list[str]]:
 def test_every_code_name_in_the_readme_exists():
     # The Python API and the table of equations name modules, classes and functions as `edm2.x.y`.
     readme = (REPO / "README.md").read_text()
-    sections = [readme.split(heading, 1)[1].split("\n#", 1)[0] for heading in ("## Python API",)]
+    headings = ("## Python API", "## The paper in the code")
+    sections = [readme.split(heading, 1)[1].split("\n#", 1)[0] for heading in headings]
     names = set(re.findall(r"`((?:edm2|training|cli)\.[\w.]+)[`(]", "".join(sections)))
     missing = []
     for name in sorted(names):
