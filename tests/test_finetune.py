@@ -14,7 +14,7 @@ import train_edm2
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
-from training import checkpoint
+from training import architecture, checkpoint
 from tests.helpers import (RELEASE_TINY, TRAIN_ARGS, assert_one_error_line, assert_refused, random_release_tiny_net,
                            randomized, tiny_precond, write_image_dataset, write_release_pickle)
 
@@ -194,3 +194,18 @@ def test_what_contradicts_the_init_snapshot_is_one_line_before_any_work(case, tr
     args, fragments = INIT_BAD[case]
     assert_refused(tmp_path, lambda: cli(f"--data={train_data}", f"--outdir={tmp_path / 'run'}",
                                          *(a.format(tmp=tmp_path) for a in args)), *fragments)
+
+
+def test_the_init_snapshots_architecture_is_parsed_once_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    # train_edm2.py and train()'s preflight both read --init's architecture: one parse of an unchanged file, a new
+    # one after the file is replaced.
+    loads = []
+    real = architecture.load_generator
+    monkeypatch.setattr(architecture, "load_generator", lambda path: loads.append(path) or real(path))
+    path = init_snapshot(tmp_path / "init.safetensors")
+    first, second = architecture.read_init(str(path)), architecture.read_init(str(path))
+    assert len(loads) == 1 and first.network_kwargs == second.network_kwargs
+    assert first.network_kwargs is not second.network_kwargs  # each caller gets its own copy
+    init_snapshot(tmp_path / "other.safetensors", model_channels=16).replace(path)
+    third = architecture.read_init(str(path))
+    assert len(loads) == 2 and third.channels == 16 != first.channels

@@ -4,6 +4,7 @@ against the data, and the architecture, encoder and weights a run takes over fro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 
@@ -101,9 +102,28 @@ def init_path(path_or_url: str) -> str:
 
 
 def read_init(path_or_url: str) -> InitSnapshot:
-    """The architecture and encoder of a snapshot of ours or a release pickle (SnapshotError if it has none)."""
-    net, encoder, _ = load_generator(path_or_url)
-    return InitSnapshot(init_path(path_or_url), dict(net.init_kwargs), encoder)
+    """The architecture and encoder of a snapshot of ours or a release pickle (SnapshotError if it has none); a file
+    unchanged since it was last read here (same device, inode, size and modification time) is not parsed again."""
+    path = init_path(path_or_url)
+    kwargs, encoder = _architecture(path, None if files.is_url(path) else _file_signature(path))
+    return InitSnapshot(path, dict(kwargs), encoder)
+
+
+def _file_signature(path: str) -> tuple | None:
+    """What changes when a file is replaced or rewritten; None for a path that cannot be read (the loader says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=2)
+def _architecture(path: str, signature: tuple | None) -> tuple[dict, Encoder]:
+    # train_edm2.py and train()'s preflight both check --init before a run starts: a large release pickle is parsed
+    # once for both (its weights are read again, from the file, when the run takes them over).
+    net, encoder, _ = load_generator(path)
+    return dict(net.init_kwargs), encoder
 
 
 def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
