@@ -2,17 +2,20 @@
 training states at their intervals, exact resume, and a clean stop on SIGTERM/SIGINT.
 
 The life of a run, in order (every rank runs it; rank 0 alone writes files):
-1. options: training/options.py (TrainingOptions, resolved by train_edm2.py).
-2. run directory and its lock: training/run_dir.py (RunDirectory.open, with training/run_lock.py), log.txt through
+1. options: training/options.py (TrainingOptions, which check themselves when built; resolved by train_edm2.py).
+2. preflight: training/preflight.py (check_run: the data, encoder, batch split and --init fit the options),
+   before anything is written.
+3. run directory and its lock: training/run_dir.py (RunDirectory.open, with training/run_lock.py), log.txt through
    training/log_tee.py, SIGTERM/SIGINT caught by training/signals.py.
-3. checkpoints.resume: training/checkpoint.py (Checkpoints.resume loads the newest valid training state into
+4. checkpoints.resume: training/checkpoint.py (Checkpoints.resume loads the newest valid training state into
    training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).
-4. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
-5. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 21's loss, Adam, the EMA update).
-6. outputs: training/outputs.py (status lines and stats.jsonl, EMA snapshots with training/dashboard.py and
+5. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
+6. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 66 before each forward pass,
+   Eq. 21's loss, Adam, the EMA update, sharded over the ranks with --ema-shard).
+7. outputs: training/outputs.py (status lines and stats.jsonl, EMA snapshots with training/dashboard.py and
    training/sample_grid.py, training/trackers.py).
-7. checkpoints.save: training/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
-Steps 5 to 7 repeat until the duration or a stop signal.
+8. checkpoints.save: training/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
+Steps 6 to 8 repeat until the duration or a stop signal.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
     notes: list[str] = []
     # The console guard comes first: a signal's message must not raise from its handler on a dead console.
     with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
-        # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its errors.
+        # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its
+        # errors.
         run = distributed.on_main_rank(
             lambda: stack.enter_context(RunDirectory.open(opts.run_dir, report=notes.append)))
         if run is not None:
