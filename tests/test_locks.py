@@ -2,6 +2,7 @@
 is free again the moment its holder ends."""
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -225,3 +226,27 @@ def test_every_rank_raises_the_main_ranks_refusal(tmp_path, monkeypatch):
         with hold_destination(tmp_path, "generate.py", FOLDER_LOCK):
             pytest.fail("a rank entered the block although the main rank was refused")
     assert info.value is refusal and not (tmp_path / FOLDER_LOCK).exists()
+
+
+def test_a_holder_still_naming_itself_is_named_in_the_refusal(tmp_path, monkeypatch):
+    # Between a holder's flock and its name reaching the file, the file is empty: a second writer looking then waits
+    # for the name instead of calling the lock file invalid. The holder names itself during the locker's first wait.
+    dest = tmp_path / "out.zip"
+    holder = DestinationLock(dest, "dataset_tool.py toy")
+    holder_fd = os.open(holder.path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(holder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    name = dict(what="generate.py", host="elsewhere", pid=4321, started="2026-01-02 03:04:05")
+    waits = []
+
+    def holder_names_itself(seconds):
+        waits.append(seconds)
+        if len(waits) == 1:
+            holder.path.write_text(json.dumps(name))
+
+    monkeypatch.setattr(locks.time, "sleep", holder_names_itself)
+    try:
+        with pytest.raises(DestinationInUse, match="in use by the generate.py process 4321 on host elsewhere"):
+            DestinationLock(dest, "dataset_tool.py toy").acquire()
+    finally:
+        os.close(holder_fd)
+    assert waits

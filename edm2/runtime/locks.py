@@ -35,7 +35,7 @@ from edm2.runtime import bounded_json, distributed
 FOLDER_LOCK = ".lock"  # a folder destination's lock file, inside it; a file destination's is .NAME.lock beside it
 _INFO_BYTES = 4096  # what a holder writes is about 100 bytes
 _PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
-_WAIT_S = 2.0  # how long a locker looks again at a lock file that is replaced while it locks it
+_WAIT_S = 2.0  # a holder names itself right after locking; a file still empty after this is reported as it is
 
 
 class DestinationInUse(EDM2Error):
@@ -57,7 +57,7 @@ os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 class _LookAgain(EDM2Error):
-    """A lock file that was replaced while being locked (its holder deleted it on release): look again."""
+    """A lock file that names nobody yet (its holder is writing it) or was replaced while being locked."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,8 @@ class Holder:
 
 def _parse_holder(raw: bytes, source: str) -> Holder:
     """The holder that a lock file's bytes name; DestinationInUse's reason (an EDM2Error) when they name none."""
+    if not raw:
+        raise _LookAgain(f"{source} is empty")
     fields = bounded_json.parse(raw, source, max_bytes=_INFO_BYTES)
     if not isinstance(fields, dict):
         raise EDM2Error(f"{source} holds no JSON object")
@@ -113,7 +115,7 @@ class DestinationLock:
         while not isinstance(fd := self._lock(), int):
             if not isinstance(fd, _LookAgain) or time.monotonic() > deadline:
                 raise DestinationInUse(self._in_use(fd))
-            time.sleep(0.05)  # its holder deleted it since we opened it: look again
+            time.sleep(0.05)  # its holder is naming itself, or deleted it since we opened it: look again
         self._fd = fd
         _HELD.add(self)
         previous = self._holder(fd)
