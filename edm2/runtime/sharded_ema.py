@@ -8,10 +8,9 @@ of edm2.phema.PowerFunctionEMA hold; they are gathered on rank 0 only when a sna
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from edm2.phema import EMAError, PowerFunctionEMA, inference_copy, power_function_beta, std_to_exp
+from edm2.phema import PowerFunctionEMA, check_saved_stds, inference_copy, power_function_beta, tracked_stds
 from edm2.runtime import distributed
 
 
@@ -58,8 +57,7 @@ class ShardedPowerFunctionEMA:
     def __init__(self, net: torch.nn.Module, stds: tuple[float, ...] = (0.050, 0.100), rank: int | None = None,
                  world_size: int | None = None):
         self.net = net
-        self.stds = tuple(float(std) for std in stds)
-        std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
+        self.stds = tracked_stds(stds)
         self.world_size = distributed.get_world_size() if world_size is None else world_size
         self.rank = distributed.get_rank() if rank is None else rank
         params = list(net.parameters())
@@ -123,8 +121,7 @@ class ShardedPowerFunctionEMA:
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Keep this rank's part of whole tracks saved by either tracker's state_dict(); the sigma_rel must match."""
-        if tuple(float(std) for std in state["stds"]) != self.stds:
-            raise EMAError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
+        check_saved_stds(state, self.stds)
         for views, saved in zip(self.views, state["emas"]):
             for view, (index, first, end) in zip(views, self.pieces):
                 view.copy_(flat(saved[self.names[index]], self.orders[index])[first:end])
