@@ -14,14 +14,6 @@ from edm2.phema import PowerFunctionEMA, check_saved_stds, inference_copy, power
 from edm2.runtime import distributed
 
 
-def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of part rank of numel elements split into world_size parts: torch.tensor_split's rule, the
-    first numel % world_size parts one element longer."""
-    size, extra = divmod(numel, world_size)
-    start = rank * size + min(rank, extra)
-    return start, start + size + (rank < extra)
-
-
 def overlaps(sizes: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
     """(tensor index, first, end) of each piece of the concatenated tensors of these sizes within [start, stop)."""
     pieces, offset = [], 0
@@ -64,7 +56,7 @@ class ShardedPowerFunctionEMA:
         self.names = [name for name, _ in net.named_parameters()]
         self.orders = [memory_order(p) for p in params]
         self.sizes = [p.numel() for p in params]
-        self.pieces = overlaps(self.sizes, *shard_bounds(sum(self.sizes), self.world_size, self.rank))
+        self.pieces = overlaps(self.sizes, *distributed.part_bounds(sum(self.sizes), self.world_size, self.rank))
         # Every rank's part padded to the longest, so that the parts gather as equal tensors.
         part = -(-sum(self.sizes) // self.world_size)
         self.shards = [torch.zeros([part], dtype=torch.float32, device=params[0].device) for _ in self.stds]
@@ -106,7 +98,7 @@ class ShardedPowerFunctionEMA:
         ema = inference_copy(self.net)
         params = list(ema.parameters())
         for rank, part in enumerate(parts):
-            pieces = overlaps(self.sizes, *shard_bounds(sum(self.sizes), self.world_size, rank))
+            pieces = overlaps(self.sizes, *distributed.part_bounds(sum(self.sizes), self.world_size, rank))
             if pieces:
                 dst = [flat(params[index], self.orders[index])[first:end] for index, first, end in pieces]
                 torch._foreach_copy_(dst, _split(part, pieces))
