@@ -31,12 +31,12 @@ import torch
 from edm2 import phema, posthoc
 from edm2.errors import EDM2Error, SnapshotError
 # read_metadata checks the version
-from edm2.formats.snapshot import FORMAT_VERSION, STD_TAG, read_metadata, save_state, std_tag
+from edm2.formats.snapshot import FORMAT_VERSION, STD_TAG, WEIGHT_DTYPES, read_metadata, save_state, std_tag
 
 METADATA_KEY = "edm2-ema"
 MAX_STEP = 2**53  # exact as a float64, as any JSON reader holds numbers
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-_STORED_DTYPES = (*_DTYPES.values(), torch.int64, torch.int32, torch.uint8, torch.bool)
+_DTYPES = {str(t).removeprefix("torch."): t for t in WEIGHT_DTYPES}
+_STORED_DTYPES = (*WEIGHT_DTYPES, torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
 class AnyEMAError(EDM2Error):
@@ -73,7 +73,7 @@ class PostHocEMA:
         """Write each track as of the last update to folder/file_name(prefix, step, std); returns the paths."""
         if self.step == 0:
             raise AnyEMAError("nothing to save before the first update()")
-        if dtype not in _DTYPES.values():
+        if dtype not in WEIGHT_DTYPES:
             raise AnyEMAError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype}")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

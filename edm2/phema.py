@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -59,6 +60,19 @@ def inference_copy(net: torch.nn.Module) -> torch.nn.Module:
     return ema
 
 
+def tracked_stds(stds: Sequence[float]) -> tuple[float, ...]:
+    """A tracker's sigma_rel values as floats; EMAError for an impossible one now, not at the first step."""
+    stds = tuple(float(std) for std in stds)
+    std_to_exp(np.array(stds))
+    return stds
+
+
+def check_saved_stds(state: dict, stds: tuple[float, ...]) -> None:
+    """Refuse (EMAError) a saved EMA state whose sigma_rel values differ from the tracker's."""
+    if tuple(float(std) for std in state["stds"]) != stds:
+        raise EMAError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(stds)}")
+
+
 class PowerFunctionEMA:
     """Power-function EMA tracks of a network, one float32 copy per sigma_rel (Eq. 119, 127).
 
@@ -69,8 +83,7 @@ class PowerFunctionEMA:
     @torch.no_grad()
     def __init__(self, net: torch.nn.Module, stds: tuple[float, ...] = (0.050, 0.100)):
         self.net = net
-        self.stds = tuple(float(std) for std in stds)
-        std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
+        self.stds = tracked_stds(stds)
         self.emas = [inference_copy(net) for _ in self.stds]
 
     @torch.no_grad()
@@ -97,8 +110,7 @@ class PowerFunctionEMA:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the tracks saved by state_dict(); the sigma_rel values must match."""
-        if tuple(float(std) for std in state["stds"]) != self.stds:
-            raise EMAError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
+        check_saved_stds(state, self.stds)
         for ema, ema_state in zip(self.emas, state["emas"]):
             ema.load_state_dict(ema_state)
 

@@ -11,7 +11,8 @@ import torch
 
 from edm2.phema import EMAError, PowerFunctionEMA
 from edm2.runtime import sharded_ema
-from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, shard_bounds
+from edm2.runtime.distributed import part_bounds
+from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
 
 STDS = (0.05, 0.10)
 
@@ -73,7 +74,7 @@ def test_parts_are_tensor_splits():
         for world_size in range(1, 5):
             sizes = [len(part) for part in torch.arange(numel).tensor_split(world_size)]
             starts = [sum(sizes[:rank]) for rank in range(world_size)]
-            assert [shard_bounds(numel, world_size, rank) for rank in range(world_size)] == \
+            assert [part_bounds(numel, world_size, rank) for rank in range(world_size)] == \
                 [(start, start + size) for start, size in zip(starts, sizes)]
 
 

@@ -144,16 +144,22 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+def part_bounds(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part index of numel elements split into parts parts: np.array_split's and
+    torch.tensor_split's rule, the first numel % parts parts one element longer."""
+    size, extra = divmod(numel, parts)
+    start = index * size + min(index, extra)
+    return start, start + size + (index < extra)
+
+
 class RankBatches(Sequence[list[int]]):
     """One rank's batches of a sequence, computed batch by batch: the items are never copied into one list."""
 
     def __init__(self, items: Sequence[int], batch_size: int, rank: int, world_size: int, skip_empty: bool = False):
         self.items = items
-        # np.array_split's rule, in integers: num_batches parts, the first `extra` of them one item longer.
-        num_batches = max(-(-len(items) // (batch_size * world_size)), 1) * world_size
-        self.size, self.extra = divmod(len(items), num_batches)
+        self.num_batches = max(-(-len(items) // (batch_size * world_size)), 1) * world_size
         # Parts are empty only when there are fewer items than parts: those from index len(items) on.
-        self.indices = range(rank, min(num_batches, len(items)) if skip_empty else num_batches, world_size)
+        self.indices = range(rank, min(self.num_batches, len(items)) if skip_empty else self.num_batches, world_size)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -162,9 +168,7 @@ class RankBatches(Sequence[list[int]]):
         """Batch i of this rank, as a list of the items' ints (a slice gives a list of batches)."""
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        part = self.indices[i]
-        start = part * self.size + min(part, self.extra)
-        stop = start + self.size + (part < self.extra)
+        start, stop = part_bounds(len(self.items), self.num_batches, self.indices[i])
         return [int(item) for item in self.items[start:stop]]
 
 

@@ -8,19 +8,10 @@ of edm2.phema.PowerFunctionEMA hold; they are gathered on rank 0 only when a sna
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from edm2.phema import EMAError, PowerFunctionEMA, inference_copy, power_function_beta, std_to_exp
+from edm2.phema import PowerFunctionEMA, check_saved_stds, inference_copy, power_function_beta, tracked_stds
 from edm2.runtime import distributed
-
-
-def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of part rank of numel elements split into world_size parts: torch.tensor_split's rule, the
-    first numel % world_size parts one element longer."""
-    size, extra = divmod(numel, world_size)
-    start = rank * size + min(rank, extra)
-    return start, start + size + (rank < extra)
 
 
 def overlaps(sizes: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
@@ -58,15 +49,14 @@ class ShardedPowerFunctionEMA:
     def __init__(self, net: torch.nn.Module, stds: tuple[float, ...] = (0.050, 0.100), rank: int | None = None,
                  world_size: int | None = None):
         self.net = net
-        self.stds = tuple(float(std) for std in stds)
-        std_to_exp(np.array(self.stds))  # refuse an impossible sigma_rel now, not at the first step
+        self.stds = tracked_stds(stds)
         self.world_size = distributed.get_world_size() if world_size is None else world_size
         self.rank = distributed.get_rank() if rank is None else rank
         params = list(net.parameters())
         self.names = [name for name, _ in net.named_parameters()]
         self.orders = [memory_order(p) for p in params]
         self.sizes = [p.numel() for p in params]
-        self.pieces = overlaps(self.sizes, *shard_bounds(sum(self.sizes), self.world_size, self.rank))
+        self.pieces = overlaps(self.sizes, *distributed.part_bounds(sum(self.sizes), self.world_size, self.rank))
         # Every rank's part padded to the longest, so that the parts gather as equal tensors.
         part = -(-sum(self.sizes) // self.world_size)
         self.shards = [torch.zeros([part], dtype=torch.float32, device=params[0].device) for _ in self.stds]
@@ -108,7 +98,7 @@ class ShardedPowerFunctionEMA:
         ema = inference_copy(self.net)
         params = list(ema.parameters())
         for rank, part in enumerate(parts):
-            pieces = overlaps(self.sizes, *shard_bounds(sum(self.sizes), self.world_size, rank))
+            pieces = overlaps(self.sizes, *distributed.part_bounds(sum(self.sizes), self.world_size, rank))
             if pieces:
                 dst = [flat(params[index], self.orders[index])[first:end] for index, first, end in pieces]
                 torch._foreach_copy_(dst, _split(part, pieces))
@@ -123,8 +113,7 @@ class ShardedPowerFunctionEMA:
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Keep this rank's part of whole tracks saved by either tracker's state_dict(); the sigma_rel must match."""
-        if tuple(float(std) for std in state["stds"]) != self.stds:
-            raise EMAError(f"EMA state tracks sigma_rel {state['stds']}, this tracker {list(self.stds)}")
+        check_saved_stds(state, self.stds)
         for views, saved in zip(self.views, state["emas"]):
             for view, (index, first, end) in zip(views, self.pieces):
                 view.copy_(flat(saved[self.names[index]], self.orders[index])[first:end])
