@@ -15,7 +15,7 @@ from cli import sweep as sweep_cli
 from cli.command import Group
 from cli.config import config_option
 from cli.solver import solver_option
-from cli.speed import sampling_speed_options, threads_option
+from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, EncoderError
@@ -29,7 +29,6 @@ from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.networks import Precond
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.speed import SamplingSpeed
-from edm2.sampler import SELF
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.
 WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
@@ -302,7 +301,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         gnet = sweep_cli.guiding_network(gnet_path, net, metadata, device) if gnet_path is not None else None
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
-        net, gnet = (speed.apply(n, device) if n not in (None, SELF) else n for n in (net, gnet))
+        net, gnet = apply_speed(speed, net, gnet, device)
         seeds = range(seed, seed + num_images)
         images = (batch for _, batch, _ in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
                                                         batch_size=batch_size, device=device,

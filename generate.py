@@ -16,7 +16,7 @@ import torch
 from cli.command import Command
 from cli.config import config_option
 from cli.solver import solver_option
-from cli.speed import sampling_speed_options, threads_option
+from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
 from edm2.errors import EDM2Error, one_line
 from edm2.formats.snapshot import load_generator
@@ -197,7 +197,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, classes)
-        net, gnet = (speed.apply(n, distributed.device()) if n not in (None, SELF) else n for n in (net, gnet))
+        net, gnet = apply_speed(speed, net, gnet, distributed.device())
         rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
         interval = "" if guidance_interval is None else " for sigma in ({:g}, {:g}]".format(*guidance_interval)
         guide = "its own unconditional prediction" if gnet == SELF else gnet_path

@@ -9,7 +9,9 @@ from typing import Callable
 import click
 import torch
 
+from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
+from edm2.sampler import SELF
 
 OPTIONS = ("compile_", "channels_last", "precision", "cpu_16bit")
 
@@ -35,6 +37,13 @@ def sampling_speed_options(fn: Callable) -> Callable:
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+def apply_speed(speed: SamplingSpeed, net: Precond, gnet: Precond | str | None,
+                device: torch.device) -> tuple[Precond, Precond | str | None]:
+    """(net, gnet) set up to sample at speed; a gnet that is no network of its own (None, or SELF: net guides
+    itself) stays as it is."""
+    return speed.apply(net, device), (gnet if gnet in (None, SELF) else speed.apply(gnet, device))
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None) -> None:

@@ -32,6 +32,7 @@ from edm2.eval import detectors
 from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
+from training.options import TrainingOptions
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -393,6 +394,13 @@ def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: s
 # 64 steps of 32 images over a 48-image dataset: checkpoints and snapshots fall mid-epoch.
 TRAIN_ARGS = ["--preset=toy-tiny", "--duration=2Ki", "--snapshot=1Ki", "--checkpoint=1Ki", "--status=512"]
 TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
+DATA_8X8 = dict(resolution=8, num_channels=3, label_dim=4)  # the train_data fixture's (write_image_dataset's)
+
+
+def toy_tiny_options(encoder: dict | None = None, **values) -> TrainingOptions:
+    """toy-tiny's TrainingOptions for DATA_8X8 with these values; encoder: StandardRGBEncoder's config by default."""
+    return TrainingOptions.from_preset("toy-tiny", dict(DATA_8X8),
+                                       {"class": "StandardRGBEncoder"} if encoder is None else encoder, **values)
 
 
 def write_image_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB", labels=True, sizes=None) -> Path:

@@ -9,14 +9,14 @@ from training.checkpoint import Checkpoints
 from training.options import OptionsMismatch, TrainingOptions
 from training.run_dir import RunDirectory
 from training.state import TrainingState
+from tests.helpers import toy_tiny_options
 
 CPU = torch.device("cpu")
 
 
 def tiny_options(run, **overrides) -> TrainingOptions:
     """toy-tiny's options for 8x8 RGB data with 4 classes, run in `run`."""
-    return TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
-                                       {"class": "StandardRGBEncoder"}, run_dir=str(run), data="data", **overrides)
+    return toy_tiny_options(run_dir=str(run), data="data", **overrides)
 
 
 def trained(opts: TrainingOptions, cur_nimg: int) -> TrainingState:

@@ -16,7 +16,7 @@ from training.options import TrainingOptions
 from training.presets import PRESETS, get_preset
 from training.state import init_network
 from tests.helpers import (
-    REPO, TRAIN_ARGS, assert_refused, run_training, snapshot_contents, start_training, wait_for,
+    REPO, TRAIN_ARGS, assert_refused, run_training, snapshot_contents, start_training, toy_tiny_options, wait_for,
 )
 
 # Options that may differ between the invocations compared: when files are written and kept, not what is computed.
@@ -62,8 +62,7 @@ def test_writes_counts_each_crossed_interval_and_the_end(start, end, interval, c
 
 
 def toy_options(tmp_path, **overrides) -> TrainingOptions:
-    return TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4), {},
-                                       run_dir=str(tmp_path), **overrides)
+    return toy_tiny_options({}, run_dir=str(tmp_path), **overrides)
 
 
 def test_output_that_cannot_fit_is_warned_about(tmp_path, monkeypatch):

@@ -18,9 +18,9 @@ from training.loop import train
 from training.options import OptionsError, TrainingOptions
 from training.preflight import dataset_description
 from training.presets import get_preset
-from tests.helpers import TRAIN_ARGS, assert_one_error_line, randomized, tiny_precond, tree, write_image_dataset
+from tests.helpers import (DATA_8X8, TRAIN_ARGS, assert_one_error_line, randomized, tiny_precond, toy_tiny_options,
+                           tree, write_image_dataset)
 
-DATA_8X8 = dict(resolution=8, num_channels=3, label_dim=4)  # the train_data fixture's
 # An --init U-Net unlike the toy-tiny preset's: eight channels, one level of two blocks, no attention resolutions.
 INIT_UNET = dict(model_channels=8, channel_mult=(1,), num_blocks=2, attn_resolutions=(), channels_per_head=8)
 
@@ -28,11 +28,6 @@ INIT_UNET = dict(model_channels=8, channel_mult=(1,), num_blocks=2, attn_resolut
 def cli_error(*args) -> str:
     """The one error line train_edm2.py answers these options with (toy-tiny, see helpers.TRAIN_ARGS)."""
     return assert_one_error_line(CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, *map(str, args)]))
-
-
-def toy_options(**values) -> TrainingOptions:
-    """toy-tiny's options for 8x8 RGB data of 4 classes, with these values."""
-    return TrainingOptions.from_preset("toy-tiny", dict(DATA_8X8), StandardRGBEncoder().config(), **values)
 
 
 # (train_edm2.py options, the same as TrainingOptions values): U-Nets that 8x8 data cannot have (toy-tiny: levels 8
@@ -54,7 +49,7 @@ def test_options_built_in_python_refuse_an_architecture_with_the_command_lines_m
     channels = values.pop("channels", None)
     network = unet_options(get_preset("toy-tiny").network, values)
     with pytest.raises(NetworkMisfit) as info:
-        toy_options(channels=channels, network=network, run_dir=str(tmp_path / "run"), data=str(train_data))
+        toy_tiny_options(channels=channels, network=network, run_dir=str(tmp_path / "run"), data=str(train_data))
     assert line == f"Error: {info.value}"
     assert tree(tmp_path) == []
 
@@ -91,7 +86,7 @@ BAD_VALUES = {
 @pytest.mark.parametrize("field", BAD_VALUES)
 def test_options_refuse_a_value_that_cannot_work_naming_its_option(field):
     value, message = BAD_VALUES[field]
-    valid = toy_options()
+    valid = toy_tiny_options()
     with pytest.raises(OptionsError) as info:
         dataclasses.replace(valid, **{field: value})  # however they are built
     assert str(info.value) == message
@@ -101,7 +96,7 @@ def test_options_refuse_a_value_that_cannot_work_naming_its_option(field):
 def test_label_dropout_without_labels_is_refused_as_the_command_line_refuses_it(train_data, tmp_path):
     line = cli_error(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--cond=False", "--label-dropout=0.1")
     with pytest.raises(OptionsError) as info:
-        toy_options(cond=False, label_dropout=0.1)
+        toy_tiny_options(cond=False, label_dropout=0.1)
     assert line == f"Error: Invalid value for '--label-dropout': {info.value}"
 
 
@@ -123,7 +118,7 @@ def test_train_refuses_an_init_of_another_architecture_with_the_command_lines_me
     init = init_snapshot(tmp_path / "init.safetensors")
     line = cli_error(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--init={init}", "--channel-mult=1,2")
     snapshot = read_init(str(init))  # the snapshot's architecture, as a run from it takes it; but two levels
-    opts = toy_options(init=snapshot.path, channels=snapshot.channels,
+    opts = toy_tiny_options(init=snapshot.path, channels=snapshot.channels,
                        network=dict(snapshot.network, channel_mult=[1, 2]), run_dir=str(tmp_path / "run"),
                        data=str(train_data))
     with pytest.raises(NetworkMisfit) as info:
