@@ -12,12 +12,13 @@ import torch
 from cli.command import Command
 from cli.config import config_option
 from cli.speed import threads_option
-from cli.types import (MAX_BATCH, MAX_RESOLUTION, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
-                       Number, StdList)
+from cli.types import (MAX_BATCH, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList, Number,
+                       StdList)
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
-from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT  # the U-Net options' bounds are its arguments'
+# The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
+from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
 from training.architecture import (
     UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, read_init, unet_options,

@@ -156,27 +156,29 @@ class Dashboard:
                              sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[])
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
-        self.training["noise_levels"] = self._earlier_rows(TRAINING_JSON, self.training, "noise_levels", cur_nimg)
+        earlier = self._earlier_rows(TRAINING_JSON, self.training, ("noise_levels", "resumes"), cur_nimg)
+        self.training["noise_levels"] = earlier["noise_levels"]
         # Where earlier invocations went on after an interruption, and this one if it resumes: marked in the plots.
-        resumes = [r for r in self._earlier_rows(TRAINING_JSON, self.training, "resumes", cur_nimg)
-                   if r["nimg"] < cur_nimg]
+        resumes = [r for r in earlier["resumes"] if r["nimg"] < cur_nimg]
         self.training["resumes"] = resumes + ([dict(nimg=cur_nimg, kimg=cur_nimg / 1000)] if cur_nimg else [])
-        self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, self.magnitudes, "rows", cur_nimg)
+        self.magnitudes["rows"] = self._earlier_rows(MAGNITUDES_JSON, self.magnitudes, ("rows",), cur_nimg)["rows"]
 
-    def _earlier_rows(self, name: str, mine: dict, key: str, cur_nimg: int) -> list[dict]:
-        """The rows up to cur_nimg of an earlier invocation's record file, if it recorded the same measurement
-        (every entry of mine but key equal)."""
+    def _earlier_rows(self, name: str, mine: dict, keys: tuple[str, ...], cur_nimg: int) -> dict[str, list[dict]]:
+        """For each of keys, the rows up to cur_nimg of an earlier invocation's record file (read once), if it
+        recorded the same measurement (every entry of mine but ROW_KEYS equal); [] otherwise."""
         path = self.run_dir / PLOTS_DIR / name
         try:
             stored = load_records(path)
         except DashboardError as e:
             print(f"{e}; its records start afresh.", flush=True)
-            return []
+            stored = None
         same = stored and all(stored.get(k) == v for k, v in mine.items() if k not in ROW_KEYS)
-        if not same or not isinstance(stored.get(key), list):
-            return []
-        return [row for row in stored[key] if isinstance(row, dict) and isinstance(row.get("nimg"), int)
-                and row["nimg"] <= cur_nimg]
+        rows = {}
+        for key in keys:
+            found = stored.get(key) if same else None
+            rows[key] = [row for row in found if isinstance(row, dict) and isinstance(row.get("nimg"), int)
+                         and row["nimg"] <= cur_nimg] if isinstance(found, list) else []
+        return rows
 
     def update(self, net: torch.nn.Module, nimg: int) -> None:
         """Measure the EMA network at nimg images, record the numbers, and redraw training.png."""

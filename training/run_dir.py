@@ -140,7 +140,7 @@ class RunDirectory:
         run ids)."""
         if run_id is None:
             options = load_options(self.path)
-            stored = options.get(RUN_ID_KEY) if isinstance(options, dict) else None
+            stored = None if options is None else options.get(RUN_ID_KEY)  # load_options: an object or None
             run_id = uuid.uuid4().hex if stored is None else checked_run_id(stored, self.path / OPTIONS_FILE)
         self.run_id = run_id
 

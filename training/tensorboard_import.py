@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 
-from edm2.runtime import bounded_json
-from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, snapshot_numbers,
-                                stats_rows)
+from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, load_records,
+                                snapshot_numbers, stats_rows)
 from training.run_dir import STATS_FILE, load_options
 from training.sample_grid import grid_path
 from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
@@ -32,14 +31,12 @@ def status_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def _records(path: Path, key: str) -> dict[int, dict]:
-    """{nimg: row} of a plots/ record file (none when it is missing)."""
-    if not path.exists():
+def _records(records: dict | None, key: str, path: Path) -> dict[int, dict]:
+    """{nimg: row} of the rows under key of a plots/ record file read from path (none when it is missing)."""
+    if records is None:
         return {}
     try:
-        return {row["nimg"]: row for row in bounded_json.read(path)[key] if isinstance(row["nimg"], int)}
-    except bounded_json.JSONFileError as e:
-        raise DashboardError(str(e)) from None
+        return {row["nimg"]: row for row in records[key] if isinstance(row["nimg"], int)}
     except (KeyError, TypeError) as e:
         raise DashboardError(f"{path}: malformed records ({type(e).__name__}: {e})") from None
 
@@ -47,11 +44,13 @@ def _records(path: Path, key: str) -> dict[int, dict]:
 def snapshot_rows(run_dir: Path) -> list[tuple[int, dict]]:
     """(nimg, the numbers a live run logs at that snapshot) for every snapshot with both records."""
     folder = run_dir / PLOTS_DIR
-    levels, magnitudes = _records(folder / TRAINING_JSON, "noise_levels"), _records(folder / MAGNITUDES_JSON, "rows")
-    sigma = bounded_json.read(folder / TRAINING_JSON)["sigma"] if levels else []
+    training, magnitudes = load_records(folder / TRAINING_JSON), load_records(folder / MAGNITUDES_JSON)
+    levels = _records(training, "noise_levels", folder / TRAINING_JSON)
+    rows = _records(magnitudes, "rows", folder / MAGNITUDES_JSON)
+    sigma = training["sigma"] if levels else []
     try:
-        return [(nimg, snapshot_numbers(sigma, levels[nimg], magnitudes[nimg]))
-                for nimg in sorted(levels.keys() & magnitudes.keys())]
+        return [(nimg, snapshot_numbers(sigma, levels[nimg], rows[nimg]))
+                for nimg in sorted(levels.keys() & rows.keys())]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise DashboardError(f"{folder}: malformed records ({type(e).__name__}: {e})") from None
 
