@@ -8,10 +8,10 @@ import click
 
 from cli.command import Command
 from edm2.runtime import files
-from training.dashboard import PLOTS_DIR, DashboardError, redraw
-from training.run_dir import RunDirectoryError
-from training.tensorboard_import import write_tensorboard
-from training.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_installed
+from training.run.dashboard import PLOTS_DIR, DashboardError, redraw
+from training.run.run_dir import RunDirectoryError
+from training.run.tensorboard_import import write_tensorboard
+from training.run.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_installed
 
 
 @click.command(cls=Command, epilog="""\b

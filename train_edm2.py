@@ -23,18 +23,18 @@ from edm2.runtime import distributed, files
 from training.architecture import (
     UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, read_init, unet_options,
 )
-from training.dry_run import parameter_count, start_or_resume, timed_speed
+from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, PRECISIONS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout,
-    rounds_per_step,
+    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, PRECISIONS, RECIPE_FIELDS, TRACKERS, OptionsError, TrainingOptions,
+    check_derived, check_label_dropout, rounds_per_step,
 )
-from training.preflight import dataset_description
+from training.run.preflight import dataset_description
 from training.presets import PRESETS, get_preset
-from training.run_dir import RUN_ID_KEY
-from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_GRID_STEPS
-from training.signals import die_by
-from training.trackers import TRACKERS, TrackerUnavailable, check_installed
+from training.run.run_dir import RUN_ID_KEY
+from training.run.sample_grid import MAX_GRID_STEPS
+from training.run.signals import die_by
+from training.run.trackers import TrackerUnavailable, check_installed
 
 MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 

@@ -27,7 +27,7 @@ from edm2.networks import count_parameters  # noqa: E402
 from edm2.phema import PowerFunctionEMA  # noqa: E402
 from edm2.runtime import distributed  # noqa: E402
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA  # noqa: E402
-from training.disk import PRESET_DATA, size_text  # noqa: E402
+from training.run.disk import PRESET_DATA, size_text  # noqa: E402
 from training.options import TrainingOptions  # noqa: E402
 from training.presets import get_preset  # noqa: E402
 from training.state import init_network  # noqa: E402

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from edm2.eval import benchmark
 from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
-from training.benchmark import preset_network
+from training.run.benchmark import preset_network
 
 SIZES = ("xs", "s", "m", "l", "xl", "xxl")
 

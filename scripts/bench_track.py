@@ -43,7 +43,7 @@ def main(data: str, preset: str, duration: str | None, grid: str | None, grid_st
     """Train once with both trackers and a sample grid at every snapshot; print their shares of the time."""
     sys.path.insert(0, str(REPO))
     import train_edm2
-    from training import sample_grid, trackers
+    from training.run import sample_grid, trackers
 
     grid_s, trackers_s, logging_s = [0.0], [0.0], [0.0]
     timed(sample_grid.SampleGrid, ("__init__", "write"), grid_s)

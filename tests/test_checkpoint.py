@@ -1,13 +1,13 @@
-"""training/checkpoint.py's Checkpoints, the one owner of a run's training states: resume is one call that finds the
+"""training/run/checkpoint.py's Checkpoints, the one owner of a run's training states: resume is one call that finds the
 newest training state that fits, checks it and loads it; save writes, stamps and prunes."""
 
 import pytest
 import torch
 
-from training import checkpoint
-from training.checkpoint import Checkpoints
+from training.run import checkpoint
+from training.run.checkpoint import Checkpoints
 from training.options import OptionsMismatch, TrainingOptions
-from training.run_dir import RunDirectory
+from training.run.run_dir import RunDirectory
 from training.state import TrainingState
 from tests.helpers import toy_tiny_options
 

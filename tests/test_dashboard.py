@@ -19,7 +19,7 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.layers import MPConv
 from edm2.plots.run import dashboard_figure, magnitudes_figure
-from training.dashboard import PROBE_IMAGES, Dashboard
+from training.run.dashboard import PROBE_IMAGES, Dashboard
 from training.options import TrainingOptions
 from tests.helpers import assert_refused, randomized, tiny_precond
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import train_edm2
 from edm2.formats.snapshot import load_network
-from training import checkpoint, disk
+from training.run import checkpoint, disk
 from training.options import TrainingOptions
 from training.presets import PRESETS, get_preset
 from training.state import init_network

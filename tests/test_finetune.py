@@ -14,7 +14,8 @@ import train_edm2
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
-from training import architecture, checkpoint
+from training import architecture
+from training.run import checkpoint
 from tests.helpers import (RELEASE_TINY, TRAIN_ARGS, assert_one_error_line, assert_refused, random_release_tiny_net,
                            randomized, tiny_precond, write_image_dataset, write_release_pickle)
 

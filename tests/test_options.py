@@ -16,7 +16,7 @@ from edm2.runtime import distributed
 from training.architecture import NetworkMisfit, read_init, unet_options
 from training.loop import train
 from training.options import OptionsError, TrainingOptions
-from training.preflight import dataset_description
+from training.run.preflight import dataset_description
 from training.presets import get_preset
 from tests.helpers import (DATA_8X8, TRAIN_ARGS, assert_one_error_line, randomized, tiny_precond, toy_tiny_options,
                            tree, write_image_dataset)

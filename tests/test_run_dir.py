@@ -17,11 +17,11 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.formats.snapshot import images_tag
 from edm2.runtime.locks import DestinationInUse
-from training import checkpoint, run_dir
+from training.run import checkpoint, run_dir
 from training.options import TrainingOptions
-from training.checkpoint import Checkpoints
-from training.run_dir import RunDirectory
-from training.run_lock import LOCK_FILE, RunLock
+from training.run.checkpoint import Checkpoints
+from training.run.run_dir import RunDirectory
+from training.run.run_lock import LOCK_FILE, RunLock
 from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, dead_pid
 
 
@@ -247,7 +247,7 @@ def test_a_stored_run_id_that_is_not_one_is_refused(tmp_path, run_id):
 # Holds a run directory the way a training does, until its standard input closes.
 HOLD = """
 import sys
-from training.run_dir import RunDirectory
+from training.run.run_dir import RunDirectory
 with RunDirectory.open(sys.argv[1]) as run:
     run.has_results = True
     print("held", flush=True)

@@ -14,7 +14,7 @@ from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
                                 to_channels_last)
-from training.benchmark import synthetic_step, with_unit_gains
+from training.run.benchmark import synthetic_step, with_unit_gains
 from training.options import TrainingOptions, check_same_hyperparameters
 from training.state import adam, init_network
 from training.step import training_step, zero_nonfinite_

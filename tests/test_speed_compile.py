@@ -17,7 +17,7 @@ from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime import speed
 from training import step as step_module
-from training.benchmark import synthetic_step
+from training.run.benchmark import synthetic_step
 from training.state import adam
 from training.step import training_step
 from tests.helpers import randomized, tiny_precond

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edm2.encoders import StandardRGBEncoder
-from training import outputs
+from training.run import outputs
 from training.options import TrainingOptions
 
 

@@ -28,10 +28,12 @@ LAYERS = {
                      "edm2.image_grid"), 6),  # the procedures over files
     "edm2.eval": 7,
     "edm2.plots": 8,
-    "training": 9,
+    "training": 9,  # the recipe: options, presets, architecture, state, step, schedule, data order
+    "training.run": 10,  # the run machinery: run directory, locks, checkpoints, outputs, dashboard, trackers, ...
+    "training.loop": 11,  # the life of a run: the recipe driven by the machinery
     "cli": 9,
 }
-COMMAND_LINES = 10  # the command lines and scripts/, above everything
+COMMAND_LINES = 12  # the command lines and scripts/, above everything
 APART = {"training", "cli"}  # one layer, neither importing the other
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 60
@@ -140,7 +142,7 @@ def test_the_readme_quotes_the_layers():
     for line in block[:block.index("```")].splitlines():
         if line[:1].isdigit():
             rank = int(line.split()[0])
-        quoted |= dict.fromkeys(re.findall(r"\b(?:edm2\.\w+|training|cli)\b", line), rank)
+        quoted |= dict.fromkeys(re.findall(r"\b(?:edm2\.\w+|training(?:\.\w+)?|cli)\b", line), rank)
     assert quoted == LAYERS
 
 
@@ -188,3 +190,11 @@ def test_library_errors_share_one_root(path):
 def test_the_package_docstring_names_every_subpackage():
     subpackages = {path.split("/")[1] for path in tracked("edm2/*/__init__.py")}
     assert subpackages and not [name for name in subpackages if f"{name} (" not in " ".join(edm2.__doc__.split())]
+
+
+def test_the_install_holds_only_the_designed_packages():
+    # cli/ serves the command lines beside it; an installed top-level 'cli' would shadow or be shadowed by others.
+    text = (REPO / "pyproject.toml").read_text()
+    listed = re.findall(r'"([\w.]+)"', text[text.index("packages = ["):text.index("]", text.index("packages = ["))])
+    assert {name.split(".")[0] for name in listed} == {"edm2", "training"}
+    assert set(listed) == {module_name(f) for f in tracked("*/__init__.py") if f.split("/")[0] in {"edm2", "training"}}

@@ -24,10 +24,11 @@ import train_edm2
 from edm2 import generation
 from edm2.encoders import StabilityVAEEncoder
 from edm2.image_grid import tile
-from training import sample_grid, trackers
-from training.dashboard import snapshot_numbers
-from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS, grid_path
-from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
+from training.run import sample_grid, trackers
+from training.run.dashboard import snapshot_numbers
+from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS
+from training.run.sample_grid import grid_path
+from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
 from tests.helpers import REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")

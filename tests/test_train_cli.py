@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 import train_edm2
 from edm2.formats.snapshot import load_network, read_metadata
-from training import checkpoint
-from training.run_lock import LOCK_FILE, RunLock
+from training.run import checkpoint
+from training.run.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
     REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, free_port, run_training, snapshot_contents,
     start_training, stopped_at, tree, wait_for, write_image_dataset,

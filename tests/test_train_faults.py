@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 import train_edm2
 from edm2.data.dataset import ImageFolderDataset
-from training import checkpoint, data_order
-from training.log_tee import Tee
+from training import data_order
+from training.run import checkpoint
+from training.run.log_tee import Tee
 from tests.helpers import (
     REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
     start_training, stopped_at, train_command, wait_for,

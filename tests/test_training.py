@@ -12,7 +12,8 @@ import torch
 from edm2.data.dataset import ImageFolderDataset
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
-from training import checkpoint, loop
+from training import loop
+from training.run import checkpoint
 from training.data_order import DataOrder, round_seed, run_batches
 from training.options import OptionsError, OptionsMismatch, TrainingOptions, check_same_hyperparameters, rounds_per_step
 from training.step import accumulate_gradients, drop_labels, optimizer_step
@@ -65,7 +66,7 @@ def test_the_life_of_a_run_names_modules_that_exist():
     named = re.findall(r"\b(training/\w+\.py)\b", life)
     assert len(named) >= 10 and all((REPO / path).is_file() for path in named)
     # Its steps run from the options to the saved training state.
-    assert named[0] == "training/options.py" and named[-1] == "training/checkpoint.py"
+    assert named[0] == "training/options.py" and named[-1] == "training/run/checkpoint.py"
 
 
 def test_round_seeds_differ_by_rank_step_and_round():

@@ -3,18 +3,18 @@ training states at their intervals, exact resume, and a clean stop on SIGTERM/SI
 
 The life of a run, in order (every rank runs it; rank 0 alone writes files):
 1. options: training/options.py (TrainingOptions, which check themselves when built; resolved by train_edm2.py).
-2. preflight: training/preflight.py (check_run: the data, encoder, batch split and --init fit the options),
+2. preflight: training/run/preflight.py (check_run: the data, encoder, batch split and --init fit the options),
    before anything is written.
-3. run directory and its lock: training/run_dir.py (RunDirectory.open, with training/run_lock.py), log.txt through
-   training/log_tee.py, SIGTERM/SIGINT caught by training/signals.py.
-4. checkpoints.resume: training/checkpoint.py (Checkpoints.resume loads the newest valid training state into
+3. run directory and its lock: training/run/run_dir.py (RunDirectory.open, with training/run/run_lock.py), log.txt through
+   training/run/log_tee.py, SIGTERM/SIGINT caught by training/run/signals.py.
+4. checkpoints.resume: training/run/checkpoint.py (Checkpoints.resume loads the newest valid training state into
    training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).
 5. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
 6. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 66 before each forward pass,
    Eq. 21's loss, Adam, the EMA update, sharded over the ranks with --ema-shard).
-7. outputs: training/outputs.py (status lines and stats.jsonl, EMA snapshots with training/dashboard.py and
-   training/sample_grid.py, training/trackers.py).
-8. checkpoints.save: training/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
+7. outputs: training/run/outputs.py (status lines and stats.jsonl, EMA snapshots with training/run/dashboard.py and
+   training/run/sample_grid.py, training/run/trackers.py).
+8. checkpoints.save: training/run/checkpoint.py (Checkpoints.save at each checkpoint interval, a stop and the end).
 Steps 6 to 8 repeat until the duration or a stop signal.
 """
 
@@ -31,20 +31,20 @@ from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
 from edm2.runtime.speed import precision_dtype
-from training.checkpoint import Checkpoints
-from training.dashboard import Dashboard
-from training.disk import disk_report
+from training.run.checkpoint import Checkpoints
+from training.run.dashboard import Dashboard
+from training.run.disk import disk_report
 from training.data_order import run_batches
-from training.log_tee import tee_output
+from training.run.log_tee import tee_output
 from training.options import TrainingOptions, rounds_per_step
-from training.outputs import Outputs
-from training.preflight import check_run
-from training.run_dir import LOG_FILE, RunDirectory
-from training.sample_grid import SampleGrid
-from training.signals import StopFlag
+from training.run.outputs import Outputs
+from training.run.preflight import check_run
+from training.run.run_dir import LOG_FILE, RunDirectory
+from training.run.sample_grid import SampleGrid
+from training.run.signals import StopFlag
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss, training_step
-from training.trackers import Trackers
+from training.run.trackers import Trackers
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset

@@ -15,8 +15,10 @@ from edm2.phema import MAX_STD
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import UNET_OPTIONS, check_network_fits_data
 from training.presets import get_preset
-from training.sample_grid import DEFAULT_GRID, DEFAULT_GRID_STEPS
-from training.trackers import TRACKERS
+
+TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
+DEFAULT_GRID = (4, 8)  # rows x columns of each snapshot's sample grid
+DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
 
 # Options that define the trained model; a resumed run must keep them. The others (data path,
 # duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
@@ -49,7 +51,7 @@ class TrainingOptions:
     Options check themselves when built (__post_init__), in parts: the recipe, the network, the speed settings, the
     intervals and reports, the paths. So options built in Python are refused as the command line refuses them, with
     the same message where the command line has the check; what needs the data itself or the --init snapshot,
-    training.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
+    training.run.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
     """
 
     preset: str
@@ -86,7 +88,7 @@ class TrainingOptions:
     checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
     cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
     ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema)
-    # What rank 0 reports, not what is trained: trackers (training/trackers.py) and the snapshots' sample grids.
+    # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.
     loggers: tuple[str, ...] = ()
     grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none
     grid_steps: int = DEFAULT_GRID_STEPS
@@ -188,7 +190,7 @@ def _check_recipe(opts: TrainingOptions) -> None:
 
 def _check_network(opts: TrainingOptions) -> None:
     """The U-Net's width and shape against the data's resolution, as train_edm2.py checks them; with --init the
-    snapshot's architecture is checked against the data when training starts (training.preflight)."""
+    snapshot's architecture is checked against the data when training starts (training.run.preflight)."""
     _counts(opts, ("channels",), 1)
     _require(isinstance(opts.dataset, dict), "dataset", opts.dataset, "an object")
     _require(isinstance(opts.network, dict), "network", opts.network, "an object")

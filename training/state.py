@@ -68,7 +68,7 @@ class TrainingState:
         return cls(net, adam(net.parameters(), device), power_function_ema(net, opts.ema_stds, opts.ema_shard))
 
     def load(self, saved: dict) -> None:
-        """Continue from a training state read (and checked to fit) by training/checkpoint.py."""
+        """Continue from a training state read (and checked to fit) by training/run/checkpoint.py."""
         self.net.load_state_dict(saved["net"])
         settings = [(group["fused"], group["foreach"]) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(saved["optimizer"])
@@ -83,6 +83,6 @@ class TrainingState:
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
 
     def to_dict(self) -> dict:
-        """The tensors and counts a training-state file holds (training/checkpoint.py adds the run's options)."""
+        """The tensors and counts a training-state file holds (training/run/checkpoint.py adds the run's options)."""
         return dict(net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
                     cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s)

@@ -1,5 +1,5 @@
 """The run dashboard (loss, learning rate, speed; Eq. 21's halves per noise level) and magnitudes over training
-(paper Figure 3), drawn from the plain data that training/dashboard.py records."""
+(paper Figure 3), drawn from the plain data that training/run/dashboard.py records."""
 
 from __future__ import annotations
 

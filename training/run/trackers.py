@@ -20,8 +20,8 @@ import numpy as np
 
 from edm2.errors import EDM2Error, one_line
 from edm2.runtime import bounded_json, files
+from training.options import TRACKERS
 
-TRACKERS = ("tensorboard", "wandb")
 _MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
 TENSORBOARD_DIR = "tensorboard"
 WANDB_FILE = "wandb-run.json"

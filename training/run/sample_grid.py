@@ -22,8 +22,6 @@ from edm2.runtime import files
 from edm2.runtime.speed import SamplingSpeed
 
 SAMPLES_DIR = "samples"
-DEFAULT_GRID = (4, 8)  # rows x columns
-DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
 MAX_GRID_STEPS = 1000  # a bound on --grid-steps: more would make every snapshot a long wait
 
 

@@ -9,14 +9,14 @@ import time
 import torch
 
 from edm2.runtime import distributed
-from training.checkpoint import Checkpoints
-from training.dashboard import Dashboard
+from training.run.checkpoint import Checkpoints
+from training.run.dashboard import Dashboard
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
-from training.run_dir import RunDirectory, snapshot_path
-from training.sample_grid import SampleGrid
+from training.run.run_dir import RunDirectory, snapshot_path
+from training.run.sample_grid import SampleGrid
 from training.state import TrainingState
-from training.trackers import STATUS_KEYS, Trackers
+from training.run.trackers import STATUS_KEYS, Trackers
 
 
 def crossed(prev_nimg: int, cur_nimg: int, interval: int) -> bool:
@@ -134,7 +134,7 @@ class Outputs:
                               {} if grid is None else {"samples": grid})
 
     def training_state(self) -> None:
-        """Write a training state (training/checkpoint.py), after the trackers flushed what they logged up to it."""
+        """Write a training state (training/run/checkpoint.py), after the trackers flushed what they logged up to it."""
         if self.trackers:  # what was logged up to this state survives a kill
             self.trackers.flush()
         self.checkpoints.save(self.state, self.opts)

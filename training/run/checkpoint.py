@@ -20,7 +20,7 @@ from edm2.errors import EDM2Error
 from edm2.formats.snapshot import images_tag, kimg_to_nimg
 from edm2.runtime import bounded_json, distributed, files
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
-from training.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
+from training.run.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
 from training.state import TrainingState
 
 FORMAT_VERSION = 1

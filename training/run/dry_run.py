@@ -11,10 +11,10 @@ import torch
 
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
-from training import checkpoint
+from training.run import checkpoint
 from training.data_order import DataOrder, data_loader
 from training.options import TrainingOptions, rounds_per_step
-from training.outputs import hms
+from training.run.outputs import hms
 from training.state import TrainingState, init_network
 from training.step import TrainingStep, training_loss, training_step
 

@@ -1,7 +1,7 @@
 """TensorBoard event files written afterwards from a run's records (stats.jsonl, plots/training.json,
 plots/magnitudes.json, samples/grid-*.png), so that runs from before the trackers, or copied from a cluster, can
 be browsed too. The file replaces, for TensorBoard's readers, every event RUN/tensorboard/ held before (purge
-from step 0); the numbers and tags are those a live run logs (training/trackers.py).
+from step 0); the numbers and tags are those a live run logs (training/run/trackers.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 
-from training.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, load_records,
+from training.run.dashboard import (MAGNITUDES_JSON, PLOTS_DIR, TRAINING_JSON, DashboardError, load_records,
                                 snapshot_numbers, stats_rows)
-from training.run_dir import STATS_FILE, load_options
-from training.sample_grid import grid_path
-from training.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
+from training.run.run_dir import STATS_FILE, load_options
+from training.run.sample_grid import grid_path
+from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, TensorBoardTracker
 
 
 def status_rows(run_dir: Path) -> list[dict]:

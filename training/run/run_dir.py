@@ -1,12 +1,12 @@
 """A run directory, owned by one training at a time: its lock, options file, identity, log, stats.jsonl and EMA
-snapshots; its training states belong to training/checkpoint.py, which decides where a rerun resumes.
+snapshots; its training states belong to training/run/checkpoint.py, which decides where a rerun resumes.
 
 A run directory holds only these files: training_options.json, log.txt, stats.jsonl,
 network-snapshot-{images_tag}-{std_tag}.safetensors, training-state-{images_tag}.pt (or .{copy}.pt, where a
 state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
-training/dashboard.py), samples/ (the snapshots' sample grids, training/sample_grid.py), with --logger
-tensorboard/ and wandb-run.json (training/trackers.py), and while a training runs, training.lock
-(training/run_lock.py). Files being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are
+training/run/dashboard.py), samples/ (the snapshots' sample grids, training/run/sample_grid.py), with --logger
+tensorboard/ and wandb-run.json (training/run/trackers.py), and while a training runs, training.lock
+(training/run/run_lock.py). Files being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are
 complete; the next training in the folder removes those a killed run left behind.
 """
 
@@ -26,9 +26,9 @@ import torch
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.runtime import bounded_json, files
-from training import trackers
+from training.run import trackers
 from training.options import TrainingOptions
-from training.run_lock import RunLock
+from training.run.run_lock import RunLock
 
 LOG_FILE, STATS_FILE, OPTIONS_FILE = "log.txt", "stats.jsonl", "training_options.json"
 SNAPSHOT_PREFIX = "network-snapshot"
@@ -78,7 +78,7 @@ class RunDirectory:
         self.path = Path(path).resolve()
         self.created: list[Path] = []
         self.found: set[str] = set()  # names in the directory when this start took the lock
-        # A training state or snapshot, this start's or one it resumes from (training/checkpoint.py): files stay.
+        # A training state or snapshot, this start's or one it resumes from (training/run/checkpoint.py): files stay.
         self.has_results = False
         self.lock = RunLock(self.path)
         self.run_id: str | None = None  # set by take_identity

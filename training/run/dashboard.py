@@ -28,7 +28,7 @@ from edm2.errors import EDM2Error, one_line
 from edm2.eval.magnitudes import block_output_rms, weight_rms
 from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
 from edm2.runtime import bounded_json, files
-from training.run_dir import STATS_FILE
+from training.run.run_dir import STATS_FILE
 
 PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
