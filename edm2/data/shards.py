@@ -160,6 +160,10 @@ class ShardDataset(torch.utils.data.Dataset):
         self.index = read_index(self.path)
         for k in range(num_shards(self.index)):
             check_shard(self.path, self.index, k)
+        beyond = self.path / shard_name(num_shards(self.index))
+        if beyond.exists():
+            raise DatasetError(f"{self.path}: holds {beyond.name}, beyond the index's {num_shards(self.index)} "
+                               f"shards; the index disagrees with its shards")
         self.image_shape = list(self.index["shape"])
         self.encoding = self.index["encoding"]
         self._labeled = self.index["label_dim"] > 0
