@@ -17,8 +17,8 @@ from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
-from edm2.data.dataset import DatasetError
-from edm2.data.sources import ImageData, open_data
+from edm2.data.dataset import DatasetError, ImageData
+from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError
 from edm2.eval.detectors import DETECTORS, DetectorError, load_detector
 from edm2.eval.metrics import calculate_stats, frechet_distance

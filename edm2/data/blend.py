@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from edm2.data.dataset import ImageData
 from edm2.data.dataset_files import DatasetError
 from edm2.runtime import bounded_json
 
@@ -85,7 +85,7 @@ class _BlendLabels:
         return int(source.raw_labels[j])
 
 
-class BlendDataset(torch.utils.data.Dataset):
+class BlendDataset(ImageData):
     """The sources one after another (item offsets[i] + j is item j of source i); one shape, dtype and labels."""
 
     def __init__(self, sources: list, weights: list[float], names: list[str]):
@@ -127,21 +127,6 @@ class BlendDataset(torch.utils.data.Dataset):
     def name(self) -> str:
         """The sources' names joined by '+'."""
         return "+".join(source.name for source in self.sources)
-
-    @property
-    def num_channels(self) -> int:
-        """Channels per sample."""
-        return self.image_shape[0]
-
-    @property
-    def resolution(self) -> int:
-        """Height (= width) of every sample."""
-        return self.image_shape[1]
-
-    @property
-    def has_labels(self) -> bool:
-        """True when the sources have labels."""
-        return self.label_dim > 0
 
     def close(self) -> None:
         """Close every source."""

@@ -18,9 +18,8 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from edm2.data.dataset import MAX_CLASSES
+from edm2.data.dataset import MAX_CLASSES, ImageData
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
 from edm2.runtime import bounded_json
 
@@ -147,7 +146,7 @@ class ShardLabels:
         return self._dataset.label_of(int(idx))
 
 
-class ShardDataset(torch.utils.data.Dataset):
+class ShardDataset(ImageData):
     """Samples (uint8 or float32 CHW) and one-hot labels of a shard dataset; the interface of ImageFolderDataset.
 
     Every shard is checked when opened (present, of its size, its header the index's); the shards are mapped
@@ -241,18 +240,3 @@ class ShardDataset(torch.utils.data.Dataset):
     def name(self) -> str:
         """The folder's name without .shards."""
         return self.path.name.removesuffix(".shards")
-
-    @property
-    def num_channels(self) -> int:
-        """Channels per sample."""
-        return self.image_shape[0]
-
-    @property
-    def resolution(self) -> int:
-        """Height (= width) of every sample."""
-        return self.image_shape[1]
-
-    @property
-    def has_labels(self) -> bool:
-        """True when labels were requested and the index has classes."""
-        return self.label_dim > 0

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
 
 from edm2.data.blend import BlendDataset, parse_blend
-from edm2.data.dataset import ImageFolderDataset
+from edm2.data.dataset import ImageData, ImageFolderDataset
 from edm2.data.shards import ShardDataset, is_shard_dataset
-
-# What open_data gives: the three kinds share the dataset interface (image_shape, label_dim, raw_labels, ...).
-ImageData = Union[ImageFolderDataset, ShardDataset, BlendDataset]
 
 
 def is_blend(spec: str) -> bool:
