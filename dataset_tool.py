@@ -76,6 +76,13 @@ def open_dataset(source: Path, suffix: str) -> ImageFolderDataset | ShardDataset
     return dataset
 
 
+def tar_only(source: Path, resolution: tuple[int, int] | None, transform: str | None) -> None:
+    """Refuse --resolution/--transform where they would be ignored: for a source that is no tar shards."""
+    if (resolution or transform) and not is_tar_source(source):
+        raise click.UsageError(f"--resolution/--transform crop tar shards; {source} is a dataset, taken as it is "
+                               f"(convert it to a ZIP at the resolution you want first)")
+
+
 def is_shards(dest: Path) -> bool:
     """True for a --dest that names a shard dataset (NAME.shards)."""
     return dest.suffix.lower() == ".shards"
@@ -146,6 +153,7 @@ def main() -> None:
     torchrun --nproc_per_node=8 dataset_tool.py encode --source=datasets/img512.zip \\
         --dest=datasets/img512-sd.zip
     python dataset_tool.py decode --source=datasets/img512-sd.zip --dest=out/decoded.zip --max-images=64
+    python dataset_tool.py convert --source=datasets/img512-sd.zip --dest=datasets/img512-sd.shards
     """
 
 
@@ -166,7 +174,10 @@ def main() -> None:
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
             max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str) -> None:
-    """Crop/resize a folder or ZIP of images into a dataset of PNGs.
+    """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
+
+    Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
+    DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -180,6 +191,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         --resolution=64 --transform=center-crop-dhariwal
     """
     if is_shards(dest):
+        tar_only(source, resolution, transform)
         with distributed.session(single_process=True):
             return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size)
     if is_tar_source(source):
@@ -249,6 +261,7 @@ def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     torchrun --nproc_per_node=8 dataset_tool.py encode --source=datasets/img512.zip \\
         --dest=datasets/img512-sd.zip
     """
+    tar_only(source, resolution, transform)
     if is_shards(dest):
         with distributed.session(), claimed_dest(dest, "encode"):
             return encode_shards(source, dest, vae, batch, (max_images, shard_size), transform_for(transform, resolution))

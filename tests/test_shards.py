@@ -247,3 +247,10 @@ def test_write_image_dataset_and_shards_hold_the_same_labels(tmp_path):
     assert_ok(run("convert", "--source", folder, "--dest", tmp_path / "img.shards"))
     folder_data, shards = ImageFolderDataset(folder), ShardDataset(tmp_path / "img.shards")
     assert [shards.raw_labels[i] for i in range(len(shards))] == folder_data.raw_labels.tolist()
+
+
+@pytest.mark.bad_input
+def test_a_crop_of_a_dataset_source_is_one_line_not_ignored(zip_shards, tmp_path):
+    assert_refused(tmp_path, lambda: run("convert", "--source", zip_shards / "toy.zip", "--dest", tmp_path / "c.shards",
+                                         "--resolution", 4, "--transform", "center-crop"),
+                   "--resolution/--transform crop tar shards")

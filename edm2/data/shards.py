@@ -12,6 +12,7 @@ not depend on the number of samples, and the page cache is shared by every proce
 from __future__ import annotations
 
 import collections
+import collections.abc
 import math
 import os
 import struct
@@ -133,6 +134,21 @@ def check_shard(path: Path, index: dict, k: int) -> None:
                            f"shard {k} there; shards reordered or the index disagrees with its shards")
 
 
+class ShardNames(collections.abc.Sequence):
+    """The name of each sample, shard-KKKKKK.bin#I, made when asked for (a sequence, nothing held)."""
+
+    def __init__(self, size: int, shard_size: int):
+        self._size, self._shard_size = size, shard_size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, idx: int) -> str:
+        if not 0 <= idx < self._size:
+            raise IndexError(idx)
+        return f"{shard_name(idx // self._shard_size)}#{idx % self._shard_size}"
+
+
 class ShardLabels:
     """The class of each sample, read from the shards' label blocks on demand (a sequence, nothing held)."""
 
@@ -150,7 +166,7 @@ class ShardDataset(ImageData):
     """Samples (uint8 or float32 CHW) and one-hot labels of a shard dataset; the interface of ImageFolderDataset.
 
     Every shard is checked when opened (present, of its size, its header the index's); the shards are mapped
-    lazily in each process, at most MAX_OPEN_SHARDS at a time.
+    lazily in each process, at most MAX_OPEN_SHARDS at a time. max_size keeps the first max_size samples.
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
@@ -231,10 +247,9 @@ class ShardDataset(ImageData):
         return dict(self.__dict__, _maps=collections.OrderedDict())
 
     @property
-    def fnames(self) -> list[str]:
-        """Names of the samples in item order (shard file and position), as a folder dataset's file names."""
-        return [f"{shard_name(i // self.index['shard_size'])}#{i % self.index['shard_size']}"
-                for i in range(self._size)]
+    def fnames(self) -> ShardNames:
+        """Names of the samples in item order (shard file#position), as a folder dataset's file names."""
+        return ShardNames(self._size, self.index["shard_size"])
 
     @property
     def name(self) -> str:
