@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 from click.testing import CliRunner
 
 import dataset_tool
@@ -19,6 +20,7 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.data.shards import INDEX_FILE, ShardDataset, shard_name
 from edm2.data.sources import open_data
 from edm2.encoders import StabilityVAEEncoder
+from training.data_order import run_batches
 from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, save_tiny_vae, write_image_dataset
 
 
@@ -254,3 +256,13 @@ def test_a_crop_of_a_dataset_source_is_one_line_not_ignored(zip_shards, tmp_path
     assert_refused(tmp_path, lambda: run("convert", "--source", zip_shards / "toy.zip", "--dest", tmp_path / "c.shards",
                                          "--resolution", 4, "--transform", "center-crop"),
                    "--resolution/--transform crop tar shards")
+
+
+
+def test_the_batches_of_a_blend_log_each_sources_share(zip_shards, capsys):
+    blend = open_data(f"{zip_shards / 'toy.shards'}:3,{zip_shards / 'toy.zip'}:1")
+    with run_batches(blend, seed=0, start_nimg=0, batch_gpu=4, workers=0, device=torch.device("cpu")) as batches:
+        images, _ = next(batches)
+    assert images.shape == (4, 3, 8, 8)
+    shares = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Blend of 2 datasets"))
+    assert "toy.shards: 75.0% (15 of every 20 samples" in shares and "toy.zip: 25.0% (5 of every 20" in shares

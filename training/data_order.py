@@ -163,9 +163,12 @@ def batches(dataset: ImageFolderDataset, order: DataOrder, workers: int, device:
 def run_batches(dataset: ImageFolderDataset, seed: int, start_nimg: int, batch_gpu: int, workers: int,
                 device: torch.device, kind: str = ORDER) -> Iterator[Iterator]:
     """This rank's batches of a run from start_nimg images on, in the DataOrder of seed (of `kind`, ORDERS): the
-    loader's workers start when the first batch is asked for and stop on leaving, however the run ends."""
+    loader's workers start when the first batch is asked for and stop on leaving, however the run ends. A blend's
+    shares of each source are logged."""
     order = order_for(dataset, seed, distributed.get_rank(), distributed.get_world_size(), batch_gpu, start_nimg,
                       kind)
+    if isinstance(dataset, BlendDataset):
+        distributed.print0(f"Blend of {len(dataset.sources)} datasets: {dataset.shares()}")
     loaded = batches(dataset, order, workers, device)
     try:
         yield loaded

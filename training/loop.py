@@ -130,8 +130,6 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             state.net, device_ids=[device.index] if device.type == "cuda" else None)
-    if hasattr(dataset, "shares"):
-        distributed.print0(f"Blend of {len(dataset.sources)} datasets: {dataset.shares()}")
     batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
                                               state.data_order))
     return TrainingStep(
