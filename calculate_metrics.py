@@ -17,7 +17,8 @@ from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
-from edm2.data.dataset import DatasetError, ImageFolderDataset
+from edm2.data.dataset import DatasetError, ImageData
+from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError
 from edm2.eval.detectors import DETECTORS, DetectorError, load_detector
 from edm2.eval.metrics import calculate_stats, frechet_distance
@@ -108,10 +109,10 @@ def check_dimensions(ref: dict, ref_path: str, detectors: dict) -> None:
                                      f"another detector", param_hint="--ref")
 
 
-def open_images(path: str, option: str) -> ImageFolderDataset:
+def open_images(path: str, option: str) -> ImageData:
     """The images at path, in any format PIL reads, checked to be uint8 RGB or grayscale."""
     try:
-        dataset = ImageFolderDataset(path, use_labels=False, any_format=True)
+        dataset = open_data(path, use_labels=False, blends=False, any_format=True)
         image, _ = dataset[0]
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint=option) from None

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import click
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from cli.command import Group
@@ -18,6 +19,9 @@ from edm2.data.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageErr
                                open_image_source)
 from edm2.data.dataset import DatasetError, ImageFolderDataset, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
+from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
+from edm2.data.shards import ShardDataset, is_shard_dataset
+from edm2.data.tar_source import TarSource, is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
@@ -53,19 +57,74 @@ def transform_for(transform: str | None, resolution: tuple[int, int] | None) -> 
         raise click.BadParameter(str(e), param_hint="'--resolution'") from None
 
 
-def open_dataset(source: Path, suffix: str) -> ImageFolderDataset:
-    """A source dataset of .png (RGB) or .npy files; problems name --source."""
+def open_dataset(source: Path, suffix: str) -> ImageFolderDataset | ShardDataset:
+    """A source dataset of .png (RGB) or .npy files (or shards of pixels or latents); problems name --source."""
     try:
-        dataset = ImageFolderDataset(source)
+        dataset = ShardDataset(source) if is_shard_dataset(source) else ImageFolderDataset(source)
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="'--source'") from None
-    if not dataset.fnames[0].lower().endswith(suffix):
+    if isinstance(dataset, ShardDataset):
+        if dataset.encoding != ("pixels" if suffix == ".png" else "stability-vae"):
+            raise click.BadParameter(f"{source} holds {dataset.encoding} shards, expected "
+                                     f"{'pixels' if suffix == '.png' else 'latents'}", param_hint="'--source'")
+    elif not dataset.fnames[0].lower().endswith(suffix):
         raise click.BadParameter(f"{source} holds {Path(dataset.fnames[0]).suffix} files, expected {suffix}",
                                  param_hint="'--source'")
     if suffix == ".png" and dataset.num_channels != 3:
         raise click.BadParameter(f"{source} holds {dataset.num_channels}-channel images, expected RGB",
                                  param_hint="'--source'")
     return dataset
+
+
+def tar_only(source: Path, resolution: tuple[int, int] | None, transform: str | None) -> None:
+    """Refuse --resolution/--transform where they would be ignored: for a source that is no tar shards."""
+    if (resolution or transform) and not is_tar_source(source):
+        raise click.UsageError(f"--resolution/--transform crop tar shards; {source} is a dataset, taken as it is "
+                               f"(convert it to a ZIP at the resolution you want first)")
+
+
+def is_shards(dest: Path) -> bool:
+    """True for a --dest that names a shard dataset (NAME.shards)."""
+    return dest.suffix.lower() == ".shards"
+
+
+def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.ndarray],
+                      suffix: str) -> TarSource | ImageFolderDataset | ShardDataset:
+    """The samples a shard dataset is made of: webdataset tar shards (transformed), else a dataset as it is."""
+    if not is_tar_source(source):
+        return open_dataset(source, suffix)
+    try:
+        return TarSource(source, transform_image)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="'--source'") from None
+
+
+def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
+                   max_images: int | None, shard_size: int | None) -> None:
+    """convert into a shard dataset (resumable): from tar shards, or from a dataset (a ZIP's PNG or NPY files)."""
+    with claimed_dest(dest, "convert"):
+        samples = open_shard_source(source, transform_image, "")
+        first = samples.pixels(0, 1)[0] if isinstance(samples, TarSource) else samples[0][0]
+        encoding = "pixels" if first.dtype == np.uint8 else "stability-vae"
+        index = source_index(samples, encoding, list(first.shape), {"source": str(source.resolve())}, max_images,
+                             shard_size)
+        convert_to_shards(samples, dest, index, report=click.echo)
+    click.echo(f"wrote {index['count']} {encoding} samples of shape {'x'.join(map(str, first.shape))} to {dest}")
+
+
+def encode_shards(source: Path, dest: Path, vae: str, batch: int, sizes: tuple[int | None, int | None],
+                  transform_image: Callable[[np.ndarray], np.ndarray]) -> None:
+    """encode into a latent shard dataset, over every process (resumable by shard); sizes: (--max-images,
+    --shard-size)."""
+    samples = open_shard_source(source, transform_image, ".png")
+    encoder = load_vae(vae, batch)
+    first = samples.pixels(0, 1) if isinstance(samples, TarSource) else samples[0][0][None]
+    shape = list(encoder.encode_pixels(torch.from_numpy(first).to(distributed.device())).shape[1:])
+    identity = {"source": str(source.resolve()), "vae": vae, "batch": batch}
+    index = source_index(samples, "stability-vae", shape, identity, *sizes)
+    encode_to_shards(samples, dest, index, encoder, batch, report=click.echo)
+    if distributed.is_main():
+        click.echo(f"wrote {index['count']} latents to {dest}")
 
 
 def load_vae(vae: str, batch: int) -> StabilityVAEEncoder:
@@ -94,6 +153,7 @@ def main() -> None:
     torchrun --nproc_per_node=8 dataset_tool.py encode --source=datasets/img512.zip \\
         --dest=datasets/img512-sd.zip
     python dataset_tool.py decode --source=datasets/img512-sd.zip --dest=out/decoded.zip --max-images=64
+    python dataset_tool.py convert --source=datasets/img512-sd.zip --dest=datasets/img512-sd.shards
     """
 
 
@@ -108,11 +168,16 @@ def main() -> None:
               help="What to do with an image that cannot be read.")
 @click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True, type=Integer(0, MAX_WORKERS),
               help="Processes reading and cropping images.")
+@click.option("--shard-size", type=Integer(1, MAX_IMAGES), help="Shard destinations: samples per shard (the unit of "
+              "a resumed write)  [default: about 256 MiB of samples]")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str, workers: int, channels: str) -> None:
-    """Crop/resize a folder or ZIP of images into a dataset of PNGs.
+            max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str) -> None:
+    """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
+
+    Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
+    DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -125,6 +190,12 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
         --resolution=64 --transform=center-crop-dhariwal
     """
+    if is_shards(dest):
+        tar_only(source, resolution, transform)
+        with distributed.session(single_process=True):
+            return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size)
+    if is_tar_source(source):
+        raise click.BadParameter(f"{source}: tar shards convert into shards: --dest=NAME.shards", param_hint="'--dest'")
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         try:
@@ -170,8 +241,17 @@ def vae_options(command: Callable) -> Callable:
 @vae_options
 @click.option("--workers", default=2, show_default=True, type=Integer(0, MAX_WORKERS),
               help="Data-loading processes per GPU process.")
-def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None, workers: int) -> None:
-    """Encode pixels into 8-channel float32 VAE mean/std latents (NNNNN/img-mean-std-IIIIIIII.npy).
+@click.option("--shard-size", type=Integer(1, MAX_IMAGES), help="Shard destinations: samples per shard (the unit of "
+              "a resumed write)  [default: about 256 MiB of samples]")
+@click.option("--resolution", type=Resolution(), help="Tar sources: output size N (before encoding).")
+@click.option("--transform", type=click.Choice(TRANSFORMS), help="Tar sources: crop/resize mode (needs --resolution).")
+def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None, workers: int,
+           shard_size: int | None, resolution: tuple[int, int] | None, transform: str | None) -> None:
+    """Encode pixels into 8-channel float32 VAE mean/std latents (NNNNN/img-mean-std-IIIIIIII.npy, or shards).
+
+    A --dest named NAME.shards gets a shard dataset (encoding "stability-vae"); its source may also be
+    webdataset tar shards (a .tar file or a folder of them), resized by --resolution
+    and --transform. Progress is kept by shard in DEST.partial/ and resumed the same way.
 
     Under torchrun the images are split across processes. Progress is kept in DEST.partial/ (one
     file per image); running the same command again continues from there, and the finished dataset
@@ -181,6 +261,12 @@ def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
     torchrun --nproc_per_node=8 dataset_tool.py encode --source=datasets/img512.zip \\
         --dest=datasets/img512-sd.zip
     """
+    tar_only(source, resolution, transform)
+    if is_shards(dest):
+        with distributed.session(), claimed_dest(dest, "encode"):
+            return encode_shards(source, dest, vae, batch, (max_images, shard_size), transform_for(transform, resolution))
+    if is_tar_source(source):
+        raise click.BadParameter(f"{source}: tar shards encode into shards: --dest=NAME.shards", param_hint="'--dest'")
     with distributed.session(), claimed_dest(dest, "encode"):
         dataset = open_dataset(source, ".png")
         count = min(len(dataset), max_images or len(dataset))

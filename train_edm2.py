@@ -15,6 +15,7 @@ from cli.speed import threads_option
 from cli.types import (MAX_BATCH, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList, Number,
                        StdList)
 from edm2.data.dataset import DatasetError, ImageFolderDataset
+from edm2.data.sources import open_data
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
@@ -62,7 +63,7 @@ Examples:
 def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
     """The training data, checked for labels when training a class-conditional model."""
     try:
-        dataset = ImageFolderDataset(data, use_labels=cond)
+        dataset = open_data(data, use_labels=cond)
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
     if cond and not dataset.has_labels:
@@ -155,7 +156,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
 @click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
-@click.option("--data", metavar="ZIP|DIR", help="Dataset  [default: the preset's, e.g. datasets/img512-sd.zip]")
+@click.option("--data", metavar="ZIP|DIR|SHARDS|BLEND",
+              help="Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)  "
+                   "[default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
 @click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
 @click.option("--batch", type=Integer(1, MAX_BATCH), help="Total batch size  [default: preset]")

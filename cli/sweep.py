@@ -19,6 +19,7 @@ from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Inte
 
 from edm2 import posthoc
 from edm2.data.dataset import DatasetError, ImageFolderDataset
+from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
 from edm2.eval import sweep
@@ -188,7 +189,7 @@ def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> 
                                  "P_std) that --metrics=loss needs", param_hint="--indir")
     shape = network_shape(plan.metadata)
     try:
-        dataset = ImageFolderDataset(data_path, use_labels=bool(shape.label_dim))
+        dataset = open_data(data_path, use_labels=bool(shape.label_dim))
         return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
     except (DatasetError, ValidationError, EncoderError) as e:
         raise click.BadParameter(str(e), param_hint="--data") from None

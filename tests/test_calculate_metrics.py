@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 import calculate_metrics
+import dataset_tool
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.eval import detectors, metrics, stats_files
 from edm2.formats.snapshot import load_network, save_network
@@ -219,6 +220,20 @@ def test_ref_and_calc_end_to_end(setup, tmp_path):
                          *setup["weights"]))
     bounds = fd_rounding(written, written, n=0)
     assert all(abs(value) <= bounds[metric] for metric, value in out["results"].items()), (out, bounds)
+
+
+def test_ref_reads_shards_as_the_folder_they_were_made_of(setup, tmp_path):
+    shards = tmp_path / "a.shards"
+    converted = CliRunner().invoke(dataset_tool.main, ["convert", "--source", str(setup["a"]), "--dest", str(shards),
+                                                       "--shard-size", "5"])
+    assert converted.exit_code == 0, converted.output
+    for data, dest in ((setup["a"], "folder.npz"), (shards, "shards.npz")):
+        results_of(run("ref", "--data", data, "--dest", tmp_path / dest, "--batch", 5, "--workers", 0,
+                       *setup["weights"]))
+    folder, sharded = (stats_files.load_stats(tmp_path / name) for name in ("folder.npz", "shards.npz"))
+    assert folder.keys() == sharded.keys()
+    for metric in folder:  # the same images in the same batches: the same statistics, bit for bit
+        assert all(np.array_equal(folder[metric][k], sharded[metric][k]) for k in ("mu", "sigma"))
 
 
 @pytest.mark.bad_input

@@ -130,7 +130,8 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             state.net, device_ids=[device.index] if device.type == "cuda" else None)
-    batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device))
+    batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
+                                              state.data_order))
     return TrainingStep(
         state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=batches,
         opts=opts, rounds=rounds, model=model, rank=rank, device=device,

@@ -11,6 +11,7 @@ from edm2.phema import PowerFunctionEMA
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
 from edm2.runtime.speed import precision_flags, to_channels_last
 from training.architecture import init_weights
+from training.data_order import ORDER
 from training.options import TrainingOptions
 
 ADAM_BETAS = (0.9, 0.99)
@@ -46,6 +47,9 @@ class TrainingState:
     ema: PowerFunctionEMA | ShardedPowerFunctionEMA
     cur_nimg: int = 0
     elapsed_s: float = 0.0
+    # The data order the run reads (training.data_order.ORDERS); a state written before it was recorded read the
+    # stored permutation, and keeps reading it when resumed.
+    data_order: str = ORDER
 
     @classmethod
     def create(cls, opts: TrainingOptions, img_channels: int, device: torch.device) -> TrainingState:
@@ -81,8 +85,9 @@ class TrainingState:
                     param_state["step"] = param_state["step"].to(param.device if fused else "cpu", torch.float32)
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
+        self.data_order = saved.get("data_order", "permutation")
 
     def to_dict(self) -> dict:
         """The tensors and counts a training-state file holds (training/run/checkpoint.py adds the run's options)."""
         return dict(net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
-                    cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s)
+                    cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s, data_order=self.data_order)

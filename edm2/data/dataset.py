@@ -126,7 +126,29 @@ def is_raw_image_folder(files: FileTree) -> bool:
     return any(suffix(name) in images and RELEASE_NAME.fullmatch(name) is None for name in files.names)
 
 
-class ImageFolderDataset(torch.utils.data.Dataset):
+class ImageData(torch.utils.data.Dataset):
+    """What every dataset kind shares (folders and ZIPs, shards, blends): image_shape (CHW) and label_dim."""
+
+    image_shape: list[int] | None
+    label_dim: int
+
+    @property
+    def num_channels(self) -> int:
+        """Channels per image: 3 for RGB PNG, 8 for mean/std latents."""
+        return self.image_shape[0]
+
+    @property
+    def resolution(self) -> int:
+        """Height (= width) of every image."""
+        return self.image_shape[1]
+
+    @property
+    def has_labels(self) -> bool:
+        """True when labels were requested and the dataset provides them."""
+        return self.label_dim > 0
+
+
+class ImageFolderDataset(ImageData):
     """Images (uint8 CHW from PNG, float32 CHW from NPY) and one-hot labels of a release-format dataset.
 
     The first image fixes the shape; every later image's header is checked against it when read, before it is
@@ -279,21 +301,6 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def name(self) -> str:
         """The dataset's file or directory name without .zip."""
         return self.path.stem if self._files.is_zip else self.path.name
-
-    @property
-    def num_channels(self) -> int:
-        """Channels per image: 3 for RGB PNG, 8 for mean/std latents."""
-        return self.image_shape[0]
-
-    @property
-    def resolution(self) -> int:
-        """Height (= width) of every image."""
-        return self.image_shape[1]
-
-    @property
-    def has_labels(self) -> bool:
-        """True when labels were requested and dataset.json provides them."""
-        return self.label_dim > 0
 
 
 def _shape_text(shape) -> str:

@@ -12,7 +12,7 @@ import torch
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from training.run import checkpoint
-from training.data_order import DataOrder, data_loader
+from training.data_order import data_loader, order_for
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
 from training.state import TrainingState, init_network
@@ -55,7 +55,7 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     device = distributed.device()
     batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, 1)
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
-    order = DataOrder(len(dataset), opts.seed, 0, 1, batch_gpu, 0)
+    order = order_for(dataset, opts.seed, 0, 1, batch_gpu, 0)
     step = TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
                         batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds,
                         device=device)

@@ -1,0 +1,134 @@
+"""Blends: several datasets read as one, each in a fixed share of every blend epoch (largest remainders).
+
+A blend is given as PATH:WEIGHT,PATH:WEIGHT or as a JSON file {"sources": [{"path": ..., "weight": ...}, ...]};
+the weights need not sum to one, only to a positive number.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from edm2.data.dataset import ImageData
+from edm2.data.dataset_files import DatasetError
+from edm2.runtime import bounded_json
+
+MAX_SOURCES = 1024
+
+
+class BlendError(DatasetError):
+    """A blend that cannot be used: malformed, weights that do not sum to a positive number, mixed sources."""
+
+
+def parse_blend(spec: str) -> list[tuple[str, float]]:
+    """(path, weight) of each source of a blend spec (PATH:WEIGHT,... or a .json file)."""
+    if spec.lower().endswith(".json") and Path(spec).is_file():
+        try:
+            sources = bounded_json.read(spec)["sources"]
+            pairs = [(str(s["path"]), s["weight"]) for s in sources]
+        except (OSError, bounded_json.JSONFileError, KeyError, TypeError) as e:
+            raise BlendError(f"{spec}: not a blend ({{\"sources\": [{{\"path\": ..., \"weight\": ...}}]}}; "
+                             f"{type(e).__name__}: {e})") from None
+        base = Path(spec).parent  # relative paths are relative to the spec
+        pairs = [(str(base / path) if not os.path.isabs(path) else path, weight) for path, weight in pairs]
+    else:
+        pairs = []
+        for part in spec.split(","):
+            path, sep, weight = part.rpartition(":")
+            try:
+                pairs.append((path, float(weight)))
+            except ValueError:
+                raise BlendError(f"{part!r} is not PATH:WEIGHT") from None
+            if not sep or not path:
+                raise BlendError(f"{part!r} is not PATH:WEIGHT")
+    check_weights([weight for _, weight in pairs])
+    return pairs
+
+
+def check_weights(weights: list) -> None:
+    """Refuse weights that are not finite non-negative numbers summing to a positive number."""
+    if not 1 <= len(weights) <= MAX_SOURCES:
+        raise BlendError(f"a blend has 1 to {MAX_SOURCES} sources, not {len(weights)}")
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+           or w < 0]
+    if bad:
+        raise BlendError(f"weight {bad[0]!r} is not a finite non-negative number")
+    if sum(weights) <= 0:
+        raise BlendError(f"the weights {weights} sum to {sum(weights)}, not a positive number")
+
+
+def segments(sizes: list[int], weights: list[float]) -> list[int]:
+    """Samples of each source in one blend epoch of sum(sizes) samples: shares by weight, largest remainders."""
+    total, weight_sum = sum(sizes), sum(weights)
+    exact = [total * w / weight_sum for w in weights]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[:total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class _BlendLabels:
+    """The class of each item of a blend, read from its source."""
+
+    def __init__(self, blend: BlendDataset):
+        self._blend = blend
+
+    def __len__(self) -> int:
+        return len(self._blend)
+
+    def __getitem__(self, idx: int) -> int:
+        source, j = self._blend.source_of(int(idx))
+        return int(source.raw_labels[j])
+
+
+class BlendDataset(ImageData):
+    """The sources one after another (item offsets[i] + j is item j of source i); one shape, dtype and labels."""
+
+    def __init__(self, sources: list, weights: list[float], names: list[str]):
+        check_weights(weights)
+        first = sources[0]
+        for source, name in zip(sources[1:], names[1:]):
+            if source.image_shape != first.image_shape or source[0][0].dtype != first[0][0].dtype:
+                raise BlendError(f"{name} holds {source[0][0].dtype} samples of shape {source.image_shape}, "
+                                 f"{names[0]} {first[0][0].dtype} of {first.image_shape}; mixed shapes or dtypes")
+            if source.label_dim != first.label_dim:
+                raise BlendError(f"{name} has {source.label_dim} classes, {names[0]} {first.label_dim}; a blend's "
+                                 f"sources share their classes")
+        self.sources, self.weights, self.names = sources, list(weights), names
+        self.sizes = [len(s) for s in sources]
+        self.offsets = np.cumsum([0] + self.sizes)
+        self.segments = segments(self.sizes, self.weights)
+        self.path, self.image_shape, self.label_dim = first.path, first.image_shape, first.label_dim
+        self.raw_labels = None if first.raw_labels is None else _BlendLabels(self)
+
+    def source_of(self, idx: int) -> tuple[object, int]:
+        """The source holding item idx and the item's index there."""
+        i = int(np.searchsorted(self.offsets, idx, side="right")) - 1
+        return self.sources[i], idx - int(self.offsets[i])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        source, j = self.source_of(idx)
+        return source[j]
+
+    def shares(self) -> str:
+        """Each source's share of a blend epoch, for the log."""
+        epoch = sum(self.segments)
+        return "; ".join(f"{name}: {100 * n / epoch:.1f}% ({n} of every {epoch} samples, {size} in the source)"
+                         for name, n, size in zip(self.names, self.segments, self.sizes))
+
+    @property
+    def name(self) -> str:
+        """The sources' names joined by '+'."""
+        return "+".join(source.name for source in self.sources)
+
+    def close(self) -> None:
+        """Close every source."""
+        for source in self.sources:
+            source.close()

@@ -1,0 +1,257 @@
+"""Sharded array datasets: fixed-shape samples in shard files that every process memory-maps, and a small index.
+
+A dataset is a folder (by convention NAME.shards) holding index.json and shard-KKKKKK.bin. The index records
+what the samples are (ENCODINGS: "pixels" for uint8 images, "stability-vae" for the VAE's mean/std latents),
+their dtype and CHW shape, the label classes (0 for none), the count and the samples per shard; it does not
+grow with the dataset. Shard k holds samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the
+dataset's id, k, its first sample, its count, bytes per sample), the samples back to back, then one int32
+label per sample when labeled. A process maps at most MAX_OPEN_SHARDS shards at a time, so its own memory does
+not depend on the number of samples, and the page cache is shared by every process of a machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from edm2.data.dataset import MAX_CLASSES, ImageData
+from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
+from edm2.runtime import bounded_json
+
+INDEX_FILE = "index.json"
+FORMAT = "edm2-shards"
+VERSION = 1
+# What a dataset holds, under the key "encoding" (as dataset.json records it): the name and its sample dtype.
+ENCODINGS = {"pixels": "uint8", "stability-vae": "float32"}
+SHARD_HEADER = struct.Struct("<8s16sQQQQ8x")  # magic, dataset id, shard number, first sample, count, item bytes
+MAGIC = b"EDM2SHRD"
+MAX_SAMPLES = 1 << 40
+MAX_SHARDS = 1 << 24
+MAX_OPEN_SHARDS = 32  # maps held per process: bounded whatever the number of shards
+LABEL_DTYPE = np.dtype("<i4")
+
+
+def shard_name(k: int) -> str:
+    """File name of shard k."""
+    return f"shard-{k:06d}.bin"
+
+
+def is_shard_dataset(path: str | os.PathLike) -> bool:
+    """True for a folder holding a shard index."""
+    return Path(path, INDEX_FILE).is_file()
+
+
+def item_bytes(index: dict) -> int:
+    """Bytes of one sample."""
+    return math.prod(index["shape"]) * np.dtype(index["dtype"]).itemsize
+
+
+def shard_count(index: dict, k: int) -> int:
+    """Samples in shard k (all shards hold shard_size but the last)."""
+    return min(index["shard_size"], index["count"] - k * index["shard_size"])
+
+
+def num_shards(index: dict) -> int:
+    """How many shard files the dataset has."""
+    return -(-index["count"] // index["shard_size"])
+
+
+def shard_bytes(index: dict, k: int) -> int:
+    """The exact size of shard k's file."""
+    n = shard_count(index, k)
+    return SHARD_HEADER.size + n * item_bytes(index) + (n * LABEL_DTYPE.itemsize if index["label_dim"] else 0)
+
+
+def shard_header(index: dict, k: int) -> bytes:
+    """The 64 bytes that open shard k."""
+    return SHARD_HEADER.pack(MAGIC, bytes.fromhex(index["id"]), k, k * index["shard_size"], shard_count(index, k),
+                             item_bytes(index))
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def check_index(index: object, path: Path) -> dict:
+    """The index's fields checked within bounds (before any shard is opened or anything allocated)."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise DatasetError(f"{path / INDEX_FILE}: {what}")
+    need(isinstance(index, dict) and index.get("format") == FORMAT, f"not a shard index (format is not {FORMAT!r})")
+    need(index.get("version") == VERSION, f"version {index.get('version')!r}; this project reads {VERSION}")
+    encoding, dtype = index.get("encoding"), index.get("dtype")
+    need(encoding in ENCODINGS, f"encoding {encoding!r} is none of {', '.join(ENCODINGS)}")
+    need(dtype == ENCODINGS[encoding], f"dtype {dtype!r} is not {ENCODINGS[encoding]!r}, what {encoding} holds")
+    shape = index.get("shape")
+    need(isinstance(shape, list) and len(shape) == 3 and all(_is_int(n, 1, 1 << 16) for n in shape)
+         and shape[1] == shape[2], f"shape {shape!r} is not a square CHW shape")
+    need(item_bytes(index) <= MAX_FILE_BYTES, f"samples of {item_bytes(index)} bytes exceed {MAX_FILE_BYTES}")
+    need(_is_int(index.get("label_dim"), 0, MAX_CLASSES), f"label_dim {index.get('label_dim')!r} is not in "
+         f"[0, {MAX_CLASSES}]")
+    need(_is_int(index.get("count"), 1, MAX_SAMPLES), f"count {index.get('count')!r} is not in [1, {MAX_SAMPLES}]")
+    need(_is_int(index.get("shard_size"), 1, index["count"]), f"shard_size {index.get('shard_size')!r} is not "
+         f"in [1, count]")
+    need(num_shards(index) <= MAX_SHARDS, f"{num_shards(index)} shards, more than {MAX_SHARDS}")
+    need(isinstance(index.get("id"), str) and len(index["id"]) == 32 and all(c in "0123456789abcdef"
+                                                                             for c in index["id"]),
+         "id is not 32 hexadecimal digits")
+    return index
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """The checked index of a shard dataset."""
+    path = Path(path)
+    try:
+        index = bounded_json.read(path / INDEX_FILE, max_bytes=1 << 20)
+    except (OSError, bounded_json.JSONFileError) as e:
+        raise DatasetError(f"{path / INDEX_FILE}: unreadable ({e})") from None
+    return check_index(index, path)
+
+
+def check_shard(path: Path, index: dict, k: int) -> None:
+    """Refuse shard k when missing, of another size than the index says, or not the index's shard k."""
+    file = path / shard_name(k)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header = f.read(SHARD_HEADER.size)
+    except OSError as e:
+        raise DatasetError(f"{path}: shard {shard_name(k)} is missing or unreadable ({e.strerror or e})") from None
+    if size != shard_bytes(index, k):
+        raise DatasetError(f"{path}: {shard_name(k)} holds {size} bytes, the index says {shard_bytes(index, k)} "
+                           f"(truncated, or the index disagrees with its shards)")
+    magic, ident, number, first, count, nbytes = SHARD_HEADER.unpack(header)
+    if magic != MAGIC or ident.hex() != index["id"]:
+        raise DatasetError(f"{path}: {shard_name(k)} is not a shard of this dataset (its header names another)")
+    if (number, first, count, nbytes) != (k, k * index["shard_size"], shard_count(index, k), item_bytes(index)):
+        raise DatasetError(f"{path}: {shard_name(k)} holds shard {number} (samples from {first}), the index puts "
+                           f"shard {k} there; shards reordered or the index disagrees with its shards")
+
+
+class ShardNames(collections.abc.Sequence):
+    """The name of each sample, shard-KKKKKK.bin#I, made when asked for (a sequence, nothing held)."""
+
+    def __init__(self, size: int, shard_size: int):
+        self._size, self._shard_size = size, shard_size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, idx: int) -> str:
+        if not 0 <= idx < self._size:
+            raise IndexError(idx)
+        return f"{shard_name(idx // self._shard_size)}#{idx % self._shard_size}"
+
+
+class ShardLabels:
+    """The class of each sample, read from the shards' label blocks on demand (a sequence, nothing held)."""
+
+    def __init__(self, dataset: ShardDataset):
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, idx: int) -> int:
+        return self._dataset.label_of(int(idx))
+
+
+class ShardDataset(ImageData):
+    """Samples (uint8 or float32 CHW) and one-hot labels of a shard dataset; the interface of ImageFolderDataset.
+
+    Every shard is checked when opened (present, of its size, its header the index's); the shards are mapped
+    lazily in each process, at most MAX_OPEN_SHARDS at a time. max_size keeps the first max_size samples.
+    """
+
+    def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
+                 max_size: int | None = None):
+        self.path = Path(path)
+        self.index = read_index(self.path)
+        for k in range(num_shards(self.index)):
+            check_shard(self.path, self.index, k)
+        beyond = self.path / shard_name(num_shards(self.index))
+        if beyond.exists():
+            raise DatasetError(f"{self.path}: holds {beyond.name}, beyond the index's {num_shards(self.index)} "
+                               f"shards; the index disagrees with its shards")
+        self.image_shape = list(self.index["shape"])
+        self.encoding = self.index["encoding"]
+        self._labeled = self.index["label_dim"] > 0
+        self.label_dim = self.index["label_dim"] if use_labels else 0
+        self.raw_labels = ShardLabels(self) if use_labels and self._labeled else None
+        self._size = min(self.index["count"], max_size or self.index["count"])
+        self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
+        if resolution is not None and self.resolution != resolution:
+            raise DatasetError(f"{self.path}: samples are {self.resolution}x{self.resolution}, "
+                               f"expected resolution {resolution}")
+
+    def _shard(self, k: int) -> np.memmap:
+        """Shard k's bytes, mapped in this process (the least recently used map is dropped beyond the bound)."""
+        if k in self._maps:
+            self._maps.move_to_end(k)
+            return self._maps[k]
+        if len(self._maps) >= MAX_OPEN_SHARDS:
+            self._maps.popitem(last=False)
+        self._maps[k] = np.memmap(self.path / shard_name(k), dtype=np.uint8, mode="r")
+        return self._maps[k]
+
+    def _locate(self, idx: int) -> tuple[np.memmap, int, int]:
+        if not 0 <= idx < self._size:
+            raise IndexError(f"sample {idx} of {self._size}")
+        k, i = divmod(idx, self.index["shard_size"])
+        return self._shard(k), i, shard_count(self.index, k)
+
+    def load(self, idx: int) -> np.ndarray:
+        """Sample idx as a writable CHW array; latents must be finite."""
+        data, i, _ = self._locate(idx)
+        size = item_bytes(self.index)
+        start = SHARD_HEADER.size + i * size
+        sample = np.frombuffer(data[start:start + size], dtype=self.index["dtype"]).reshape(self.image_shape).copy()
+        if sample.dtype.kind == "f" and not np.isfinite(sample).all():
+            raise DatasetError(f"{self.path}: sample {idx} holds non-finite values (NaN or infinity)")
+        return sample
+
+    def label_of(self, idx: int) -> int:
+        """The class of sample idx (the dataset must be labeled)."""
+        data, i, count = self._locate(idx)
+        start = SHARD_HEADER.size + count * item_bytes(self.index) + i * LABEL_DTYPE.itemsize
+        label = int(np.frombuffer(data[start:start + LABEL_DTYPE.itemsize], dtype=LABEL_DTYPE)[0])
+        if not 0 <= label < self.index["label_dim"]:
+            raise DatasetError(f"{self.path}: sample {idx} has label {label}, not a class below "
+                               f"{self.index['label_dim']}")
+        return label
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.load(idx), self.get_label(idx)
+
+    def get_label(self, idx: int) -> np.ndarray:
+        """One-hot float32 label of sample idx; a zero-length array when the dataset has no labels."""
+        onehot = np.zeros(self.label_dim, dtype=np.float32)
+        if self.raw_labels is not None:
+            onehot[self.label_of(idx)] = 1
+        return onehot
+
+    def close(self) -> None:
+        """Drop this process's maps."""
+        self._maps.clear()
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _maps=collections.OrderedDict())
+
+    @property
+    def fnames(self) -> ShardNames:
+        """Names of the samples in item order (shard file#position), as a folder dataset's file names."""
+        return ShardNames(self._size, self.index["shard_size"])
+
+    @property
+    def name(self) -> str:
+        """The folder's name without .shards."""
+        return self.path.name.removesuffix(".shards")
