@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import torch
 
+from edm2.errors import EDM2Error
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
@@ -15,6 +17,43 @@ from training.options import TrainingOptions
 
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-8
+
+
+class NonFiniteError(EDM2Error):
+    """A training's loss, weights, EMA tracks or Adam moments hold NaN or infinity: the run stops, writing nothing."""
+
+
+def first_nonfinite(entries: Iterable[tuple[str, torch.Tensor, bool]]) -> str | None:
+    """'LABEL holds NaN or infinity' for the first (label, tensor, non_negative) entry whose floating-point tensor does
+    (or, where non_negative, holds a value below 0 too), or None; one reduction per tensor, one host sync per device."""
+    entries = [(label, t, non_negative) for label, t, non_negative in entries
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t, non_negative in entries:
+        ok = torch.isfinite(t).logical_and_(t >= 0) if non_negative else torch.isfinite(t)
+        flags.setdefault(t.device, []).append(ok.all())
+    good = {device: iter(torch.stack(found).tolist()) for device, found in flags.items()}
+    bad = next(((label, non_negative) for label, t, non_negative in entries if not next(good[t.device])), None)
+    if bad is None:
+        return None
+    return f"{bad[0]} holds NaN or infinity" + (" or a negative value (impossible there)" if bad[1] else "")
+
+
+def state_nonfinite(net: dict, optimizer: dict, emas: Iterable[tuple[float, dict]], param_names: list[str]) -> \
+        str | None:
+    """What of a training state's parts (state dicts of the network, Adam and each EMA track by sigma_rel) is not
+    finite, or is an impossible Adam moment (a negative second moment or step count), as first_nonfinite says it;
+    None if nothing.
+
+    Adam's exp_avg_sq is a running mean of squared gradients: it is never negative (Kingma and Ba, Algorithm 1).
+    """
+    moments = optimizer.get("state", {})
+    return first_nonfinite([
+        *((f"weight {name}", t, False) for name, t in net.items()),
+        *((f"EMA track sigma_rel {std:.3f}: {name}", t, False) for std, ema in emas for name, t in ema.items()),
+        *((f"Adam's {key} of {param_names[index] if index < len(param_names) else index}", t, key != "exp_avg")
+          for index, moment in moments.items() for key, t in moment.items()),
+    ])
 
 
 def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
@@ -81,6 +120,16 @@ class TrainingState:
                     param_state["step"] = param_state["step"].to(param.device if fused else "cpu", torch.float32)
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
+
+    def nonfinite(self) -> str | None:
+        """What of this process's part of the state holds NaN or infinity (or an impossible Adam moment), or None:
+        state_nonfinite over the weights, Adam and the EMA tracks this process holds (a sharded EMA: its part)."""
+        if isinstance(self.ema, ShardedPowerFunctionEMA):
+            emas = [(std, {"(this process's part)": shard}) for std, shard in zip(self.ema.stds, self.ema.shards)]
+        else:
+            emas = [(std, ema.state_dict()) for ema, std in zip(self.ema.emas, self.ema.stds)]
+        names = [name for name, _ in self.net.named_parameters()]
+        return state_nonfinite(self.net.state_dict(), self.optimizer.state_dict(), emas, names)
 
     def to_dict(self) -> dict:
         """The tensors and counts a training-state file holds (training/run/checkpoint.py adds the run's options)."""
