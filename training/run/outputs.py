@@ -16,7 +16,7 @@ from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.run.run_dir import RunDirectory, snapshot_path
 from training.run.sample_grid import SampleGrid
-from training.state import NonFiniteError, TrainingState
+from training.state import NonFiniteError, TrainingState, first_nonfinite
 from training.run.trackers import STATUS_KEYS, Trackers
 
 
@@ -47,6 +47,13 @@ def status_text(row: dict, duration: int) -> str:
     return (f"kimg {row['kimg']:>{len(total)}.1f}/{total} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
             f"img/s {row['images_per_s']:<9.1f} sec/kimg {row['sec_per_kimg']:<8.3f} "
             f"maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} ETA {eta}")
+
+
+def unstorable(tracks: list[tuple[torch.nn.Module, float]]) -> str | None:
+    """What of the EMA tracks (the networks and sigma_rel of the tracker's get()) the snapshots' float16
+    (edm2.formats.snapshot.save_network) cannot hold: NaN, infinity or a magnitude that overflows there; or None."""
+    return first_nonfinite((f"EMA track sigma_rel {std:.3f}: {name}, stored as float16,", t.detach().half(), False)
+                           for net, std in tracks for name, t in net.state_dict().items() if t.is_floating_point())
 
 
 class Outputs:
@@ -142,6 +149,9 @@ class Outputs:
         """Rank 0: the EMA snapshots and the dashboard. Every rank calls this: a sharded EMA gathers its tracks on
         rank 0 (edm2.runtime.sharded_ema), and they are freed on return, before anything else loads a network."""
         tracks = self.state.ema.get()
+        problem = distributed.broadcast_object(unstorable(tracks) if self.run else None)
+        if problem:
+            self.stop_nonfinite(problem)
         if self.run:
             self.run.save_snapshots(tracks, self.state.cur_nimg, self.opts)
         if self.dashboard:
