@@ -31,7 +31,10 @@ STOPPED = re.compile(r"Error: training stopped at kimg [\d.]+ \((\d+) images\): 
 
 
 def train(data, outdir, *args):
-    return CliRunner().invoke(train_edm2.main, [*SHORT, f"--data={data}", f"--outdir={outdir}", *map(str, args)])
+    """train_edm2.py with SHORT in-process; without the dashboard, whose figures would take most of the time."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training.loop, "_dashboard", lambda *args: None)
+        return CliRunner().invoke(train_edm2.main, [*SHORT, f"--data={data}", f"--outdir={outdir}", *map(str, args)])
 
 
 def stopped(result) -> tuple[int, str]:
