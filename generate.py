@@ -17,7 +17,7 @@ from cli.command import Command
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
-from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
+from cli.types import MAX_BATCH, Guidance, Integer, Number, SeedList, SigmaInterval
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line
 from edm2.formats.snapshot import load_generator
@@ -187,7 +187,7 @@ Examples:
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
-@click.option("--guidance", type=Number(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
+@click.option("--guidance", type=Guidance(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
 @click.option("--S_churn", "S_churn", type=Number(min=0), default=0, show_default=True, help="Stochasticity strength")
 @click.option("--S_min", "S_min", type=Number(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
 @click.option("--S_max", "S_max", type=Number(min=0, allow_inf=True), default=float("inf"), show_default=True,

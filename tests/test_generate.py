@@ -289,9 +289,9 @@ BAD_INPUT = {
     "guidance inf": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=inf"], ["--guidance", "not a finite number"]),
     # Eq. 152's blend is rounding error beyond 1 / eps of float32; 1e308 overflowed mid-sampling (a traceback).
     "guidance 1e308": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=1e308"],
-                       ["--guidance=1e+308", "8.38861e+06", "rounding error"]),
-    "self-guidance 1e308": (["--net", "{net}", "--gnet=self", "--guidance=-1e308"], ["--guidance=-1e+308", "float32"]),
-    "guidance just past 2**23": (["--net", "{net}", "--gnet", "{gnet}", f"--guidance={2**23}"], ["--guidance=8.38861e+06"]),
+                       ["--guidance", "1e+308: must lie within +-8.38861e+06 (1 / eps of float32)", "rounding error"]),
+    "self-guidance 1e308": (["--net", "{net}", "--gnet=self", "--guidance=-1e308"], ["--guidance", "-1e+308", "float32"]),
+    "guidance 2**23": (["--net", "{net}", "--gnet", "{gnet}", f"--guidance={2**23}"], ["--guidance", "8.38861e+06:"]),
     # Every image of a grid stays in memory: 2**32 seeds, or 5 classes x 10**8, were sampled until memory ran out.
     "grid of 2**32 seeds": (["--net", "{net}", "--seeds=0-4294967295", "--grid"], ["--grid", "4294967296 images"]),
     "grid of 5 classes x 10**8": (["--net", "{net}", "--class=0-4", "--seeds=0-99999999", "--grid"],

@@ -23,20 +23,27 @@ class NonFiniteError(EDM2Error):
     """A training's loss, weights, EMA tracks or Adam moments hold NaN or infinity: the run stops, writing nothing."""
 
 
-def first_nonfinite(entries: Iterable[tuple[str, torch.Tensor, bool]]) -> str | None:
-    """'LABEL holds NaN or infinity' for the first (label, tensor, non_negative) entry whose floating-point tensor does
-    (or, where non_negative, holds a value below 0 too), or None; one reduction per tensor, one host sync per device."""
-    entries = [(label, t, non_negative) for label, t, non_negative in entries
+# What first_nonfinite asks of a tensor besides being finite, and how its answer says what failed.
+FINITE, NON_NEGATIVE, FLOAT16 = "", " or a negative value (impossible there)", " or a magnitude float16 overflows on"
+
+
+def first_nonfinite(entries: Iterable[tuple[str, torch.Tensor, str]]) -> str | None:
+    """'LABEL holds NaN or infinity' for the first (label, tensor, rule) entry whose floating-point tensor does, or
+    breaks its rule (NON_NEGATIVE: a value below 0; FLOAT16: a magnitude above float16's largest), or None; one
+    reduction per tensor, no copy of it, and one host sync per device."""
+    entries = [(label, t, rule) for label, t, rule in entries
                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     flags: dict[torch.device, list[torch.Tensor]] = {}
-    for _, t, non_negative in entries:
-        ok = torch.isfinite(t).logical_and_(t >= 0) if non_negative else torch.isfinite(t)
+    for _, t, rule in entries:
+        ok = torch.isfinite(t)
+        if rule == NON_NEGATIVE:
+            ok.logical_and_(t >= 0)
+        elif rule == FLOAT16:
+            ok.logical_and_(t.abs() <= torch.finfo(torch.float16).max)
         flags.setdefault(t.device, []).append(ok.all())
     good = {device: iter(torch.stack(found).tolist()) for device, found in flags.items()}
-    bad = next(((label, non_negative) for label, t, non_negative in entries if not next(good[t.device])), None)
-    if bad is None:
-        return None
-    return f"{bad[0]} holds NaN or infinity" + (" or a negative value (impossible there)" if bad[1] else "")
+    bad = next(((label, rule) for label, t, rule in entries if not next(good[t.device])), None)
+    return None if bad is None else f"{bad[0]} holds NaN or infinity{bad[1]}"
 
 
 def state_nonfinite(net: dict, optimizer: dict, emas: Iterable[tuple[float, dict]], param_names: list[str]) -> \
@@ -49,10 +56,10 @@ def state_nonfinite(net: dict, optimizer: dict, emas: Iterable[tuple[float, dict
     """
     moments = optimizer.get("state", {})
     return first_nonfinite([
-        *((f"weight {name}", t, False) for name, t in net.items()),
-        *((f"EMA track sigma_rel {std:.3f}: {name}", t, False) for std, ema in emas for name, t in ema.items()),
-        *((f"Adam's {key} of {param_names[index] if index < len(param_names) else index}", t, key != "exp_avg")
-          for index, moment in moments.items() for key, t in moment.items()),
+        *((f"weight {name}", t, FINITE) for name, t in net.items()),
+        *((f"EMA track sigma_rel {std:.3f}: {name}", t, FINITE) for std, ema in emas for name, t in ema.items()),
+        *((f"Adam's {key} of {param_names[index] if index < len(param_names) else index}", t,
+           FINITE if key == "exp_avg" else NON_NEGATIVE) for index, moment in moments.items() for key, t in moment.items()),
     ])
 
 

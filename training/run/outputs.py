@@ -16,7 +16,7 @@ from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.run.run_dir import RunDirectory, snapshot_path
 from training.run.sample_grid import SampleGrid
-from training.state import NonFiniteError, TrainingState, first_nonfinite
+from training.state import FLOAT16, NonFiniteError, TrainingState, first_nonfinite
 from training.run.trackers import STATUS_KEYS, Trackers
 
 
@@ -52,8 +52,8 @@ def status_text(row: dict, duration: int) -> str:
 def unstorable(tracks: list[tuple[torch.nn.Module, float]]) -> str | None:
     """What of the EMA tracks (the networks and sigma_rel of the tracker's get()) the snapshots' float16
     (edm2.formats.snapshot.save_network) cannot hold: NaN, infinity or a magnitude that overflows there; or None."""
-    return first_nonfinite((f"EMA track sigma_rel {std:.3f}: {name}, stored as float16,", t.detach().half(), False)
-                           for net, std in tracks for name, t in net.state_dict().items() if t.is_floating_point())
+    return first_nonfinite((f"EMA track sigma_rel {std:.3f}: {name}", t, FLOAT16)
+                           for net, std in tracks for name, t in net.state_dict().items())
 
 
 class Outputs:
@@ -93,16 +93,16 @@ class Outputs:
             prev, cur, opts.checkpoint)
         if status:
             self.status(partial=not crossed(prev, cur, opts.status))
+        writing = time.monotonic()
         if status or snapshot or checkpoint:
             self.check_finite()
-        writing = time.monotonic()
         if snapshot:
             self.snapshots()
             if self.run:
                 self.report_snapshot()
         if checkpoint:
             self.training_state()
-        # The next status line's images/s measures training, not the seconds spent writing these files.
+        # The next status line's images/s measures training, not the seconds spent checking and writing these files.
         self._tick_time += time.monotonic() - writing
 
     def status(self, partial: bool = False) -> None:
