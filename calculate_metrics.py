@@ -16,7 +16,7 @@ from cli.command import Group
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
-from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Number, SigmaInterval
+from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Guidance, Integer, SigmaInterval
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError
@@ -275,7 +275,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               required=True)
 @click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the network's own "
               "unconditional prediction (trained with --label-dropout)", metavar="PATH|URL|self", default=None)
-@click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=Number(), default=1.0,
+@click.option("--guidance", help="Guidance strength (1 = no guidance)", metavar="FLOAT", type=Guidance(), default=1.0,
               show_default=True)
 @click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], e.g. "
               "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)

@@ -17,7 +17,8 @@ from cli.command import Command
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
-from cli.types import MAX_BATCH, Integer, Number, SeedList, SigmaInterval
+from cli.types import MAX_BATCH, Guidance, Integer, Number, SeedList, SigmaInterval
+from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line
 from edm2.formats.snapshot import load_generator
 from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges,
@@ -95,9 +96,27 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
     return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder
 
 
-def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.ndarray | None:
+def grid_columns(count: int, rows: int) -> int:
+    """Columns of grid.png: one per seed with several classes (a row each), else a square."""
+    return count // rows if rows > 1 else math.isqrt(count - 1) + 1
+
+
+def check_grid(count: int, rows: int, resolution: int) -> None:
+    """Refuse a --grid of count images (rows classes) that cannot be drawn: a grid of images no smaller than the
+    network's resolution (decoding never shrinks them) beyond MAX_IMAGE_PIXELS, an image our own readers refuse,
+    kept in memory whole until the end."""
+    cols = grid_columns(count, rows)
+    side = resolution + 1  # an image and its one-pixel gap
+    pixels = (-(-count // cols) * side - 1) * (cols * side - 1)
+    if pixels > MAX_IMAGE_PIXELS:
+        raise click.BadParameter(f"{count} images of {resolution}x{resolution} pixels or more make a grid of over "
+                                 f"{pixels:,} pixels, beyond the {MAX_IMAGE_PIXELS:,} of an image our tools read; "
+                                 "leave out --grid or give fewer --seeds or --class", param_hint="--grid")
+
+
+def gather_grid(keys: Sequence, generated: dict, cols: int) -> np.ndarray | None:
     """Tile every rank's images, in the order of keys (seeds, or (class, seed) pairs), into one HWC array on rank 0
-    (None elsewhere), cols images wide (default: a square), with a one-pixel gap between them (image_grid.tile)."""
+    (None elsewhere), cols images wide (grid_columns), with a one-pixel gap between them (image_grid.tile)."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(keys), *shape], dtype=torch.uint8, device=distributed.device())
     for i, key in enumerate(keys):
@@ -107,7 +126,7 @@ def gather_grid(keys: Sequence, generated: dict, cols: int | None = None) -> np.
     stack = distributed.all_reduce_sum(stack).cpu().numpy()
     if not distributed.is_main():
         return None
-    return tile(stack, cols or math.ceil(math.sqrt(len(keys))))
+    return tile(stack, cols)
 
 
 def image_path(outdir: Path, seed: int, subdirs: bool, class_idx: int | None = None) -> Path:
@@ -168,7 +187,7 @@ Examples:
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
 @click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
-@click.option("--guidance", type=Number(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
+@click.option("--guidance", type=Guidance(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
 @click.option("--S_churn", "S_churn", type=Number(min=0), default=0, show_default=True, help="Stochasticity strength")
 @click.option("--S_min", "S_min", type=Number(min=0), default=0, show_default=True, help="Stochasticity from this noise level")
 @click.option("--S_max", "S_max", type=Number(min=0, allow_inf=True), default=float("inf"), show_default=True,
@@ -197,8 +216,10 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
         net, gnet, encoder = load_networks(net_path, gnet_path, guidance, classes)
-        net, gnet = apply_speed(speed, net, gnet, distributed.device())
         rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
+        if grid:
+            check_grid(len(seeds) * len(rows), len(rows), net.img_resolution)
+        net, gnet = apply_speed(speed, net, gnet, distributed.device())
         interval = "" if guidance_interval is None else " for sigma in ({:g}, {:g}]".format(*guidance_interval)
         guide = "its own unconditional prediction" if gnet == SELF else gnet_path
         distributed.print0(f"Generating {len(seeds) * len(rows)} images from {net_path}"
@@ -215,7 +236,7 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
             save_labels(outdir, earlier, labels)
         if grid:
             keys = [(c, seed) for c in rows for seed in seeds]  # one row per class when there are several
-            tiles = gather_grid(keys, generated, cols=len(seeds) if len(rows) > 1 else None)
+            tiles = gather_grid(keys, generated, cols=grid_columns(len(keys), len(rows)))
             if tiles is not None:
                 save_png(outdir / GRID_FILE, tiles)
         distributed.barrier()

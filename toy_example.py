@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from cli.command import Group
-from cli.types import Integer, Number
+from cli.types import Guidance, Integer
 from edm2 import plots
 from edm2.errors import EDM2Error, one_line
 from edm2.plots.toy import progress_figure, toy_figure
@@ -97,7 +97,7 @@ def _train(outdir: Path, opts: ToyTraining, viz: bool) -> None:
               help="Main model: our .safetensors toy snapshot or the release's .pkl")
 @click.option("--gnet", metavar="PATH|URL", default=DEFAULT_GNET, show_default=True,
               help="Guiding model: the main model's worse version (autoguidance) or an unconditional one")
-@click.option("--guidance", type=Number(), default=3.0, help="Guidance weight w (Eq. 152)  [default: 3]")
+@click.option("--guidance", type=Guidance(), default=3.0, help="Guidance weight w (Eq. 152)  [default: 3]")
 @click.option("--save", type=click.Path(path_type=Path, dir_okay=False), default="toy-example.png",
               show_default=True, help="Where to write the figure (PNG)")
 def plot(net: str, gnet: str, guidance: float, save: Path) -> None:

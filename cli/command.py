@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+import re
+
 import click
+import torch
 
 from edm2.errors import EDM2Error, one_line
 
+# What a command can make smaller when memory runs out, in the order a user would try them: its images per
+# batch first, then the network's size (train_edm2.py --channels, toy_example.py train --dim and --layers).
+MEMORY_OPTIONS = ("--batch-gpu", "--batch", "--channels", "--dim", "--layers")
+# The CPU allocator's words (c10's DefaultCPUAllocator), CUDA's and other backends' for a failed allocation.
+_OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memory|can't allocate memory", re.I)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether error is a failed allocation: torch.OutOfMemoryError (CUDA), MemoryError, or the RuntimeError of
+    torch's CPU allocator."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and bool(_OUT_OF_MEMORY.search(str(error))))
+
+
+def memory_hint(command: click.Command) -> str:
+    """What to change when command runs out of memory: its options of MEMORY_OPTIONS."""
+    names = {name for param in command.params for name in getattr(param, "opts", ())}
+    options = [option for option in MEMORY_OPTIONS if option in names]
+    if not options:
+        return "free memory on this device, or use one with more"
+    listed = ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1]
+    return f"give a smaller {listed}"
+
 
 class _OneLineErrors:
-    """Mixin for click commands: EDM2Error and OSError (a full disk, a read-only folder) become click errors."""
+    """Mixin for click commands: EDM2Error and OSError (a full disk, a read-only folder) become click errors, and
+    running out of memory one line saying which options make the work smaller."""
 
     def invoke(self, ctx: click.Context):
         """Run the command, reporting library and file-system errors as `Error: <one line>`."""
@@ -16,6 +43,11 @@ class _OneLineErrors:
             return super().invoke(ctx)
         except (EDM2Error, OSError) as e:
             raise click.ClickException(one_line(e)) from None
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            detail = one_line(e) if str(e).strip() else type(e).__name__
+            raise click.ClickException(f"out of memory ({detail}); {memory_hint(ctx.command)}") from None
 
 
 class Command(_OneLineErrors, click.Command):

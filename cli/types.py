@@ -70,6 +70,20 @@ class Number(click.FloatRange):
         return super().convert(number, param, ctx)
 
 
+class Guidance(Number):
+    """Eq. 152's guidance weight: a finite number within edm2.sampler.check_guidance's bound, refused while the
+    options are read."""
+
+    def convert(self, value, param, ctx) -> float:
+        """Parse value as a Number and check its bound."""
+        number = super().convert(value, param, ctx)
+        try:
+            sampler.check_guidance(number)
+        except sampler.SamplerError as e:
+            self.fail(str(e).removeprefix("guidance="), param, ctx)
+        return number
+
+
 class SeedList(click.ParamType):
     """Seeds like '0-63', '1,5,9' or '0-3,10': distinct, in the order given, held as ranges (never one list).
 

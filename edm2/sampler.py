@@ -67,6 +67,7 @@ def check_settings(
             raise SamplerError(f"{name}={finite[name]:g}: must be positive")
     if sigma_min >= sigma_max:
         raise SamplerError(f"sigma_min={sigma_min:g} must be below sigma_max={sigma_max:g}")
+    check_guidance(guidance, dtype)
     if S_churn < 0 or S_noise < 0:
         raise SamplerError(f"S_churn={S_churn:g} and S_noise={S_noise:g} cannot be negative")
     # DPM-Solver++(2M) reuses the previous step's denoised image, which churn's fresh noise would make stale.
@@ -82,6 +83,19 @@ def check_settings(
     if not (torch.isfinite(t).all() and (t[1:] < t[:-1]).all() and torch.isfinite(squares).all() and (squares > 0).all()):
         raise SamplerError(f"the noise levels from sigma_max={sigma_max:g} to sigma_min={sigma_min:g} with rho={rho:g} and "
                            f"{num_steps} steps are not decreasing levels whose squares are finite and above 0 in {dtype}")
+
+
+def check_guidance(guidance: float, dtype: torch.dtype = torch.float32) -> None:
+    """Raise SamplerError unless |guidance| < 1 / eps of dtype (2**23 in float32).
+
+    Eq. 152's blend D_gnet + w (D_net - D_gnet) in dtype: from |w| = 1 / eps on, w times a unit difference has a
+    spacing of 1 there, so D_gnet's share (of the data's scale, sigma_data = 0.5) rounds away; far beyond, w times
+    the difference overflows mid-sampling.
+    """
+    bound = 1 / torch.finfo(dtype).eps
+    if not abs(guidance) < bound:
+        raise SamplerError(f"guidance={guidance:g}: must lie within +-{bound:g} (1 / eps of "
+                           f"{str(dtype).removeprefix('torch.')}); beyond it the guided prediction is rounding error")
 
 
 def check_guidance_interval(interval: tuple[float, float] | None) -> None:

@@ -477,6 +477,8 @@ BAD_INPUT = {
                                               "--seed", 2**32 - 10, "--num", 11], ["--seed", "below 2**32"]),
     "gen guidance inf": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
                                           "--guidance", "inf"], ["--guidance", "not a finite number"]),
+    "gen guidance 1e308": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1), "--ref", r,
+                                            "--gnet=self", "--guidance", "1e308"], ["--guidance", "1e+308", "float32"]),
     "gen guidance without gnet": (lambda s, t, r: ["gen", "--net", tiny_snapshot(t / "n.safetensors", 0, 1),
                                                    "--ref", r, "--guidance", 2], ["--gnet", "--guidance=2"]),
     "gen net absent": (lambda s, t, r: ["gen", "--net", t / "absent.safetensors", "--ref", r], ["--net"]),

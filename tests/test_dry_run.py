@@ -61,13 +61,22 @@ def test_time_steps_bad_input_is_refused(train_data, tmp_path, args, message):
         train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={run}", *args]), "--time-steps", message)
 
 
-@pytest.mark.bad_input
-def test_time_steps_that_run_out_of_memory_say_so(train_data, tmp_path, monkeypatch):
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+def impossible_allocation(*args):
+    """What the CPU allocator raises for an allocation no machine has (2**62 bytes): its RuntimeError."""
+    torch.empty(2**62, dtype=torch.uint8)
 
-    monkeypatch.setattr(train_edm2, "timed_speed", out_of_memory)
+
+def cuda_out_of_memory(*args):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("fail, fragment", [(impossible_allocation, "DefaultCPUAllocator"),
+                                            (cuda_out_of_memory, "CUDA out of memory")], ids=["cpu", "cuda"])
+def test_time_steps_that_run_out_of_memory_say_so(train_data, tmp_path, monkeypatch, fail, fragment):
+    # The CPU allocator's error was a traceback: only CUDA's was caught.
+    monkeypatch.setattr(train_edm2, "timed_speed", fail)
     run = tmp_path / "run"
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
         *TRAIN_ARGS, f"--data={train_data}", f"--outdir={run}", "--dry-run", "--time-steps=1", "--batch-gpu=16"]),
-        "--time-steps", "16 images per round do not fit", "smaller --batch-gpu")
+        "out of memory", fragment, "give a smaller --batch-gpu, --batch or --channels")

@@ -287,6 +287,15 @@ BAD_INPUT = {
     "S_noise inf": (["--net", "{net}", "--S_noise=inf"], ["--S_noise", "not a finite number"]),
     "guidance nan": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=nan"], ["--guidance", "not a finite number"]),
     "guidance inf": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=inf"], ["--guidance", "not a finite number"]),
+    # Eq. 152's blend is rounding error beyond 1 / eps of float32; 1e308 overflowed mid-sampling (a traceback).
+    "guidance 1e308": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=1e308"],
+                       ["--guidance", "1e+308: must lie within +-8.38861e+06 (1 / eps of float32)", "rounding error"]),
+    "self-guidance 1e308": (["--net", "{net}", "--gnet=self", "--guidance=-1e308"], ["--guidance", "-1e+308", "float32"]),
+    "guidance 2**23": (["--net", "{net}", "--gnet", "{gnet}", f"--guidance={2**23}"], ["--guidance", "8.38861e+06:"]),
+    # Every image of a grid stays in memory: 2**32 seeds, or 5 classes x 10**8, were sampled until memory ran out.
+    "grid of 2**32 seeds": (["--net", "{net}", "--seeds=0-4294967295", "--grid"], ["--grid", "4294967296 images"]),
+    "grid of 5 classes x 10**8": (["--net", "{net}", "--class=0-4", "--seeds=0-99999999", "--grid"],
+                                  ["--grid", "500000000 images", "67,108,864"]),
     "interval without guidance": (["--net", "{net}", "--guidance-interval=0.28,5.42"],
                                   ["--guidance-interval", "--guidance other than 1"]),
     "interval at guidance 1": (["--net", "{net}", "--gnet", "{gnet}", "--guidance=1", "--guidance-interval=0,inf"],

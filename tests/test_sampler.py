@@ -200,6 +200,19 @@ def test_default_settings_pass_the_check():
                                                  S_churn=80.0, S_noise=0.0)})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_guidance_is_bounded_where_the_blend_still_holds_the_guides_share(dtype):
+    bound = 1 / torch.finfo(dtype).eps  # 2**23 in float32, 2**10 in float16
+    sampler.check_settings(**{**DEFAULTS, "guidance": -(bound - 1), "dtype": dtype})
+    for guidance in (bound, -bound, 1e308):
+        with pytest.raises(sampler.SamplerError, match=re.escape(f"guidance={guidance:g}: must lie within")):
+            sampler.check_settings(**{**DEFAULTS, "guidance": guidance, "dtype": dtype})
+    # The bound's reason: at w = 1 / eps, Eq. 152's D_gnet share (here 0.25, D_net - D_gnet = 1) rounds away.
+    d_guide, d = torch.tensor(0.25, dtype=dtype), torch.tensor(1.25, dtype=dtype)
+    assert torch.lerp(d_guide, d, bound) == bound
+    assert torch.lerp(d_guide, d, bound / 2) == bound / 2 + 0.25
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(num_steps=0), "at least one step"),
     (dict(sigma_max=math.inf), "sigma_max=inf: not a finite number"),

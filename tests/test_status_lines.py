@@ -40,7 +40,8 @@ def test_rates_leave_out_writing_time_and_a_stop_says_its_interval_is_partial(mo
     monkeypatch.setattr(outputs.time, "monotonic", clock)
     opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
                                        StandardRGBEncoder().config(), run_dir=str(tmp_path), data="unused")
-    state = types.SimpleNamespace(cur_nimg=0, elapsed_s=0.0, ema=types.SimpleNamespace(get=lambda: []))
+    state = types.SimpleNamespace(cur_nimg=0, elapsed_s=0.0, ema=types.SimpleNamespace(get=lambda: []),
+                                  nonfinite=lambda: None)
     rows = []
 
     def write_slowly(*args):

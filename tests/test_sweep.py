@@ -17,14 +17,14 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from edm2 import generation, posthoc
-from edm2.encoders import StabilityVAEEncoder
+from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.eval.sweep import SweepError, SweepResults, run_sweep
 from edm2.formats.snapshot import METADATA_KEY, load_network, read_metadata, save_network
 from edm2.plots.sweep import sweep_figure
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
-from tests.helpers import (REPO, TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file,
-                           write_image_dataset)
+from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, assert_refused, fake_training_run,
+                           pin_detector_file, write_image_dataset)
 
 NUM = 24  # samples of the loss; one batch of them, as the reference below
 
@@ -301,3 +301,57 @@ def test_a_results_file_nested_too_deep_is_one_line(tmp_path):
     with pytest.raises(SweepError, match="is not a sweep's results file .*nested 100000 levels") as info:
         SweepResults(path, {})
     assert "\n" not in str(info.value)
+
+
+def sweepable_run(folder, **overrides):
+    """fake_training_run's snapshots (8x8, 4 classes) with the encoder and noise distribution a sweep reads."""
+    encoder = overrides.pop("encoder", None)
+    run = fake_training_run(folder, num_snapshots=2, label_dim=4, **overrides)
+    for path in run.iterdir():
+        net, meta = load_network(path)
+        save_network(path, net, dict(meta, encoder=encoder or StandardRGBEncoder().config(),
+                                     loss={"P_mean": -0.8, "P_std": 1.6}))
+    return run
+
+
+def test_a_sweep_over_a_non_finite_snapshot_names_it_and_gives_no_best(train_data, tmp_path):
+    run = sweepable_run(tmp_path / "run")
+    poisoned = sorted(run.glob("network-snapshot-*-0.100.safetensors"))[-1]
+    net, meta = load_network(poisoned)
+    with torch.no_grad():
+        next(net.parameters()).view(-1)[0] = math.inf
+    save_network(poisoned, net, meta)
+    result = sweep(f"--indir={run}", "--std=0.05,0.1", "--metrics=loss", f"--data={train_data}", "--num=4",
+                   "--batch=4", f"--dest={tmp_path / 'out'}")
+    line = assert_one_error_line(result, str(poisoned), "NaN or infinite")
+    assert "best" not in result.output.replace(line, "")
+
+
+@pytest.mark.bad_input
+def test_a_sweep_over_data_holding_a_nan_names_the_file(tmp_path):
+    run = sweepable_run(tmp_path / "run", img_channels=4, encoder=StabilityVAEEncoder(str(tmp_path / "no-vae")).config())
+    data = tmp_path / "latents"
+    (data / "00000").mkdir(parents=True)
+    for i in range(4):
+        latent = np.ones((8, 8, 8), np.float32)
+        latent[0, 0, i] = math.nan if i == 2 else 0.0
+        np.save(data / f"00000/img{i:08d}.npy", latent)
+    (data / "dataset.json").write_text(json.dumps({"labels": [[f"00000/img{i:08d}.npy", i] for i in range(4)]}))
+    result = sweep(f"--indir={run}", "--std=0.1", "--metrics=loss", f"--data={data}", "--num=4", "--batch=4",
+                   f"--dest={tmp_path / 'out'}")
+    assert_one_error_line(result, str(data), "img00000002.npy", "non-finite")
+    assert "best" not in result.output
+
+
+def test_a_non_finite_metric_stops_the_sweep_naming_its_snapshots(tmp_path):
+    # Weights and data that are finite can still overflow in the network: that row would drop out of the ranking
+    # silently (best_rows skips NaN), so the sweep stops naming the snapshots the reconstruction came from.
+    run = fake_training_run(tmp_path / "run", num_snapshots=2, label_dim=4)
+    times = [posthoc.select_inputs(posthoc.list_snapshots(run), kimg) for kimg in (1, 2)]
+    values = iter([0.5, 0.25, math.nan])
+    path = tmp_path / "ema-sweep.json"
+    with pytest.raises(SweepError) as info:
+        run_sweep(times, [0.05, 0.1], lambda net: {"loss": next(values)}, SweepResults(path, {"metrics": ["loss"]}))
+    assert str(info.value) == (f"{run} (4 snapshots): the reconstruction of sigma_rel 0.050 at 2048 images has loss "
+                               "nan, not a finite number; the sweep stops without a best length")
+    assert [row["loss"] for row in json.loads(path.read_text())["rows"]] == [0.5, 0.25]

@@ -299,6 +299,8 @@ BAD_INPUT = {
         ["--net", "'layers.0.weight' is [4, 4] in the file, [4096, 4] in the ToyDenoiser"]),
     "plot gnet garbage": (lambda t: ["plot", "--net", bad(t, "toy"), "--gnet", bad(t, "file")], ["--gnet"]),
     "plot guidance": (lambda t: ["plot", "--guidance", "nan", "--save", t / "x.png"], ["--guidance"]),
+    "plot guidance 1e308": (lambda t: ["plot", "--guidance", "1e308", "--save", t / "x.png"],
+                            ["--guidance", "1e+308: must lie within"]),
     "plot save suffix": (lambda t: ["plot", "--save", t / "x.jpg"], ["--save", ".png"]),
     "plot save under a file": (lambda t: ["plot", "--save", bad(t, "file") / "x.png"], ["is a file"]),
 }

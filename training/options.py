@@ -30,6 +30,13 @@ HYPERPARAMETERS = (
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
 ADDED_HYPERPARAMETERS = {"label_dropout": 0.0}
 
+# Eq. 16 draws ln(sigma) = P_mean + P_std * z. torch's normal draws come from uniforms of at most 53 bits, so
+# |z| <= sqrt(-2 ln 2**-53) ~ 8.57 (Box-Muller); within |ln(sigma)| <= 40, sigma**2 and the (sigma * sigma_data)**2
+# of Eq. 15's lambda stay normal float32 numbers (float32's normal range is e**-87.3 to e**88.7), and so do the
+# dashboard's noise levels (P_mean +- 2.5 P_std).
+MAX_NORMAL_DRAW = math.sqrt(-2 * math.log(2.0**-53))
+MAX_LN_SIGMA = 40.0
+
 # The fields that are no command-line option: dataset and encoder describe the data (read from it again), network
 # holds the U-Net shape options and otherwise comes from the preset or --init.
 DATA_FIELDS = ("dataset", "encoder")
@@ -182,10 +189,22 @@ def _check_recipe(opts: TrainingOptions) -> None:
     for name in ("decay", "rampup_Mimg"):
         _require(_real(getattr(opts, name), 0), name, getattr(opts, name), "a number >= 0")
     _require(_real(opts.P_mean, -math.inf), "P_mean", opts.P_mean, "a finite number")
+    check_noise_levels(opts.P_mean, opts.P_std)
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and
              all(_real(std, 0, low_open=True, high=MAX_STD) for std in opts.ema_stds),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
     check_label_dropout(opts.label_dropout, opts.cond)
+
+
+def check_noise_levels(P_mean: float, P_std: float) -> None:
+    """Raise OptionsError when Eq. 16's noise levels can leave float32's range: |P_mean| + 8.57 P_std > 40
+    (MAX_NORMAL_DRAW, MAX_LN_SIGMA)."""
+    reach = abs(P_mean) + MAX_NORMAL_DRAW * P_std
+    if not reach <= MAX_LN_SIGMA:
+        raise OptionsError(f"--P_mean={shown(P_mean)} with --P_std={shown(P_std)}: |ln(sigma)| = |P_mean + P_std * z| "
+                           f"reaches {reach:.4g} for the largest normal draws |z| = {MAX_NORMAL_DRAW:.2f}; it must "
+                           f"stay within +-{MAX_LN_SIGMA:g}, where sigma**2 is a normal float32 number "
+                           f"(|P_mean| + {MAX_NORMAL_DRAW:.2f} * P_std <= {MAX_LN_SIGMA:g})")
 
 
 def _check_network(opts: TrainingOptions) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import torch
 
+from edm2.errors import EDM2Error
 from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
@@ -16,6 +18,50 @@ from training.options import TrainingOptions
 
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-8
+
+
+class NonFiniteError(EDM2Error):
+    """A training's loss, weights, EMA tracks or Adam moments hold NaN or infinity: the run stops, writing nothing."""
+
+
+# What first_nonfinite asks of a tensor besides being finite, and how its answer says what failed.
+FINITE, NON_NEGATIVE, FLOAT16 = "", " or a negative value (impossible there)", " or a magnitude float16 overflows on"
+
+
+def first_nonfinite(entries: Iterable[tuple[str, torch.Tensor, str]]) -> str | None:
+    """'LABEL holds NaN or infinity' for the first (label, tensor, rule) entry whose floating-point tensor does, or
+    breaks its rule (NON_NEGATIVE: a value below 0; FLOAT16: a magnitude above float16's largest), or None; one
+    reduction per tensor, no copy of it, and one host sync per device."""
+    entries = [(label, t, rule) for label, t, rule in entries
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t, rule in entries:
+        ok = torch.isfinite(t)
+        if rule == NON_NEGATIVE:
+            ok.logical_and_(t >= 0)
+        elif rule == FLOAT16:
+            ok.logical_and_(t.abs() <= torch.finfo(torch.float16).max)
+        flags.setdefault(t.device, []).append(ok.all())
+    good = {device: iter(torch.stack(found).tolist()) for device, found in flags.items()}
+    bad = next(((label, rule) for label, t, rule in entries if not next(good[t.device])), None)
+    return None if bad is None else f"{bad[0]} holds NaN or infinity{bad[1]}"
+
+
+def state_nonfinite(net: dict, optimizer: dict, emas: Iterable[tuple[float, dict]], param_names: list[str]) -> \
+        str | None:
+    """What of a training state's parts (state dicts of the network, Adam and each EMA track by sigma_rel) is not
+    finite, or is an impossible Adam moment (a negative second moment or step count), as first_nonfinite says it;
+    None if nothing.
+
+    Adam's exp_avg_sq is a running mean of squared gradients: it is never negative (Kingma and Ba, Algorithm 1).
+    """
+    moments = optimizer.get("state", {})
+    return first_nonfinite([
+        *((f"weight {name}", t, FINITE) for name, t in net.items()),
+        *((f"EMA track sigma_rel {std:.3f}: {name}", t, FINITE) for std, ema in emas for name, t in ema.items()),
+        *((f"Adam's {key} of {param_names[index] if index < len(param_names) else index}", t,
+           FINITE if key == "exp_avg" else NON_NEGATIVE) for index, moment in moments.items() for key, t in moment.items()),
+    ])
 
 
 def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
@@ -86,6 +132,16 @@ class TrainingState:
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
         self.data_order = saved.get("data_order", "permutation")
+
+    def nonfinite(self) -> str | None:
+        """What of this process's part of the state holds NaN or infinity (or an impossible Adam moment), or None:
+        state_nonfinite over the weights, Adam and the EMA tracks this process holds (a sharded EMA: its part)."""
+        if isinstance(self.ema, ShardedPowerFunctionEMA):
+            emas = [(std, {"(this process's part)": shard}) for std, shard in zip(self.ema.stds, self.ema.shards)]
+        else:
+            emas = [(std, ema.state_dict()) for ema, std in zip(self.ema.emas, self.ema.stds)]
+        names = [name for name, _ in self.net.named_parameters()]
+        return state_nonfinite(self.net.state_dict(), self.optimizer.state_dict(), emas, names)
 
     def to_dict(self) -> dict:
         """The tensors and counts a training-state file holds (training/run/checkpoint.py adds the run's options)."""

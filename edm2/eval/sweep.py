@@ -127,6 +127,7 @@ def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequenc
                     save(std, net, metadata)
                 started = time.monotonic()
                 values = measure(net)
+                check_finite_values(values, inputs, std, out_nimg)
                 row = dict(kimg=out_nimg // 1000, nimg=out_nimg, std=std, **values,
                            profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started)
                 if results is not None:
@@ -134,6 +135,17 @@ def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequenc
                     report(f"kimg {row['kimg']} sigma_rel {std:.3f}: "
                            + "  ".join(f"{m} {v:.4f}" for m, v in values.items()))
                 del net, metadata  # the pass's network must not outlive it (memory: one input plus `batch`)
+
+
+def check_finite_values(values: dict[str, float], inputs: Sequence[posthoc.Snapshot], std: float, nimg: int) -> None:
+    """Raise SweepError naming the snapshots a reconstruction came from when one of its metrics is NaN or infinite
+    (weights or data that overflow): such a row would be left out of the ranking silently, so no best is given."""
+    bad = next((metric for metric, value in values.items() if not math.isfinite(value)), None)
+    if bad is not None:
+        files = (", ".join(str(snapshot.path) for snapshot in inputs) if len(inputs) <= 3 else
+                 f"{inputs[0].path.parent} ({len(inputs)} snapshots)")
+        raise SweepError(f"{files}: the reconstruction of sigma_rel {std:.3f} at {nimg} images has {bad} "
+                         f"{values[bad]}, not a finite number; the sweep stops without a best length")
 
 
 def best_rows(rows: Sequence[dict], metric: str) -> dict[int, dict]:

@@ -22,7 +22,7 @@ from edm2.runtime import bounded_json, distributed, files
 from training.data_order import ORDERS
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
 from training.run.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
-from training.state import TrainingState
+from training.state import TrainingState, state_nonfinite
 
 FORMAT_VERSION = 1
 # training-state-{images_tag}.pt, or .{copy}.pt where the plain name belongs to a state a run refused to read.
@@ -130,7 +130,8 @@ def _run_id(found: tuple[Path, dict] | None) -> str | None:
 
 def check_fits(state: TrainingState, saved: dict, path: str | os.PathLike) -> None:
     """Raise CheckpointError naming the first tensor of a training state (read by load_state) that does not fit
-    state's network, Adam or EMA tracks: a missing or extra name, or another shape."""
+    state's network, Adam or EMA tracks: a missing or extra name, another shape, NaN or infinity, or an impossible
+    Adam moment (training.state.state_nonfinite)."""
     shapes = {name: tensor.shape for name, tensor in state.net.state_dict().items()}
     _check_tensors(saved["net"], shapes, path, "net")
     stds, emas = saved["ema"].get("stds"), saved["ema"].get("emas")
@@ -150,6 +151,11 @@ def check_fits(state: TrainingState, saved: dict, path: str | os.PathLike) -> No
     for index, moment in moments.items():
         expected = {"step": torch.Size([]), "exp_avg": params[index].shape, "exp_avg_sq": params[index].shape}
         _check_tensors(moment, expected, path, f"optimizer state {index}")
+    # A diverged training's state, or a damaged one: resuming it would write NaN snapshots.
+    problem = state_nonfinite(saved["net"], saved["optimizer"], zip(stds, emas),
+                              [name for name, _ in state.net.named_parameters()])
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
 
 
 def _check_tensors(saved: object, shapes: dict[str, torch.Size], path: str | os.PathLike, what: str) -> None:

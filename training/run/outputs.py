@@ -3,6 +3,7 @@ EMA snapshots with the dashboard, and training states."""
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 
@@ -15,7 +16,7 @@ from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.run.run_dir import RunDirectory, snapshot_path
 from training.run.sample_grid import SampleGrid
-from training.state import TrainingState
+from training.state import FLOAT16, NonFiniteError, TrainingState, first_nonfinite
 from training.run.trackers import STATUS_KEYS, Trackers
 
 
@@ -46,6 +47,13 @@ def status_text(row: dict, duration: int) -> str:
     return (f"kimg {row['kimg']:>{len(total)}.1f}/{total} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
             f"img/s {row['images_per_s']:<9.1f} sec/kimg {row['sec_per_kimg']:<8.3f} "
             f"maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} ETA {eta}")
+
+
+def unstorable(tracks: list[tuple[torch.nn.Module, float]]) -> str | None:
+    """What of the EMA tracks (the networks and sigma_rel of the tracker's get()) the snapshots' float16
+    (edm2.formats.snapshot.save_network) cannot hold: NaN, infinity or a magnitude that overflows there; or None."""
+    return first_nonfinite((f"EMA track sigma_rel {std:.3f}: {name}", t, FLOAT16)
+                           for net, std in tracks for name, t in net.state_dict().items())
 
 
 class Outputs:
@@ -80,16 +88,21 @@ class Outputs:
             print(f"First step done: {opts.batch} images in {now - self._tick_time:.1f} s, start-up included; a "
                   f"status line every {opts.status} images", flush=True)
         self._first_step = False
-        if done or stopping or crossed(prev, cur, opts.status):
+        status = done or stopping or crossed(prev, cur, opts.status)
+        snapshot, checkpoint = done or crossed(prev, cur, opts.snapshot), done or stopping or crossed(
+            prev, cur, opts.checkpoint)
+        if status:
             self.status(partial=not crossed(prev, cur, opts.status))
         writing = time.monotonic()
-        if done or crossed(prev, cur, opts.snapshot):
+        if status or snapshot or checkpoint:
+            self.check_finite()
+        if snapshot:
             self.snapshots()
             if self.run:
                 self.report_snapshot()
-        if done or stopping or crossed(prev, cur, opts.checkpoint):
+        if checkpoint:
             self.training_state()
-        # The next status line's images/s measures training, not the seconds spent writing these files.
+        # The next status line's images/s measures training, not the seconds spent checking and writing these files.
         self._tick_time += time.monotonic() - writing
 
     def status(self, partial: bool = False) -> None:
@@ -97,6 +110,8 @@ class Outputs:
         partial: the line ends an interval early (a stop, or the duration), which the line says."""
         stats = distributed.all_reduce_sum(self.loss_stats.clone()).tolist()
         self.loss_stats.zero_()
+        if not math.isfinite(stats[0]):  # the same sum on every rank: they all stop here
+            self.stop_nonfinite(f"the training loss since the last status line is {stats[0]}")
         cur, opts, now = self.state.cur_nimg, self.opts, time.monotonic()
         interval = cur - self._tick_nimg
         images_per_s = interval / max(now - self._tick_time, 1e-9)
@@ -115,10 +130,28 @@ class Outputs:
         if self.trackers:
             self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS})
 
+    def check_finite(self) -> None:
+        """Every rank: stop (NonFiniteError) when any rank's weights, EMA tracks or Adam moments hold NaN or infinity,
+        before anything of this step is written; a sweep of reductions at status, snapshot and checkpoint time only,
+        never a wait per step."""
+        found = [problem for problem in distributed.all_gather_object(self.state.nonfinite()) if problem]
+        if found:
+            self.stop_nonfinite(found[0])
+
+    def stop_nonfinite(self, what: str) -> None:
+        """Raise NonFiniteError naming the image count and what went non-finite."""
+        cur = self.state.cur_nimg
+        raise NonFiniteError(f"training stopped at kimg {cur / 1000:.1f} ({cur} images): {what}; nothing more is "
+                             "written, the snapshots and training states written so far are kept (a lower --lr, or "
+                             "data of a sane range, may help)")
+
     def snapshots(self) -> None:
         """Rank 0: the EMA snapshots and the dashboard. Every rank calls this: a sharded EMA gathers its tracks on
         rank 0 (edm2.runtime.sharded_ema), and they are freed on return, before anything else loads a network."""
         tracks = self.state.ema.get()
+        problem = distributed.broadcast_object(unstorable(tracks) if self.run else None)
+        if problem:
+            self.stop_nonfinite(problem)
         if self.run:
             self.run.save_snapshots(tracks, self.state.cur_nimg, self.opts)
         if self.dashboard:
