@@ -50,4 +50,4 @@ def metric_values(stats: Stats, reference: Stats, metrics: Sequence[str], device
 
 def _tensor(entry: Mapping, device: torch.device | str) -> torch.Tensor:
     """An entry's kept features on device."""
-    return torch.as_tensor(entry["features"], device=device)
+    return torch.tensor(entry["features"], device=device)  # a copy: a file's arrays are read-only
