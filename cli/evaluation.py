@@ -70,13 +70,18 @@ def check_dest(dest_path: str) -> Path:
     dest = Path(dest_path)
     if dest.suffix not in (".npz", ".pkl"):
         raise click.BadParameter(f"{dest_path}: use a .npz (ours) or .pkl (release format) name", param_hint="--dest")
-    if dest.is_dir():
-        raise click.BadParameter(f"{dest_path} is a folder; name the statistics file to write", param_hint="--dest")
-    try:
-        files.check_writable_dir(dest.parent)
-    except files.OutputError as e:
-        raise click.BadParameter(str(e), param_hint="--dest") from None
+    check_output_file(dest, "--dest", "the statistics file")
     return dest
+
+
+def check_output_file(path: Path, option: str, what: str) -> None:
+    """Refuse, naming the option, a folder or an unwritable place for a file to write (before any work)."""
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a folder; name {what} to write", param_hint=option)
+    try:
+        files.check_writable_dir(path.parent)
+    except files.OutputError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 def check_features(reference: dict, ref_path: str, metrics: Sequence[str]) -> None:
@@ -174,14 +179,8 @@ _SEED_SET_OPTIONS = [
 
 def check_results_path(path: Path | None) -> None:
     """Refuse, naming --results, a folder or an unwritable place for the results file (before any work)."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise click.BadParameter(f"{path} is a folder; name the results file to write", param_hint="--results")
-    try:
-        files.check_writable_dir(path.parent)
-    except files.OutputError as e:
-        raise click.BadParameter(str(e), param_hint="--results") from None
+    if path is not None:
+        check_output_file(path, "--results", "the results file")
 
 
 def seed_sets(sets: int | list[range], seed: int, num: int) -> list[range]:

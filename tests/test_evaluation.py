@@ -204,3 +204,12 @@ def test_bad_evaluation_input_is_one_line(tmp_path, inception, args, fragments, 
              "sweep": [f"--indir={tmp_path}", "--std=0.1", f"--ref={tmp_path / 'nofeatures.npz'}", "--metrics=fid",
                        f"--gnet={net}", inception]}[args[0]]
     assert_refused(tmp_path, lambda: run(args[0], *given, *args[1:]), *fragments)
+
+
+def test_the_best_of_precision_and_the_like_is_the_highest():
+    rows = [dict(nimg=2048, std=s, guidance=g, fid=f, recall=r)
+            for s, g, f, r in [(0.05, 1, 3.0, 0.5), (0.1, 1, 2.0, 0.4), (0.05, 2, 1.0, 0.7), (0.1, 2, 4.0, 0.9)]]
+    assert sweep_lib.best_rows(rows[:2], "fid")[2048]["std"] == 0.1
+    assert sweep_lib.best_rows(rows[:2], "recall")[2048]["std"] == 0.05
+    table = sweep_lib.table_text(rows, "recall", [1, 2]).splitlines()
+    assert table[1:] == ["     0.050      0.5000*     0.7000 ", "     0.100      0.4000      0.9000*"]

@@ -18,6 +18,12 @@ DETECTOR_OF = {"fid": "fid", "fd_dinov2": "fd_dinov2", **{name: "fid" for name i
 METRICS = tuple(DETECTOR_OF)
 
 
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value is the better one (precision, recall, density, coverage); lower for the distances and
+    the loss."""
+    return metric.removesuffix("_dinov2") in ("precision", "recall", "density", "coverage")
+
+
 def needs_features(metric: str) -> bool:
     """Whether a metric compares features themselves (kept in the statistics), not their mean and covariance."""
     return metric.removesuffix("_dinov2") in FEATURE_METRICS

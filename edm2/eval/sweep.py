@@ -158,11 +158,13 @@ def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequenc
 
 
 def best_rows(rows: Sequence[dict], metric: str) -> dict[int, dict]:
-    """Per training time (nimg), the row with the lowest value of metric (NaN never wins)."""
+    """Per training time (nimg), the row with the best value of metric, the lowest or, for precision and the like,
+    the highest (NaN never wins)."""
     best: dict[int, dict] = {}
+    sign = -1 if scores.higher_is_better(metric) else 1
     for row in rows:
         value = row.get(metric, math.nan)
-        if np.isfinite(value) and (row["nimg"] not in best or value < best[row["nimg"]][metric]):
+        if np.isfinite(value) and (row["nimg"] not in best or sign * value < sign * best[row["nimg"]][metric]):
             best[row["nimg"]] = row
     return best
 
@@ -177,12 +179,12 @@ def write_table(path: Path, rows: Sequence[dict], metrics: Sequence[str]) -> Non
 
 
 def table_text(rows: Sequence[dict], metric: str, guidances: Sequence[float]) -> str:
-    """One metric as a text table: a line per sigma_rel, a column per guidance strength, each column's minimum
-    starred."""
+    """One metric as a text table: a line per sigma_rel, a column per guidance strength, each column's best value
+    (best_rows' rule) starred."""
     stds = sorted({row["std"] for row in rows})
     value = {(row["std"], row["guidance"]): row.get(metric, math.nan) for row in rows}
-    best = {g: min((s for s in stds if np.isfinite(value.get((s, g), math.nan))),
-                   key=lambda s: value[(s, g)], default=None) for g in guidances}
+    best = {g: best_rows([r for r in rows if r["guidance"] == g], metric) for g in guidances}
+    best = {g: next(iter(found.values()))["std"] if found else None for g, found in best.items()}
     lines = [f"{metric:>10} " + "".join(f"{'w=' + format(g, 'g'):>12}" for g in guidances)]
     for s in stds:
         cells = (f"{value.get((s, g), math.nan):.4f}{'*' if best[g] == s else ' '}" for g in guidances)

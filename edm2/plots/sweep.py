@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import matplotlib.figure
 
 from edm2 import plots
+from edm2.eval.scores import higher_is_better
 from edm2.eval.sweep import best_rows
 
 LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2", "kid": "KID"}  # plain text, no mathtext
@@ -39,8 +40,8 @@ def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.fig
 
 def _panels(rows: Sequence[dict], metrics: Sequence[str], x: str, line: str, xlabel: str,
             name: Callable[[float], str]) -> matplotlib.figure.Figure:
-    """One panel per metric: the metric against row[x], one line per distinct row[line], each line's minimum
-    starred."""
+    """One panel per metric: the metric against row[x], one line per distinct row[line], each line's best value
+    starred (the lowest; the highest for precision and the like)."""
     figure = plots.new_figure(5 * len(metrics), 4)
     for index, metric in enumerate(metrics):
         ax = figure.add_subplot(1, len(metrics), index + 1)
@@ -50,7 +51,7 @@ def _panels(rows: Sequence[dict], metrics: Sequence[str], x: str, line: str, xla
             ax.plot([a for a, _ in curve], [v for _, v in curve], "o-", color=color, markersize=3, label=name(key))
             finite = [(a, v) for a, v in curve if math.isfinite(v)]
             if finite:
-                a, v = min(finite, key=lambda point: point[1])
+                a, v = (max if higher_is_better(metric) else min)(finite, key=lambda point: point[1])
                 ax.plot([a], [v], "*", color=color, markersize=12, markeredgecolor="black")
         ax.set(xlabel=xlabel, ylabel=LABELS.get(metric, metric), title=f"{metric} against {xlabel.split(' ')[0]}")
         ax.grid(alpha=0.3)
