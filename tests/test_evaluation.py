@@ -157,8 +157,9 @@ def test_sweep_over_guidance_and_ema_length_draws_both_plots(reference_run, tmp_
     data = tmp_path / "data"
     write_pngs(data, 12, 1, 100)
     assert run("ref", f"--data={data}", f"--dest={tmp_path / 'ref.npz'}", "--metrics=fid", inception).exit_code == 0
-    common = [f"--indir={reference_run}", "--std=0.05,0.1,0.15,0.2", "--metrics=fid,kid", f"--ref={tmp_path / 'ref.npz'}",
-              "--num=4", "--batch=4", inception, f"--gnet={reference_run / 'network-snapshot-0000001-0.050.safetensors'}"]
+    gnet = reference_run / "network-snapshot-0000001-0.050.safetensors"
+    common = [f"--indir={reference_run}", "--std=0.05,0.1,0.15,0.2", "--metrics=fid,kid",
+              f"--ref={tmp_path / 'ref.npz'}", "--num=4", "--batch=4", inception, f"--gnet={gnet}"]
     result = run("sweep", *common, "--guidance=1,1.5,2.5", f"--dest={tmp_path / 'grid'}")
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "grid" / sweep_lib.SWEEP_JSON).read_text())["rows"]

@@ -92,7 +92,8 @@ class Measure:
                         + [0]) if any(scores.needs_features(m) for m in metrics) else 0
         self._loss = math.nan  # the last network's validation loss, which no guidance strength changes
 
-    def __call__(self, net: torch.nn.Module, guidance: float | None = None, same_network: bool = False) -> dict[str, float]:
+    def __call__(self, net: torch.nn.Module, guidance: float | None = None,
+                 same_network: bool = False) -> dict[str, float]:
         """{metric: value} of net, in the order of self.metrics, at this guidance strength (default: the one
         given when made); one feature pass of generated images for all the metrics of images. same_network: net
         is the previous call's network with the same weights, whose loss is reused."""

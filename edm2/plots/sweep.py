@@ -12,7 +12,8 @@ from edm2 import plots
 from edm2.eval.scores import higher_is_better
 from edm2.eval.sweep import best_rows
 
-LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2", "kid": "KID"}  # plain text, no mathtext
+# Plain text, no mathtext.
+LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2", "kid": "KID"}
 
 
 def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
@@ -53,7 +54,7 @@ def _panels(rows: Sequence[dict], metrics: Sequence[str], x: str, line: str, xla
             if finite:
                 a, v = (max if higher_is_better(metric) else min)(finite, key=lambda point: point[1])
                 ax.plot([a], [v], "*", color=color, markersize=12, markeredgecolor="black")
-        ax.set(xlabel=xlabel, ylabel=LABELS.get(metric, metric), title=f"{metric} against {xlabel.split(' ')[0]}")
+        ax.set(xlabel=xlabel, ylabel=LABELS.get(metric, metric), title=f"{metric} against {xlabel.rsplit(' ', 1)[0]}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return figure
