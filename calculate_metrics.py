@@ -11,17 +11,16 @@ import click
 import numpy as np
 import torch
 
-from cli import sweep as sweep_cli
+from cli import evaluation, sweep as sweep_cli
 from cli.command import Group
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Guidance, Integer, SigmaInterval
-from edm2.data.dataset import DatasetError, ImageData
-from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError
-from edm2.eval.detectors import DETECTORS, DetectorError, load_detector
-from edm2.eval.metrics import calculate_stats, frechet_distance
+from edm2.eval import scores
+from edm2.eval.detectors import DetectorError, load_detector
+from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 from edm2.eval.sweep import Measure, run_sweep
 from edm2.formats.snapshot import SnapshotError, load_generator
@@ -37,7 +36,7 @@ WEIGHTS_OPTIONS = {"fid": "inception", "fd_dinov2": "dinov2"}
 
 def parse_metrics(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
     """'fid,fd_dinov2' -> ['fid', 'fd_dinov2'], refusing unknown names ('sweep' also knows 'loss')."""
-    choices = [*DETECTORS, *(["loss"] if ctx.info_name == "sweep" else [])]
+    choices = [*scores.METRICS, *(["loss"] if ctx.info_name == "sweep" else [])]
     names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
     unknown = [name for name in names if name not in choices]
     if unknown or not names:
@@ -50,7 +49,9 @@ def metric_options(batch_default: int) -> Callable:
     """Options every command shares: which metrics, detector weights, batch size."""
     def decorate(fn: Callable) -> Callable:
         options = [
-            click.option("--metrics", help="Metrics to compute", metavar="LIST", callback=parse_metrics,
+            click.option("--metrics", help="Metrics to compute: fid, fd_dinov2; kid, precision, recall, density, "
+                         "coverage (Inception features; with _dinov2, e.g. recall_dinov2, DINOv2's)", metavar="LIST",
+                         callback=parse_metrics,
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
                          type=Integer(1, MAX_BATCH), default=batch_default, show_default=True),
@@ -70,7 +71,8 @@ workers_option = click.option("--workers", "num_workers", help="Data loading pro
 
 
 def load_reference(ref_path: str, metrics: list[str]) -> dict:
-    """Reference statistics holding every requested metric; bad files and missing metrics name --ref."""
+    """Reference statistics holding every requested metric (and the features the feature metrics compare); bad files
+    and missing metrics name --ref."""
     try:
         ref = distributed.main_rank_first(functools.partial(load_stats, ref_path))
     except NotStatisticsError as e:
@@ -78,18 +80,19 @@ def load_reference(ref_path: str, metrics: list[str]) -> dict:
                                  f"--data={ref_path} --dest=REF.npz, then pass --ref=REF.npz", param_hint="--ref") from None
     except (StatsError, files.DownloadError) as e:
         raise click.BadParameter(str(e), param_hint="--ref") from None
-    missing = [metric for metric in metrics if metric not in ref]
+    missing = [metric for metric in metrics if scores.DETECTOR_OF[metric] not in ref]
     if missing:
+        have = [m for m in metrics if m not in missing]
         raise click.BadParameter(f"{ref_path} has no statistics for {', '.join(missing)} (it has "
-                                 f"{', '.join(ref)}); choose --metrics={','.join(m for m in metrics if m in ref)}",
-                                 param_hint="--ref")
+                                 f"{', '.join(ref)}); choose --metrics={','.join(have)}", param_hint="--ref")
+    evaluation.check_features(ref, ref_path, metrics)
     return ref
 
 
 def load_detectors(metrics: list[str], weights: dict[str, str | None], device: torch.device) -> dict:
-    """Each metric's detector on this rank's device; bad weights name their option."""
+    """The detector of each metric's features on this rank's device, each once; bad weights name their option."""
     detectors = {}
-    for metric in metrics:
+    for metric in scores.detectors_for(metrics):
         try:
             detectors[metric] = distributed.main_rank_first(
                 functools.partial(load_detector, metric, weights[metric], device))
@@ -107,33 +110,6 @@ def check_dimensions(ref: dict, ref_path: str, detectors: dict) -> None:
             raise click.BadParameter(f"{ref_path} holds {dim}-dimensional {metric} statistics but the --{option} "
                                      f"detector gives {detector.feature_dim} features; they were computed with "
                                      f"another detector", param_hint="--ref")
-
-
-def open_images(path: str, option: str) -> ImageData:
-    """The images at path, in any format PIL reads, checked to be uint8 RGB or grayscale."""
-    try:
-        dataset = open_data(path, use_labels=False, blends=False, any_format=True)
-        image, _ = dataset[0]
-    except DatasetError as e:
-        raise click.BadParameter(str(e), param_hint=option) from None
-    if image.dtype != np.uint8 or image.shape[0] not in (1, 3):
-        raise click.BadParameter(f"{path} holds {image.dtype} images with {image.shape[0]} channels; metrics need "
-                                 "uint8 RGB or grayscale images (decode latent datasets first)", param_hint=option)
-    return dataset
-
-
-def check_dest(dest_path: str) -> Path:
-    """The statistics file to write: a .npz or .pkl name in a folder we can write; checked before any work."""
-    dest = Path(dest_path)
-    if dest.suffix not in (".npz", ".pkl"):
-        raise click.BadParameter(f"{dest_path}: use a .npz (ours) or .pkl (release format) name", param_hint="--dest")
-    if dest.is_dir():
-        raise click.BadParameter(f"{dest_path} is a folder; name the statistics file to write", param_hint="--dest")
-    try:
-        files.check_writable_dir(dest.parent)
-    except files.OutputError as e:
-        raise click.BadParameter(str(e), param_hint="--dest") from None
-    return dest
 
 
 def network_for_option(path: str, option: str, device: torch.device) -> tuple[Precond, Encoder, dict]:
@@ -166,17 +142,6 @@ def check_generation_options(gnet_path: str | None, guidance: float, guidance_in
     if seed + num_images > MAX_SEED:  # checked now, not at the first batch past the limit hours later
         raise click.BadParameter(f"seeds {seed}..{seed + num_images - 1} go past {MAX_SEED - 1}; every seed must be "
                                  "below 2**32", param_hint="--seed")
-
-
-def report(stats: dict, ref: dict, metrics: list[str], num_images: int, source: str, ref_path: str) -> None:
-    """Print one human line and one JSON line with each metric's Frechet distance (rank 0)."""
-    if not distributed.is_main():
-        return
-    results = {metric: frechet_distance(stats[metric]["mu"], stats[metric]["sigma"], ref[metric]["mu"],
-                                        ref[metric]["sigma"]) for metric in metrics}
-    print("  ".join(f"{metric} {value:.4f}" for metric, value in results.items())
-          + f"  ({num_images} images from {source}, reference {ref_path})", flush=True)
-    print(json.dumps({"results": results, "num_images": num_images, "images": source, "ref": ref_path}), flush=True)
 
 
 @click.group(cls=Group, context_settings={"max_content_width": 120})
@@ -214,14 +179,15 @@ def main() -> None:
 @click.option("--dest", "dest_path", help="Statistics file to write (.npz ours, .pkl the release's format)",
               metavar="NPZ|PKL", required=True)
 @metric_options(batch_default=64)
+@evaluation.features_option
 @workers_option
 @threads_option
 def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num_workers: int,
-        inception: str | None, dinov2: str | None) -> None:
+        inception: str | None, dinov2: str | None, features: int) -> None:
     """Calculate reference statistics of all images of a dataset for 'calc' and 'gen'."""
-    dest = check_dest(dest_path)
+    dest = evaluation.check_dest(dest_path)
     with distributed.session(), locks.hold_destination(dest, "calculate_metrics.py ref"):
-        dataset = open_images(data_path, "--data")
+        dataset = evaluation.open_images(data_path, "--data")
         if len(dataset) < 2:
             raise click.BadParameter(f"{data_path} holds {len(dataset)} image; statistics need at least 2",
                                      param_hint="--data")
@@ -229,8 +195,10 @@ def ref(data_path: str, dest_path: str, metrics: list[str], batch_size: int, num
             files.remove_stale_temporaries(dest.parent, name=dest.name)  # left by a killed earlier run
         device = distributed.device()
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
-        batches = image_batches(dataset, np.arange(len(dataset)), batch_size, num_workers, device)
-        stats, num_images = calculate_stats(batches, detectors, device, num_batches=len(batches))
+        batches = image_batches(dataset, evaluation.reference_order(len(dataset), features), batch_size, num_workers,
+                                device)
+        stats, num_images = calculate_stats(batches, detectors, device, num_batches=len(batches),
+                                            keep_features=min(features, len(dataset)))
         if distributed.is_main():
             save_stats(dest, stats)
             print(f"Saved {', '.join(metrics)} statistics of {num_images} images from {data_path} to {dest_path}",
@@ -254,7 +222,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
     """Calculate metrics of a set of images."""
     with distributed.session():
         reference = load_reference(ref_path, metrics)
-        dataset = open_images(images_path, "--images")
+        dataset = evaluation.open_images(images_path, "--images")
         samples = sample_indices(dataset.fnames)
         if len(samples) < num_images:
             raise click.BadParameter(f"found {len(samples)} images in {images_path}, fewer than --num={num_images}; "
@@ -265,8 +233,9 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
         batches = image_batches(dataset, indices, batch_size, num_workers, device)
-        stats, count = calculate_stats(batches, detectors, device, num_batches=len(batches))
-        report(stats, reference, metrics, count, images_path, ref_path)
+        stats, count = calculate_stats(batches, detectors, device, num_batches=len(batches),
+                                       keep_features=evaluation.features_to_keep(reference, metrics))
+        evaluation.report(scores.metric_values(stats, reference, metrics, device), count, images_path, ref_path)
 
 
 @main.command()
@@ -286,13 +255,16 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
               default=50000, show_default=True)
 @click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
               type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True)
+@evaluation.seed_set_options
 @sampling_speed_options
 @threads_option
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
         solver: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
-        seed: int, speed: SamplingSpeed) -> None:
+        seed: int, seed_sets: int | list, results_path: Path | None, speed: SamplingSpeed) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
+    sets = evaluation.seed_sets(seed_sets, seed, num_images)
+    evaluation.check_results_path(results_path)
     with distributed.session():
         reference = load_reference(ref_path, metrics)
         device = distributed.device()
@@ -303,12 +275,20 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
         net, gnet = apply_speed(speed, net, gnet, device)
-        seeds = range(seed, seed + num_images)
-        images = (batch for _, batch, _ in generate_images(net, encoder, seeds, gnet=gnet, guidance=guidance,
-                                                        batch_size=batch_size, device=device,
-                                                        guidance_interval=guidance_interval, solver=solver))
-        stats, count = calculate_stats(images, detectors, device, progress=False)  # generate_images shows progress
-        report(stats, reference, metrics, count, net_path, ref_path)
+        sampler = dict(guidance=guidance, guidance_interval=guidance_interval, solver=solver)
+        per_set = []
+        for seeds in sets:  # one feature pass per disjoint seed set
+            images = (batch for _, batch, _ in generate_images(net, encoder, seeds, gnet=gnet, batch_size=batch_size,
+                                                            device=device, **sampler))
+            stats, count = calculate_stats(images, detectors, device, progress=False,  # generate_images shows it
+                                           keep_features=evaluation.features_to_keep(reference, metrics))
+            per_set.append(scores.metric_values(stats, reference, metrics, device))
+        if len(sets) == 1 and results_path is None:
+            evaluation.report(per_set[0], count, net_path, ref_path)
+            return
+        if distributed.is_main():  # the digests read every file once more: one rank does it
+            inputs = evaluation.inputs_record(ref_path, net_path, gnet_path, metadata, metrics, sampler)
+            evaluation.finish_sets(inputs, sets, per_set, net_path, results_path)
 
 
 @main.command(epilog=sweep_cli.EPILOG)
@@ -318,11 +298,12 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 @threads_option
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
-          seed: int, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+          seed: int, gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
           solver: str, dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
-    """Metrics across EMA lengths of a run (paper Figure 5), each reconstructed in memory; resumable."""
-    distances = [metric for metric in metrics if metric in DETECTORS]
-    check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
+    """Metrics across EMA lengths (paper Figure 5) and guidance strengths (Figure 14) of a run, each network
+    reconstructed in memory once and measured at every strength; resumable."""
+    distances = [metric for metric in metrics if metric != "loss"]
+    check_generation_options(gnet_path, max(guidance), guidance_interval, seed, num_images)
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
                                        guidance_interval, solver)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
@@ -331,7 +312,7 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         reference = load_reference(ref_path, distances) if distances else None
         device = distributed.device()
         gnet = (sweep_cli.guiding_network(gnet_path, sweep_cli.network_shape(plan.metadata), plan.metadata, device)
-                if guidance != 1 else None)
+                if max(guidance) != 1 else None)
         detectors = load_detectors(distances, {"fid": inception, "fd_dinov2": dinov2}, device)
         if distances:
             load_decoder(plan.encoder, "--indir", device)
@@ -339,12 +320,12 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,
                           reference, samples, gnet,
-                          dict(guidance=guidance, guidance_interval=guidance_interval, solver=solver))
+                          dict(guidance_interval=guidance_interval, solver=solver))
         main_rank = distributed.is_main()
         run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
-                  plan.save if main_rank else None, report=click.echo)
+                  plan.save if main_rank else None, report=click.echo, guidances=guidance)
         if main_rank:
-            sweep_cli.finish(plan, metrics)
+            sweep_cli.finish(plan, metrics, guidance)
 
 if __name__ == "__main__":
     main(prog_name="calculate_metrics.py")

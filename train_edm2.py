@@ -11,12 +11,15 @@ import numpy as np
 from cli.command import Command
 from cli.config import config_option
 from cli.speed import threads_option
-from cli.types import (MAX_BATCH, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList, Number,
-                       StdList)
+from cli.evaluation import check_features
+from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
+                       Number, StdList)
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.sources import open_data
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.errors import SnapshotError, one_line
+from edm2.eval.scores import DETECTOR_OF
+from edm2.eval.stats_files import StatsError, load_stats
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
@@ -26,7 +29,8 @@ from training.architecture import (
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, PRECISIONS, RECIPE_FIELDS, TRACKERS, OptionsError, TrainingOptions,
+    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, PRECISIONS, RECIPE_FIELDS, TRACKERS,
+    TRAINING_METRICS, OptionsError, TrainingOptions,
     check_derived, check_label_dropout, rounds_per_step,
 )
 from training.run.preflight import dataset_description
@@ -57,6 +61,37 @@ Examples:
   python train_edm2.py --preset=edm2-img512-s --data=datasets/other-sd.zip --duration=64Mi \\
       --init=https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/edm2-img512-s-2147483-0.130.pkl
 """
+
+
+def parse_training_metrics(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    """'loss,fid' -> ('loss', 'fid'), refusing unknown names; a --config file gives a list."""
+    parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names = tuple(dict.fromkeys(name.strip() for name in parts if name.strip()))
+    unknown = [name for name in names if name not in TRAINING_METRICS]
+    if unknown:
+        raise click.BadParameter(f"unknown metric {', '.join(map(repr, unknown))}; choose from "
+                                 f"{', '.join(TRAINING_METRICS)}")
+    return names
+
+
+def check_metrics_ref(metrics: tuple[str, ...], ref_path: str | None) -> None:
+    """Refuse, before training, reference statistics that cannot serve the metrics of images (naming
+    --metrics-ref)."""
+    images = [metric for metric in metrics if metric != "loss"]
+    if not images or ref_path is None:
+        return  # no metric of images, or no reference: TrainingOptions refuses the latter
+    try:
+        ref = load_stats(ref_path)
+    except (StatsError, files.DownloadError) as e:
+        raise click.BadParameter(str(e), param_hint="--metrics-ref") from None
+    missing = [metric for metric in images if DETECTOR_OF[metric] not in ref]
+    if missing:
+        raise click.BadParameter(f"{ref_path} has no statistics for {', '.join(missing)}",
+                                 param_hint="--metrics-ref")
+    try:
+        check_features(ref, ref_path, images)
+    except click.BadParameter as e:
+        raise click.BadParameter(e.message, param_hint="--metrics-ref") from None
 
 
 def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
@@ -214,6 +249,15 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
 @click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
               show_default=True, help="Sampler steps of the sample grid")
+@click.option("--metrics", callback=parse_training_metrics, default="", metavar="LIST",
+              help="Measure the snapshots while training: calculate_metrics.py's metrics (fid, fd_dinov2, kid, "
+                   "precision, ...) and loss (the validation loss), logged as e.g. fid2k  [default: none]")
+@click.option("--metrics-every", type=ImageCount(), default=0, show_default=True,
+              help="Metrics interval in images, a multiple of --snapshot; 0 = at every snapshot")
+@click.option("--metrics-num", type=Integer(2, MAX_IMAGES), default=DEFAULT_METRICS_NUM, show_default=True,
+              help="Images generated (seeds 0..N-1), or loss samples, per metric")
+@click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
+              "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
 @threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
@@ -229,6 +273,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
+    check_metrics_ref(overrides["metrics"], overrides["metrics_ref"])
     if time_steps and not dry_run:
         raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
                                  param_hint="--time-steps")

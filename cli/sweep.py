@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 import click
 import torch
 
+from cli.evaluation import GuidanceList
 from cli.solver import solver_option
-from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, Number, SigmaInterval, StdList
+from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
 
 from edm2 import posthoc
 from edm2.data.dataset import DatasetError, ImageFolderDataset
@@ -52,15 +53,16 @@ def options(fn: Callable) -> Callable:
         click.option("--kimg", "kimgs", help="Training times in kimg, one curve each  [default: the newest snapshot]",
                      type=IntList(0, MAX_KIMG)),
         click.option("--data", "data_path", help="Dataset for --metrics=loss (the validation loss)", metavar="PATH|ZIP"),
-        click.option("--ref", "ref_path", help="Reference statistics for fid and fd_dinov2", metavar="NPZ|PKL|URL"),
+        click.option("--ref", "ref_path", help="Reference statistics for the metrics of images", metavar="NPZ|PKL|URL"),
         click.option("--num", "num_images", help="Images generated per EMA length; samples of the loss", metavar="INT",
                      type=Integer(2, MAX_IMAGES), default=50000, show_default=True),
         click.option("--seed", help="First seed of the images and of the loss's samples", metavar="INT",
                      type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True),
         click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the run's own "
                      "unconditional prediction (trained with --label-dropout)", metavar="PATH|URL|self"),
-        click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance)", metavar="FLOAT",
-                     type=Number(), default=1.0, show_default=True),
+        click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance), or several, "
+                     "e.g. 1,1.4,2: every EMA length at each (paper Figure 14)", type=GuidanceList(), default="1",
+                     show_default=True),
         click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], "
                      "as in gen  [default: every step]", type=SigmaInterval()),
         solver_option,
@@ -76,7 +78,7 @@ def options(fn: Callable) -> Callable:
 
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
-                  gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
+                  gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
                   solver: str) -> dict:
     """Refuse metrics without their input (the generation options are calculate_metrics.check_generation_options');
     returns the settings a results file records (its rows record the training times and EMA lengths, so a rerun
@@ -87,7 +89,8 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
     if distances and ref_path is None:
         raise click.BadParameter(f"--metrics={','.join(distances)} needs reference statistics", param_hint="--ref")
     # Heun's results files predate --solver and stay resumable: only another solver is recorded (and so refused
-    # by, or refusing, a file of another solver).
+    # by, or refusing, a file of another solver). Files of one guidance strength predate lists and record a number.
+    guidance = guidance[0] if len(guidance) == 1 else guidance
     return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
                 guidance_interval=guidance_interval, **({} if solver == "heun" else {"solver": solver}))
 
@@ -195,19 +198,42 @@ def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> 
         raise click.BadParameter(str(e), param_hint="--data") from None
 
 
-def finish(plan: SweepPlan, metrics: list[str]) -> None:
-    """Draw the results as ema-sweep.png and print the best sigma_rel of every training time (rank 0)."""
+def finish(plan: SweepPlan, metrics: list[str], guidances: list[float] | None = None) -> None:
+    """Draw the results as ema-sweep.png and print the best sigma_rel of every training time (rank 0); with several
+    guidance strengths, also the table and the two guidance plots (finish_guidance), ema-sweep.png at the first."""
     from edm2 import plots
     from edm2.plots.sweep import sweep_figure
 
     png = plan.dest / sweep.SWEEP_PNG
-    plots.save_png(sweep_figure(plan.results.rows, metrics), png)
-    best = {metric: {str(nimg // 1000): row["std"] for nimg, row in sweep.best_rows(plan.results.rows, metric).items()}
+    rows = plan.results.rows
+    if guidances and len(guidances) > 1:
+        finish_guidance(plan, metrics, guidances)
+        rows = [row for row in rows if row.get("guidance") == guidances[0]]
+    plots.save_png(sweep_figure(rows, metrics), png)
+    best = {metric: {str(nimg // 1000): row["std"] for nimg, row in sweep.best_rows(rows, metric).items()}
             for metric in metrics}
     for metric, by_kimg in best.items():
         click.echo(f"best {metric}: " + ", ".join(f"sigma_rel {std:.3f} at kimg {k}" for k, std in by_kimg.items()))
     click.echo(f"Saved {plan.results.path} and {png}")
     click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best}))
+
+
+def finish_guidance(plan: SweepPlan, metrics: list[str], guidances: list[float]) -> None:
+    """The sweep over guidance strengths (rank 0): ema-sweep.csv with every row, a table per metric at the newest
+    training time (rows: EMA lengths, columns: strengths), and the plots of each metric against EMA length (one line
+    per strength, Figure 14) and against guidance (one line per EMA length)."""
+    from edm2 import plots
+    from edm2.plots.sweep import ema_guidance_figure, guidance_figure
+
+    rows = plan.results.rows
+    newest = [row for row in rows if row["nimg"] == max(r["nimg"] for r in rows) and row.get("guidance") in guidances]
+    sweep.write_table(plan.dest / sweep.SWEEP_CSV, rows, metrics)
+    for metric in metrics:
+        click.echo(sweep.table_text(newest, metric, guidances))
+    plots.save_png(ema_guidance_figure(newest, metrics), plan.dest / sweep.EMA_GUIDANCE_PNG)
+    plots.save_png(guidance_figure(newest, metrics), plan.dest / sweep.GUIDANCE_PNG)
+    click.echo(f"Saved {plan.dest / sweep.SWEEP_CSV}, {plan.dest / sweep.EMA_GUIDANCE_PNG} and "
+               f"{plan.dest / sweep.GUIDANCE_PNG}")
 
 
 def guiding_network(gnet_path: str, net, metadata: dict, device: torch.device) -> torch.nn.Module | str:

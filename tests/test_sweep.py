@@ -197,7 +197,7 @@ BAD_INPUT = {
     "kimg not numbers": ({"--kimg": "1,x"}, ["--kimg", "not a comma-separated list"], None),
     "kimg negative": ({"--kimg": "-1"}, ["--kimg", "every number must lie in [0, "], None),
     "std too large": ({"--std": "0.3"}, ["--std", "outside (0, 0.2887)"], None),
-    "unknown metric": ({"--metrics": "loss,kid"}, ["--metrics", "unknown metric 'kid'", "loss"], None),
+    "unknown metric": ({"--metrics": "loss,fd_clip"}, ["--metrics", "unknown metric 'fd_clip'", "loss"], None),
     "loss without data": ({"--data": None}, ["--data", "--metrics=loss needs the dataset"], None),
     "fid without ref": ({"--metrics": "fid,loss"}, ["--ref", "--metrics=fid needs reference statistics"], None),
     "guidance without gnet": ({"--guidance": "2"}, ["--gnet", "--guidance=2 needs a guiding network"], None),

@@ -36,6 +36,7 @@ from training.run.dashboard import Dashboard
 from training.run.disk import disk_report
 from training.data_order import run_batches
 from training.run.log_tee import tee_output
+from training.run.metrics import RunMetrics
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import Outputs
 from training.run.preflight import check_run
@@ -75,7 +76,8 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
             distributed.print0(f"Training already complete ({step.state.cur_nimg} >= {opts.duration} images).")
         elif _loop(step, Outputs(opts, run, checkpoints, step.state, step.device,
                                  _dashboard(run, opts, dataset, encoder, step),
-                                 **_reporters(run, opts, encoder, step, stack)), stop):
+                                 **_reporters(run, opts, encoder, step, stack),
+                                 metrics=_metrics(opts, dataset, encoder, step.device)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
         else:
             distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
@@ -169,4 +171,10 @@ def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder
     stack.callback(trackers.close)
     grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
     return dict(trackers=trackers, grid=grid)
+
+
+def _metrics(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
+             device: torch.device) -> RunMetrics | None:
+    """Every rank's metrics of the snapshots (train_edm2.py --metrics), or None."""
+    return RunMetrics(opts, dataset, encoder, device) if opts.metrics else None
 

@@ -14,11 +14,14 @@ from edm2.network_args import shown
 from edm2.phema import MAX_STD
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import UNET_OPTIONS, check_network_fits_data
+from edm2.eval.scores import METRICS
 from training.presets import get_preset
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
+TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
 DEFAULT_GRID = (4, 8)  # rows x columns of each snapshot's sample grid
 DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
+DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,000; the paper's 50,000 come after)
 
 # Options that define the trained model; a resumed run must keep them. The others (data path,
 # duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
@@ -99,6 +102,12 @@ class TrainingOptions:
     loggers: tuple[str, ...] = ()
     grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none
     grid_steps: int = DEFAULT_GRID_STEPS
+    # Metrics of the snapshots while training (training/run/metrics.py): which, every how many images (0: at every
+    # snapshot), of how many generated images or loss samples, against which reference statistics.
+    metrics: tuple[str, ...] = ()
+    metrics_every: int = 0
+    metrics_num: int = DEFAULT_METRICS_NUM
+    metrics_ref: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse options that cannot work (OptionsError, NetworkMisfit), part by part."""
@@ -247,6 +256,22 @@ def _check_reports(opts: TrainingOptions) -> None:
         "(rows, cols), or () for none")
     _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
              opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
+    _check_metrics(opts)
+
+
+def _check_metrics(opts: TrainingOptions) -> None:
+    """The metrics while training: known names, an interval that falls on snapshots, a reference for those of
+    images."""
+    _require(isinstance(opts.metrics, tuple) and all(name in TRAINING_METRICS for name in opts.metrics), "metrics",
+             opts.metrics, f"a tuple of {', '.join(TRAINING_METRICS)}")
+    _counts(opts, ("metrics_every",), 0)
+    _counts(opts, ("metrics_num",), 2)
+    # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
+    _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
+             f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")
+    images = [name for name in opts.metrics if name != "loss"]
+    _require(not images or isinstance(opts.metrics_ref, str) and opts.metrics_ref != "", "metrics_ref",
+             opts.metrics_ref, f"reference statistics for --metrics={','.join(images)}")
 
 
 def _check_paths(opts: TrainingOptions) -> None:

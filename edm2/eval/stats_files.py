@@ -1,4 +1,5 @@
-"""Reference statistics files: ours (.npz of '<metric>/mu', '<metric>/sigma'), the release's .pkl, and EDM's .npz."""
+"""Reference statistics files: ours (.npz of '<metric>/mu', '<metric>/sigma', optionally '<metric>/features'), the
+release's .pkl, and EDM's .npz."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class NotStatisticsError(StatsError):
 # The widest features statistics may hold: four times the widest detector's (Inception, 2048), so that a
 # covariance never exceeds 512 MiB whatever a file declares.
 MAX_FEATURES = 8192
+# The most features a reference file may keep per metric for precision, recall, density, coverage and KID
+# (edm2.eval.prdc): Kynkaanniemi et al.'s 50,000 and some, 400 MiB of float32 Inception features at most.
+MAX_KEPT_FEATURES = 65536
 # .npy header versions NumPy writes for our arrays (3.0 only adds UTF-8 field names, which arrays of numbers lack).
 _NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
@@ -38,9 +42,23 @@ _STATS_GLOBALS = {**safe_pickle.numpy_globals(), ("_codecs", "encode"): codecs.e
                   ("collections", "OrderedDict"): collections.OrderedDict}
 
 
+def _checked_features(features: object, dim: int, metric: str, source: str) -> np.ndarray:
+    """A metric's kept features [N, D]: 2 <= N <= MAX_KEPT_FEATURES, D the statistics' width, finite."""
+    try:
+        features = np.asarray(features, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise StatsError(f"{source}: metric '{metric}' has features that are not numbers ({e})") from None
+    if features.ndim != 2 or features.shape[1] != dim or not 2 <= features.shape[0] <= MAX_KEPT_FEATURES:
+        raise StatsError(f"{source}: metric '{metric}' has features {features.shape}; expected [N, {dim}] with "
+                         f"2 <= N <= {MAX_KEPT_FEATURES}")
+    if not np.isfinite(features).all():
+        raise StatsError(f"{source}: metric '{metric}' has features that are not finite (NaN or infinity)")
+    return features
+
+
 def _checked_stats(raw: object, source: str) -> Stats:
-    """Validate {metric: {'mu': [D], 'sigma': [D, D]}}, finite, D <= MAX_FEATURES (other top-level entries, e.g.
-    'num_images', are ignored)."""
+    """Validate {metric: {'mu': [D], 'sigma': [D, D], optional 'features': [N, D]}}, finite, D <= MAX_FEATURES
+    (other top-level entries, e.g. 'num_images', are ignored)."""
     if not isinstance(raw, Mapping):
         raise StatsError(f"{source}: expected a dict of metrics, found {type(raw).__name__}")
     stats = {}
@@ -58,6 +76,8 @@ def _checked_stats(raw: object, source: str) -> Stats:
         if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
             raise StatsError(f"{source}: metric '{metric}' has a mu or sigma that is not finite (NaN or infinity)")
         stats[str(metric)] = {"mu": mu, "sigma": sigma}
+        if "features" in entry:
+            stats[str(metric)]["features"] = _checked_features(entry["features"], mu.shape[0], metric, source)
     if not stats:
         raise StatsError(f"{source}: holds no metric statistics")
     return stats
@@ -77,9 +97,11 @@ def _read_npy(archive: zipfile.ZipFile, info: zipfile.ZipInfo, source: str) -> n
             raise StatsError(f"{where} is not a .npy array ({e})") from None
         if dtype.hasobject or dtype.kind not in "fiu":
             raise StatsError(f"{where} holds {dtype}, not numbers")
-        if not 1 <= len(shape) <= 2 or not all(0 < n <= MAX_FEATURES for n in shape):
-            raise StatsError(f"{where} declares shape {shape}; statistics are [D] or [D, D] with "
-                             f"0 < D <= {MAX_FEATURES}")
+        # Kept features [N, D] may be longer than wide (MAX_KEPT_FEATURES rows); the rest is [D] or [D, D].
+        bounds = (MAX_KEPT_FEATURES, MAX_FEATURES) if info.filename.endswith("/features.npy") else (MAX_FEATURES,) * 2
+        if not 1 <= len(shape) <= 2 or not all(0 < n <= bound for n, bound in zip(shape, bounds)):
+            raise StatsError(f"{where} declares shape {shape}; statistics are [D] or [D, D] and kept features "
+                             f"[N, D], with 0 < D <= {MAX_FEATURES} and 0 < N <= {MAX_KEPT_FEATURES}")
         size = math.prod(shape) * dtype.itemsize
         if size != info.file_size - member.tell():
             raise StatsError(f"{where} declares {size} bytes of data ({shape}, {dtype}) but holds "
@@ -138,11 +160,13 @@ def _read_pickle(file: IO[bytes], source: str) -> Stats:
 
 
 def save_stats(path: str | os.PathLike, stats: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-    """Write statistics atomically: .npz (ours: '<metric>/mu', '<metric>/sigma') or .pkl (the release's format)."""
+    """Write statistics atomically: .npz (ours: '<metric>/mu', '<metric>/sigma', with kept features
+    '<metric>/features' in float32) or .pkl (the release's format, features as a further entry)."""
     path = Path(path)
     if path.suffix not in (".npz", ".pkl"):
         raise StatsError(f"{path}: statistics files end in .npz (ours) or .pkl (the release's format)")
-    clean = {metric: {key: np.asarray(entry[key], dtype=np.float64) for key in ("mu", "sigma")}
+    clean = {metric: {key: np.asarray(entry[key], dtype=np.float32 if key == "features" else np.float64)
+                      for key in ("mu", "sigma", "features") if key in entry}
              for metric, entry in stats.items()}
     try:
         with files.atomic_path(path) as tmp, open(tmp, "wb") as f:

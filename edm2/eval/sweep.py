@@ -23,12 +23,16 @@ import torch
 
 from edm2 import posthoc
 from edm2.errors import EDM2Error
-from edm2.eval.metrics import calculate_stats, frechet_distance
+from edm2.eval import scores
+from edm2.eval.metrics import calculate_stats
 from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.generation import generate_images
 from edm2.runtime import bounded_json, distributed, files
 
 SWEEP_JSON, SWEEP_PNG = "ema-sweep.json", "ema-sweep.png"
+# With several guidance strengths: the table of every row, each metric against EMA length one line per guidance
+# strength (paper Figure 14), and against guidance one line per EMA length.
+SWEEP_CSV, EMA_GUIDANCE_PNG, GUIDANCE_PNG = "ema-sweep.csv", "ema-guidance.png", "guidance-curves.png"
 
 
 class SweepError(EDM2Error):
@@ -59,9 +63,12 @@ class SweepResults:
                              "folder or remove it")
         self.rows = rows
 
-    def has(self, nimg: int, std: float) -> bool:
-        """True when the row of this training time and sigma_rel is measured."""
-        return any(r["nimg"] == nimg and abs(r["std"] - std) < posthoc.STD_TOLERANCE for r in self.rows)
+    def has(self, nimg: int, std: float, guidance: float | None = None) -> bool:
+        """True when the row of this training time and sigma_rel (and guidance strength, if given) is measured; a
+        row without one has the settings' (results files of one strength predate the key)."""
+        return any(r["nimg"] == nimg and abs(r["std"] - std) < posthoc.STD_TOLERANCE
+                   and (guidance is None or r.get("guidance", self.settings.get("guidance")) == guidance)
+                   for r in self.rows)
 
     def add(self, row: dict) -> None:
         """Keep one more row and rewrite the file atomically (rank 0)."""
@@ -71,8 +78,8 @@ class SweepResults:
 
 
 class Measure:
-    """The metrics of one network: Frechet distances of generated images to reference statistics, and the
-    validation loss (edm2.eval.validation) on fixed samples; each row's numbers for every rank."""
+    """The metrics of one network: metrics of generated images against reference statistics (edm2.eval.scores),
+    and the validation loss (edm2.eval.validation) on fixed samples; each row's numbers for every rank."""
 
     def __init__(self, metrics: Sequence[str], encoder, seeds: Sequence[int], batch_size: int,
                  device: torch.device, detectors: dict | None = None, reference: dict | None = None,
@@ -81,20 +88,28 @@ class Measure:
         self.metrics, self.encoder, self.seeds, self.batch_size, self.device = metrics, encoder, seeds, batch_size, device
         self.detectors, self.reference, self.samples = detectors or {}, reference or {}, samples
         self.gnet, self.guidance = gnet, guidance or {}  # generate_images' guidance, guidance_interval, solver
+        self.keep = max([reference[d]["features"].shape[0] for d in self.reference if "features" in reference[d]]
+                        + [0]) if any(scores.needs_features(m) for m in metrics) else 0
+        self._loss = math.nan  # the last network's validation loss, which no guidance strength changes
 
-    def __call__(self, net: torch.nn.Module) -> dict[str, float]:
-        """{metric: value} of net, in the order of self.metrics."""
+    def __call__(self, net: torch.nn.Module, guidance: float | None = None,
+                 same_network: bool = False) -> dict[str, float]:
+        """{metric: value} of net, in the order of self.metrics, at this guidance strength (default: the one
+        given when made); one feature pass of generated images for all the metrics of images. same_network: net
+        is the previous call's network with the same weights, whose loss is reused."""
         results = {}
         if self.detectors:
+            sampler = dict(self.guidance, **({} if guidance is None else {"guidance": guidance}))
             images = (batch for _, batch, _ in generate_images(net, self.encoder, self.seeds, gnet=self.gnet,
                                                             batch_size=self.batch_size, device=self.device,
-                                                            **self.guidance))
-            stats, _ = calculate_stats(images, self.detectors, self.device, progress=False)
-            for metric, detector_stats in stats.items():
-                ref = self.reference[metric]
-                results[metric] = frechet_distance(detector_stats["mu"], detector_stats["sigma"], ref["mu"], ref["sigma"])
+                                                            **sampler))
+            stats, _ = calculate_stats(images, self.detectors, self.device, progress=False, keep_features=self.keep)
+            images_metrics = [metric for metric in self.metrics if metric != "loss"]
+            results.update(scores.metric_values(stats, self.reference, images_metrics, self.device))
         if "loss" in self.metrics:
-            results["loss"] = validation_loss(net, self.samples, self.batch_size, self.device)
+            if not same_network:
+                self._loss = validation_loss(net, self.samples, self.batch_size, self.device)
+            results["loss"] = self._loss
         return {metric: results[metric] for metric in self.metrics}
 
 
@@ -109,31 +124,38 @@ def round_to_stored(net: torch.nn.Module) -> torch.nn.Module:
 def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequence[float], measure: Callable,
               results: SweepResults | None, batch: int = 8,
               save: Callable[[float, torch.nn.Module, dict], None] | None = None,
-              report: Callable[[str], None] = print) -> None:
-    """Measure every (training time, sigma_rel) that results lacks; times are posthoc.select_inputs' answers.
+              report: Callable[[str], None] = print, guidances: Sequence[float | None] = (None,)) -> None:
+    """Measure every (training time, sigma_rel, guidance strength) that results lacks; times are
+    posthoc.select_inputs' answers. Each network is built once and measured at every strength it lacks:
+    measure(net, guidance), or measure(net) at the one strength None stands for (the measure's own; rows say none).
 
     Every rank calls this with the same arguments; rank 0 passes the results file and save, the others None.
     """
-    done = distributed.broadcast_object([[results.has(nimg, s) for s in stds] for _, nimg in times] if results else None)
-    for (inputs, out_nimg), skip in zip(times, done):
-        todo = [s for s, measured in zip(stds, skip) if not measured]
+    missing = distributed.broadcast_object(
+        [[[g for g in guidances if not results.has(nimg, s, g)] for s in stds] for _, nimg in times]
+        if results else None)
+    for (inputs, out_nimg), lacking in zip(times, missing):
+        todo = {s: strengths for s, strengths in zip(stds, lacking) if strengths}
         if not todo:
             continue
-        outputs = posthoc.combine([s.track() for s in inputs], out_nimg, todo, batch)
+        outputs = posthoc.combine([s.track() for s in inputs], out_nimg, list(todo), batch)
         with contextlib.closing(outputs):
             for std, net, metadata in outputs:
                 round_to_stored(net)
                 if save is not None:
                     save(std, net, metadata)
-                started = time.monotonic()
-                values = measure(net)
-                check_finite_values(values, inputs, std, out_nimg)
-                row = dict(kimg=out_nimg // 1000, nimg=out_nimg, std=std, **values,
-                           profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started)
-                if results is not None:
-                    results.add(row)
-                    report(f"kimg {row['kimg']} sigma_rel {std:.3f}: "
-                           + "  ".join(f"{m} {v:.4f}" for m, v in values.items()))
+                for index, guidance in enumerate(todo[std]):
+                    started = time.monotonic()
+                    values = measure(net) if guidance is None else measure(net, guidance, same_network=index > 0)
+                    check_finite_values(values, inputs, std, out_nimg)
+                    row = dict(kimg=out_nimg // 1000, nimg=out_nimg, std=std,
+                               **({} if guidance is None else {"guidance": guidance}), **values,
+                               profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started)
+                    if results is not None:
+                        results.add(row)
+                        report(f"kimg {row['kimg']} sigma_rel {std:.3f}"
+                               + (f" guidance {guidance:g}" if len(guidances) > 1 else "") + ": "
+                               + "  ".join(f"{m} {v:.4f}" for m, v in values.items()))
                 del net, metadata  # the pass's network must not outlive it (memory: one input plus `batch`)
 
 
@@ -149,10 +171,35 @@ def check_finite_values(values: dict[str, float], inputs: Sequence[posthoc.Snaps
 
 
 def best_rows(rows: Sequence[dict], metric: str) -> dict[int, dict]:
-    """Per training time (nimg), the row with the lowest value of metric (NaN never wins)."""
+    """Per training time (nimg), the row with the best value of metric, the lowest or, for precision and the like,
+    the highest (NaN never wins)."""
     best: dict[int, dict] = {}
+    sign = -1 if scores.higher_is_better(metric) else 1
     for row in rows:
         value = row.get(metric, math.nan)
-        if np.isfinite(value) and (row["nimg"] not in best or value < best[row["nimg"]][metric]):
+        if np.isfinite(value) and (row["nimg"] not in best or sign * value < sign * best[row["nimg"]][metric]):
             best[row["nimg"]] = row
     return best
+
+
+def write_table(path: Path, rows: Sequence[dict], metrics: Sequence[str]) -> None:
+    """Every row as CSV (kimg, sigma_rel, guidance, the metrics, the profile error), atomically."""
+    columns = ["kimg", "std", "guidance", *metrics, "profile_error"]
+    lines = [",".join(columns)] + [",".join("" if row.get(c) is None else repr(row[c]) for c in columns)
+                                   for row in sorted(rows, key=lambda r: (r["nimg"], r["std"], r.get("guidance", 0)))]
+    with files.atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def table_text(rows: Sequence[dict], metric: str, guidances: Sequence[float]) -> str:
+    """One metric as a text table: a line per sigma_rel, a column per guidance strength, each column's best value
+    (best_rows' rule) starred."""
+    stds = sorted({row["std"] for row in rows})
+    value = {(row["std"], row["guidance"]): row.get(metric, math.nan) for row in rows}
+    best = {g: best_rows([r for r in rows if r["guidance"] == g], metric) for g in guidances}
+    best = {g: next(iter(found.values()))["std"] if found else None for g, found in best.items()}
+    lines = [f"{metric:>10} " + "".join(f"{'w=' + format(g, 'g'):>12}" for g in guidances)]
+    for s in stds:
+        cells = (f"{value.get((s, g), math.nan):.4f}{'*' if best[g] == s else ' '}" for g in guidances)
+        lines.append(f"{s:>10.3f} " + "".join(f"{cell:>12}" for cell in cells))
+    return "\n".join(lines)

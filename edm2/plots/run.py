@@ -60,6 +60,19 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
     return figure
 
 
+def metrics_figure(rows: list[dict]) -> matplotlib.figure.Figure:
+    """One panel per metric of the rows ({kimg, metrics: {name: value}}) against kimg (train_edm2.py --metrics)."""
+    names = list(dict.fromkeys(name for row in rows for name in row["metrics"]))
+    figure = plots.new_figure(3.5 * max(len(names), 1), 3)
+    for index, name in enumerate(names):
+        ax = figure.add_subplot(1, len(names), index + 1)
+        points = [(row["kimg"], row["metrics"][name]) for row in rows if name in row["metrics"]]
+        ax.plot([k for k, _ in points], [v for _, v in points], "o-", color=f"C{index % 10}", markersize=3)
+        ax.set(xlabel="kimg", title=name)
+        ax.grid(alpha=0.3)
+    return figure
+
+
 def keep_span(ax, values) -> None:
     """Widen the y axis around the values to at least MIN_RELATIVE_SPAN of their largest magnitude."""
     finite = [v for v in values if math.isfinite(v)]

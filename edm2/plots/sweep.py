@@ -1,16 +1,19 @@
 """The EMA-length sweep (paper Figure 5a, c): each metric against sigma_rel, one curve per training time, the
-best EMA length of each curve marked."""
+best EMA length of each curve marked; over guidance strengths too (Figure 14), against either."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
 import matplotlib.figure
 
 from edm2 import plots
+from edm2.eval.scores import higher_is_better
 from edm2.eval.sweep import best_rows
 
-LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2"}  # plain text, no mathtext
+# Plain text, no mathtext.
+LABELS = {"loss": "validation loss (Eq. 14)", "fid": "FID", "fd_dinov2": "FD_DINOv2", "kid": "KID"}
 
 
 def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
@@ -34,3 +37,34 @@ def sweep_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.fig
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return figure
+
+
+def _panels(rows: Sequence[dict], metrics: Sequence[str], x: str, line: str, xlabel: str,
+            name: Callable[[float], str]) -> matplotlib.figure.Figure:
+    """One panel per metric: the metric against row[x], one line per distinct row[line], each line's best value
+    starred (the lowest; the highest for precision and the like)."""
+    figure = plots.new_figure(5 * len(metrics), 4)
+    for index, metric in enumerate(metrics):
+        ax = figure.add_subplot(1, len(metrics), index + 1)
+        for k, key in enumerate(sorted({row[line] for row in rows})):
+            curve = sorted((row[x], row[metric]) for row in rows if row[line] == key and metric in row)
+            color = f"C{k % 10}"
+            ax.plot([a for a, _ in curve], [v for _, v in curve], "o-", color=color, markersize=3, label=name(key))
+            finite = [(a, v) for a, v in curve if math.isfinite(v)]
+            if finite:
+                a, v = (max if higher_is_better(metric) else min)(finite, key=lambda point: point[1])
+                ax.plot([a], [v], "*", color=color, markersize=12, markeredgecolor="black")
+        ax.set(xlabel=xlabel, ylabel=LABELS.get(metric, metric), title=f"{metric} against {xlabel.rsplit(' ', 1)[0]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return figure
+
+
+def ema_guidance_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
+    """Each metric against sigma_rel, one line per guidance strength (paper Figure 14); rows of one training time."""
+    return _panels(rows, metrics, "std", "guidance", "EMA length σ_rel", lambda g: f"guidance {g:g}")
+
+
+def guidance_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
+    """Each metric against guidance strength, one line per sigma_rel; rows of one training time."""
+    return _panels(rows, metrics, "guidance", "std", "guidance strength w", lambda s: f"σ_rel {s:.3f}")

@@ -33,6 +33,7 @@ from training.run.run_dir import STATS_FILE
 PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
 MAGNITUDES_JSON, MAGNITUDES_PNG = "magnitudes.json", "magnitudes.png"
+METRICS_PNG = "metrics.png"  # train_edm2.py --metrics, from stats.jsonl's metric rows
 PROBE_IMAGES = 8
 ROW_KEYS = ("noise_levels", "resumes", "rows")  # the record files' lists that grow as the run goes on
 DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
@@ -107,6 +108,16 @@ def write_dashboard(run_dir: Path, training: dict) -> Path:
     save_json(folder / TRAINING_JSON, training)
     plots.save_png(figure, folder / TRAINING_PNG, dpi=DASHBOARD_DPI)
     return folder / TRAINING_PNG
+
+
+def write_metrics(run_dir: Path) -> Path:
+    """metrics.png: each metric row of stats.jsonl (train_edm2.py --metrics) against kimg."""
+    from edm2 import plots
+    from edm2.plots.run import metrics_figure
+    rows = [row for row in stats_rows(run_dir, ("kimg",), required=False) if isinstance(row.get("metrics"), dict)]
+    path = run_dir / PLOTS_DIR / METRICS_PNG
+    plots.save_png(_figure(metrics_figure, rows, run_dir / STATS_FILE), path, dpi=DASHBOARD_DPI)
+    return path
 
 
 def write_magnitudes(run_dir: Path, magnitudes: dict) -> Path:

@@ -11,7 +11,8 @@ import torch
 
 from edm2.runtime import distributed
 from training.run.checkpoint import Checkpoints
-from training.run.dashboard import Dashboard
+from training.run.dashboard import Dashboard, write_metrics
+from training.run.metrics import RunMetrics
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
 from training.run.run_dir import RunDirectory, snapshot_path
@@ -61,10 +62,10 @@ class Outputs:
 
     def __init__(self, opts: TrainingOptions, run: RunDirectory | None, checkpoints: Checkpoints, state: TrainingState,
                  device: torch.device, dashboard: Dashboard | None = None, trackers: Trackers | None = None,
-                 grid: SampleGrid | None = None):
+                 grid: SampleGrid | None = None, metrics: RunMetrics | None = None):
         self.opts, self.run, self.checkpoints, self.state = opts, run, checkpoints, state
         self.device, self.dashboard = device, dashboard
-        self.trackers, self.grid = trackers, grid
+        self.trackers, self.grid, self.metrics = trackers, grid, metrics
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
         self._tick_nimg = state.cur_nimg
@@ -100,6 +101,8 @@ class Outputs:
             self.snapshots()
             if self.run:
                 self.report_snapshot()
+            if self.metrics and self.metrics.due(prev, cur, done):
+                self.metrics_row()
         if checkpoint:
             self.training_state()
         # The next status line's images/s measures training, not the seconds spent checking and writing these files.
@@ -165,6 +168,20 @@ class Outputs:
         if self.trackers:
             self.trackers.log("snapshot", cur, self.dashboard.numbers() if self.dashboard else {},
                               {} if grid is None else {"samples": grid})
+
+    def metrics_row(self) -> None:
+        """Measure the snapshot just written (training/run/metrics.py, every rank); rank 0 prints its line and logs
+        its row to stats.jsonl, the trackers and the dashboard's metrics.png."""
+        row = self.metrics.measure(self.state.cur_nimg)
+        if row is None or self.run is None:
+            return
+        print(f"kimg {row['kimg']:.1f} metrics: " + "  ".join(f"{k} {v:.6g}" for k, v in row["metrics"].items())
+              + f" ({row['seconds']:.1f} s)", flush=True)
+        self.run.append_stats(row)
+        if self.trackers:
+            self.trackers.log("metrics", row["nimg"], {f"metrics/{k}": v for k, v in row["metrics"].items()})
+        if self.dashboard:
+            write_metrics(self.run.path)
 
     def training_state(self) -> None:
         """Write a training state (training/run/checkpoint.py), after the trackers flushed what they logged up to it."""

@@ -1,0 +1,86 @@
+"""Metrics while training (train_edm2.py --metrics): at every --metrics-every images, every rank loads the snapshot
+just written (the first EMA track, as stored), generates its share of --metrics-num images with the seeds
+0..N-1 (the same at every evaluation), and the metrics of calculate_metrics.py come from one feature pass summed
+over the ranks; 'loss' is the validation loss (Eq. 14) of N fixed samples of the training data.
+
+Each value is named with its sample count ('fid2k', 'loss2k', 'precision_dinov2_2k': metric_name), so a 2k FID never
+passes for a 50k one. A row {kimg, nimg, ema_std, seconds, metrics: {name: value}} goes to stats.jsonl (which a
+resume trims to its training state, so a resumed run neither repeats nor skips a row), to the trackers under
+'metrics/' and to the dashboard. A metric that fails prints one warning and training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from edm2.errors import one_line
+from edm2.eval import scores
+from edm2.eval.detectors import load_detector
+from edm2.eval.metrics import calculate_stats
+from edm2.eval.stats_files import load_stats
+from edm2.eval.validation import ValidationSamples, validation_loss
+from edm2.formats.snapshot import load_network
+from edm2.generation import generate_images
+from edm2.runtime import distributed
+from training.options import TrainingOptions
+from training.run.run_dir import snapshot_path
+
+BATCH = 32  # images per batch and rank
+
+
+def metric_name(metric: str, num: int) -> str:
+    """The metric with its sample count: fid2k (2,000), fid50k, fid1500; a '_' after a name that ends in a digit."""
+    count = f"{num // 1000}k" if num % 1000 == 0 else str(num)
+    return f"{metric}{'_' if metric[-1].isdigit() else ''}{count}"
+
+
+class RunMetrics:
+    """The metrics of one run's snapshots; every rank makes the same calls (they hold collectives)."""
+
+    def __init__(self, opts: TrainingOptions, dataset, encoder, device: torch.device):
+        self.opts, self.dataset, self.encoder, self.device = opts, dataset, encoder, device
+        self.images = [metric for metric in opts.metrics if metric != "loss"]
+        # Read at the start: a reference that cannot serve the metrics is bad input (train_edm2.py), not a warning.
+        self.reference = load_stats(opts.metrics_ref) if self.images else {}
+        self.detectors: dict | None = None  # loaded at the first evaluation
+        self.keep = max([self.reference[scores.DETECTOR_OF[m]]["features"].shape[0]
+                         for m in self.images if scores.needs_features(m)], default=0)
+
+    def due(self, prev_nimg: int, cur_nimg: int, done: bool) -> bool:
+        """Whether the snapshot written at cur_nimg is measured: at the end, and when an interval was crossed."""
+        every = self.opts.metrics_every or self.opts.snapshot
+        return done or (every > 0 and cur_nimg // every > prev_nimg // every)
+
+    def measure(self, cur_nimg: int) -> dict | None:
+        """The row of the snapshot at cur_nimg; None after a warning when a metric fails (training goes on)."""
+        distributed.barrier()  # rank 0 has written the snapshot
+        started = time.monotonic()
+        try:
+            values = self._values(cur_nimg)
+        except Exception as e:  # a detector download, a decoder, a singular covariance: training must go on
+            distributed.print0(f"Warning: the metrics at {cur_nimg} images failed ({type(e).__name__}: "
+                               f"{one_line(e)}); training goes on.")
+            return None
+        return dict(kimg=cur_nimg / 1000, nimg=cur_nimg, ema_std=self.opts.ema_stds[0],
+                    seconds=time.monotonic() - started, metrics=values)
+
+    def _values(self, cur_nimg: int) -> dict[str, float]:
+        """{metric_name: value} of the stored snapshot, in --metrics' order."""
+        opts, num = self.opts, self.opts.metrics_num
+        net = load_network(snapshot_path(opts.run_dir, cur_nimg, opts.ema_stds[0]))[0].to(self.device)
+        values = {}
+        if self.images:
+            self.encoder.init(self.device)  # a latent network's images are decoded by its VAE
+            if self.detectors is None:
+                self.detectors = {d: distributed.main_rank_first(lambda d=d: load_detector(d, None, self.device))
+                                  for d in scores.detectors_for(self.images)}
+            batches = (images for _, images, _ in generate_images(net, self.encoder, range(num), batch_size=BATCH,
+                                                                 device=self.device))
+            stats, _ = calculate_stats(batches, self.detectors, self.device, progress=False, keep_features=self.keep)
+            values.update(scores.metric_values(stats, self.reference, self.images, self.device))
+        if "loss" in opts.metrics:
+            samples = ValidationSamples(self.dataset, self.encoder, net, num, opts.P_mean, opts.P_std)
+            values["loss"] = validation_loss(net, samples, BATCH, self.device)
+        return {metric_name(metric, num): values[metric] for metric in opts.metrics}
