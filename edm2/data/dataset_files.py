@@ -18,6 +18,7 @@ import numpy as np
 import PIL.Image
 
 from edm2.errors import EDM2Error
+from edm2.runtime import files
 
 # Bounds on what a file may declare, checked before anything of that size is allocated. 8192x8192 pixels is far
 # beyond what diffusion models train on and stays below PIL's own decompression-bomb warning (89M pixels);
@@ -100,7 +101,7 @@ class FileTree:
                                    f"a dataset file may hold")
             stream = self._archive().open(info)  # reads no more than the declared size (then checks the CRC)
         else:
-            stream = open(self.path / name, "rb")
+            stream = files.open_input(self.path / name)
         with stream:
             data = stream.read(limit + 1)  # a file may grow after listing; never more than limit + 1 bytes
         if len(data) > limit:
@@ -109,7 +110,7 @@ class FileTree:
 
     def open(self, name: str) -> IO[bytes]:
         """One file as a binary stream, to read its header without the rest."""
-        return self._archive().open(name) if self.is_zip else open(self.path / name, "rb")
+        return self._archive().open(name) if self.is_zip else files.open_input(self.path / name)
 
     def close(self) -> None:
         """Close the ZIP file if this process opened it."""

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from edm2.errors import EDM2Error
+from edm2.runtime import files
 
 MAX_DEPTH = 32  # our files nest three or four levels; 32 leaves room without risking the recursion limit
 MAX_INT_DIGITS = 20  # enough for any count of images, seed (< 2**64) or size the project writes
@@ -65,7 +66,7 @@ def parse(text: str | bytes, source: str, max_depth: int = MAX_DEPTH, max_bytes:
 def read(path: str | os.PathLike, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> Any:
     """Parse the JSON file `path` with `parse`'s bounds, reading no more than max_bytes + 1 bytes of it."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with files.open_input(path) as f:  # a FIFO or device is refused, not waited on
         raw = f.read(max_bytes + 1)
     return parse(raw, str(path), max_depth=max_depth, max_bytes=max_bytes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -12,7 +13,7 @@ import stat
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import requests
 
@@ -145,6 +146,31 @@ def _file_type(path: Path) -> int | None:
         return stat.S_IFMT(path.lstat().st_mode)
     except OSError:
         return None
+
+
+_NOT_REGULAR = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket"}
+
+
+def open_input(path: str | os.PathLike) -> BinaryIO:
+    """Open an input file for reading in binary mode; OSError naming it when it is not a regular file.
+
+    The check is made on the very file the caller then reads (opened without waiting, then fstat): a FIFO would
+    wait for a writer forever, and a device never ends. A folder is an IsADirectoryError, as open() gives.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind == stat.S_IFDIR:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if kind != stat.S_IFREG:
+            what = _NOT_REGULAR.get(kind, "a special file")
+            raise OSError(errno.EINVAL, f"{what}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_writable_dir(path: str | os.PathLike) -> None:
