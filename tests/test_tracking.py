@@ -9,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -192,16 +193,25 @@ def test_grid_zero_writes_no_grid(train_data, tmp_path):
     assert not (tmp_path / "run" / "samples").exists()
 
 
-def test_a_tracker_that_raises_does_not_stop_training(train_data, tmp_path, monkeypatch):
-    def fail(*args):
-        raise RuntimeError("disk on fire")
+TRACKER_FAULTS = {  # a tracker's method, what it does, and the error the warning names
+    "log raises": ("log", RuntimeError("disk on fire"), "RuntimeError: disk on fire"),
+    "log calls sys.exit": ("log", SystemExit(3), "SystemExit: 3"),
+    "start calls sys.exit": ("__init__", SystemExit(0), "SystemExit: 0"),  # before any result: nothing undone
+}
 
-    monkeypatch.setattr(trackers.TensorBoardTracker, "log", fail)
+
+@pytest.mark.parametrize("fault", TRACKER_FAULTS)
+def test_a_tracker_that_raises_or_exits_does_not_stop_or_undo_training(fault, train_data, tmp_path, monkeypatch):
+    method, error, named = TRACKER_FAULTS[fault]
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(trackers.TensorBoardTracker, method, fail)
     result = train_in_process(train_data, tmp_path / "run", "--logger=tensorboard", "--grid=0")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.output.splitlines() if line.startswith("Warning")]
-    assert warnings == ["Warning: the tensorboard tracker failed (RuntimeError: disk on fire); training goes on "
-                        "without it."]
+    assert warnings == [f"Warning: the tensorboard tracker failed ({named}); training goes on without it."]
     assert [row["nimg"] for row in stats_rows(tmp_path / "run")] == [512, 1024]
     assert (tmp_path / "run" / "training-state-0000001.pt").exists()
 
@@ -242,6 +252,27 @@ def test_trackers_drop_only_the_one_that_raises(tmp_path, capsys):
     assert [t.name for t in group.trackers] == ["good"]
     assert logged == [("status", 512, {"train/loss": 1.0}, {}), ("status", 1024, {"train/loss": 0.5}, {})]
     assert capsys.readouterr().out.count("Warning: the bad tracker failed") == 1
+
+
+def test_a_tracker_failing_in_its_own_thread_is_one_warning_line_without_traceback(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # Python's, not pytest's catcher
+    group = Trackers(("tensorboard",), tmp_path, {}, 0)
+    [tracker] = group.trackers
+    records = tracker.writer.file_writer.event_writer._async_writer._writer  # written by TensorBoard's own thread
+
+    def full_disk(data):
+        raise OSError(28, "No space left on device")
+
+    records.write = full_disk
+    group.log("status", 512, {"train/loss": 1.0})
+    group.flush()
+    group.log("status", 1024, {"train/loss": 0.5})
+    group.close()
+    tracker.writer.file_writer.event_writer._async_writer._worker.join()  # its thread has ended, hook included
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and group.trackers == [], out + err
+    assert (out + err).splitlines() == ["Warning: the tensorboard tracker failed (OSError: No space left "
+                                        "on device); training goes on without it."]
 
 
 @pytest.mark.bad_input
