@@ -30,7 +30,8 @@ from training.run.dashboard import snapshot_numbers
 from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS
 from training.run.sample_grid import grid_path
 from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
-from tests.helpers import REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
+from tests.helpers import (REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, black_png, tiny_precond,
+                           train_command)
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -331,3 +332,53 @@ def test_plot_run_tensorboard_with_a_damaged_options_file_is_one_line(reference_
     (run / "training_options.json").write_text("[1, 2]")
     assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]),
                    "RUN", f"{run / 'training_options.json'}: a JSON list, not an object")
+
+
+def _without(run: Path, name: str, key: str, value=None) -> None:
+    """Set (or with value None remove) one key of a plots/ record file."""
+    path = run / "plots" / name
+    records = json.loads(path.read_text())
+    if value is None:
+        records.pop(key)
+    else:
+        records[key] = value
+    path.write_text(json.dumps(records))
+
+
+DAMAGED_RECORDS = {
+    "training.json without sigma": (lambda run: _without(run, "training.json", "sigma"), "malformed records"),
+    "sigma of strings": (lambda run: _without(run, "training.json", "sigma", ["a", "b"]), "malformed records"),
+    "noise_levels an object": (lambda run: _without(run, "training.json", "noise_levels", {"a": 1}),
+                               "malformed records"),
+    "a decompression-bomb grid": (lambda run: grid_path(run, 2048).write_bytes(black_png(20000, 20000)),
+                                  "not a readable PNG"),
+    "a full disk": (None, "cannot write (No space left on device)"),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("damage", DAMAGED_RECORDS)
+def test_plot_run_tensorboard_on_damaged_records_or_a_full_disk_is_one_line_and_writes_nothing(
+        damage, reference_run, tmp_path, monkeypatch):
+    run = tmp_path / "copied"
+    shutil.copytree(reference_run, run, ignore=shutil.ignore_patterns(TENSORBOARD_DIR))
+    assert CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in (run / TENSORBOARD_DIR).iterdir()}
+    spoil, message = DAMAGED_RECORDS[damage]
+    if spoil is None:
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        real_write = RecordWriter.write
+
+        def full_after_some(self, data):
+            if getattr(self, "written", 0) == 5:
+                raise OSError(28, "No space left on device")
+            self.written = getattr(self, "written", 0) + 1
+            real_write(self, data)
+        monkeypatch.setattr(RecordWriter, "write", full_after_some)
+    else:
+        spoil(run)
+    result = CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"])
+    assert_one_error_line(result, "RUN", message)
+    # The earlier event file is all TensorBoard finds: no partial file hides its events, no temporary is left.
+    assert {p.name: p.read_bytes() for p in (run / TENSORBOARD_DIR).iterdir()} == before
+    assert len(tensorboard_scalars(run).Scalars("train/loss")) == len(stats_rows(run))

@@ -45,11 +45,12 @@ def temporary_name(name: str, prefix: str | None = None) -> str:
     return f"{prefix or temporary_prefix(name)}{secrets.token_hex(_TOKEN_BYTES)}{TMP_SUFFIX}"
 
 
-def new_temporary(path: str | os.PathLike, folder: bool = False) -> Path:
-    """Create (exclusively, private to the user) an empty temporary file, or folder, beside `path`; return it."""
+def new_temporary(path: str | os.PathLike, folder: bool = False, named: str | None = None) -> Path:
+    """Create (exclusively, private to the user) an empty temporary file, or folder, beside `path`; return it.
+    Its name is made from `named` when given, else from path's name."""
     path = Path(path)
     while True:
-        tmp = path.parent / temporary_name(path.name)
+        tmp = path.parent / temporary_name(named or path.name)
         try:
             if folder:
                 tmp.mkdir(mode=0o700)
@@ -70,15 +71,17 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, named: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; only if the block succeeds, make it durable and rename it onto `path`.
 
+    The temporary's name is made from `named` when given (a reader that picks files by a part of path's name, as
+    TensorBoard does, must not see it), else from path's name.
     The file is fsynced before the rename and the folder after it, so a finished file survives a power loss.
     An OSError that names no file, or the temporary, is re-raised naming `path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_temporary(path)
+    tmp = new_temporary(path, named=named)
     try:
         yield tmp
         # new_temporary makes the file private; the finished file gets the modes open() would have given it.
