@@ -44,6 +44,9 @@ def claimed_dest(dest: Path, command: str) -> Iterator[None]:
         if os.path.lexists(dest):  # looked at under the lock: a writer that held it until now has finished it
             raise click.BadParameter(f"{dest} already exists; choose a new path or delete it", param_hint="'--dest'")
         files.remove_stale_temporaries(dest.parent, name=dest.name)
+        for folder in files.stale_temporaries(dest.parent, name=dest.name, folders=True):
+            click.echo(f"Left {click.format_filename(folder)}: a folder an interrupted dataset_tool.py may have "
+                       f"written; delete it if nothing of yours is in it.")
         yield
 
 

@@ -58,10 +58,12 @@ def write_events(run: Path) -> None:
         raise click.BadParameter(str(e), param_hint="--tensorboard") from None
     try:
         files.check_writable_dir(run / TENSORBOARD_DIR)
-        folder = write_tensorboard(run)
+        path = write_tensorboard(run)
     except (DashboardError, RunDirectoryError, files.OutputError) as e:
         raise click.BadParameter(str(e), param_hint="RUN") from None
-    click.echo(f"Saved TensorBoard events in {folder}")
+    except OSError as e:  # a full disk: nothing of the file is left
+        raise click.BadParameter(f"{e.filename}: cannot write ({e.strerror or e})", param_hint="RUN") from None
+    click.echo(f"Saved TensorBoard events in {path}")
 
 
 if __name__ == "__main__":

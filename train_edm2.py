@@ -6,12 +6,13 @@ import json
 import signal
 
 import click
+from click.core import ParameterSource
 import numpy as np
 
 from cli.command import Command
 from cli.config import config_option
-from cli.speed import threads_option
 from cli.evaluation import check_features
+from cli.speed import THREADS, threads_option
 from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
                        Number, StdList)
 from edm2.data.dataset import DatasetError, ImageFolderDataset
@@ -24,7 +25,7 @@ from edm2.eval.stats_files import StatsError, load_stats
 from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
 from training.architecture import (
-    UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, read_init, unet_options,
+    UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, differs_from_preset, read_init, unet_options,
 )
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
@@ -124,11 +125,16 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
 
 def network_options(preset: str, resolution: int, channels: int | None, given: dict) -> dict:
     """The preset's U-Net arguments with --channel-mult, --num-blocks and --attn-resolutions; impossible ones are
-    refused with a line that names the option."""
+    refused with a line that names the option. Attention resolutions are held to the U-Net's levels when one of
+    these was typed on the command line or they shape the U-Net otherwise than the preset: a --config file that
+    holds the preset's own (a run's training_options.json) leaves out those the data does not have, as the preset
+    does."""
     network = unet_options(get_preset(preset).network, given)
+    source = click.get_current_context().get_parameter_source
+    typed = any(value is not None and source(name) == ParameterSource.COMMANDLINE for name, value in given.items())
     try:
         check_network_fits_data(resolution, channels or get_preset(preset).channels, network,
-                                explicit=any(value is not None for value in given.values()))
+                                explicit=typed or differs_from_preset(network, get_preset(preset).network))
     except NetworkMisfit as e:
         raise click.UsageError(str(e)) from None
     return network
@@ -298,7 +304,8 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
         ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
-        checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit, **overrides,
+        checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit,
+        threads=click.get_current_context().meta.get(THREADS), **overrides,
     )
     try:
         check_derived(config or {}, opts.to_json(), UNET_OPTIONS)

@@ -1,7 +1,9 @@
 """`--config=FILE.json`: a command's options read from a JSON file; options on the command line override it.
 
 The file's values become click's default_map, so precedence is: command line > file > the options' defaults.
-Each value is checked by its option's own type before the command runs, and an error names the file and key.
+Each value is checked by its option's own type before the command runs, as the text the command line would give
+it (so {"batch": 1.5}, {"batch": 2.0} and {"seed": true} are refused as --batch=1.5 and --seed=true are: Python
+would read 1.5, 2.0 and true as the integers 1, 2 and 1), and an error names the file and key.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def read_config(path: str) -> dict:
     return values
 
 
+def command_line_text(value: str | int | float | bool) -> str:
+    """A JSON scalar as the command line would spell it (JSON's true and false as true and false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def convert_values(ctx: click.Context, values: dict, path: str, exclude: tuple[str, ...]) -> dict:
     """values (parameter name -> JSON value) converted by each option's type; null means the option's default."""
     params = {}
@@ -77,9 +84,9 @@ def convert_values(ctx: click.Context, values: dict, path: str, exclude: tuple[s
         if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)):
             raise click.BadParameter(f"{path}: {key}: expected a value or a list of values", param_hint="--config")
         if param.multiple:  # a repeatable option: each element is one use of it
-            text = value if isinstance(value, list) else [value]
-        else:
-            text = ",".join(str(v) for v in value) if isinstance(value, list) else value  # lists as on the command line
+            text = [command_line_text(v) for v in (value if isinstance(value, list) else [value])]
+        else:  # lists as on the command line
+            text = ",".join(map(command_line_text, value)) if isinstance(value, list) else command_line_text(value)
         try:
             converted[param.name] = param.type_cast_value(ctx, text)
         except click.BadParameter as e:

@@ -46,8 +46,13 @@ def apply_speed(speed: SamplingSpeed, net: Precond, gnet: Precond | str | None,
     return speed.apply(net, device), (gnet if gnet in (None, SELF) else speed.apply(gnet, device))
 
 
+THREADS = "threads"
+
+
 def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None) -> None:
-    """Limit PyTorch's CPU threads (OpenMP included) before the command computes anything."""
+    """Limit PyTorch's CPU threads (OpenMP included) before the command computes anything; the value stays in
+    ctx.meta[THREADS] for a command that records it (train_edm2.py, in its options)."""
+    ctx.meta[THREADS] = threads
     if threads is not None:
         torch.set_num_threads(threads)
 

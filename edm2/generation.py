@@ -254,7 +254,7 @@ def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:
     if not path.exists():
         return {}
     try:
-        with open(path, "rb") as f:
+        with files.open_input(path) as f:
             labels = parse_labels(f.read(bounded_json.MAX_BYTES + 1), path) or {}  # more is refused by its parse
     except (OSError, DatasetError) as e:
         raise GenerationError(f"{path} exists but is not a readable labels file ({e}); move it away") from None

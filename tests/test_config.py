@@ -14,7 +14,7 @@ import generate
 import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import save_network
-from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, tiny_precond
+from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, tiny_precond, write_image_dataset
 
 
 def train(*args: str):
@@ -188,3 +188,51 @@ def test_threads_sets_pytorchs_cpu_threads(script, args, train_data, net, tmp_pa
 def test_threads_out_of_range_is_refused(value, tmp_path):
     assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [f"--threads={value}", f"--outdir={tmp_path}"]),
                    "--threads")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("key, value, message", [
+    ("batch", 1.5, "batch: '1.5' is not"), ("batch", 32.0, "batch: '32.0' is not"),
+    ("seed", True, "seed: 'true' is not"), ("duration", False, "duration: 'false' is not an image count"),
+    ("ema_stds", [0.05, True], "ema_stds"),
+])
+def test_floats_and_booleans_for_integer_options_are_refused_as_the_command_line_refuses_them(
+        options_file, tmp_path, key, value, message):
+    # Python reads 1.5, 32.0 and true as the integers 1, 32 and 1; the command line refuses --batch=1.5 and --seed=true.
+    config = write_config(tmp_path / "c.json", dict(json.loads(options_file.read_text()), **{key: value}))
+    assert_refused(tmp_path, lambda: train(f"--config={config}"), "--config", message)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("command", [[train_edm2.main], [generate.main], [calculate_metrics.main, "gen"]])
+def test_a_key_given_twice_is_refused_not_last_one_wins(command, options_file, tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text('{"seed": 1, "batch": 32, "seed": 2}')
+    assert_refused(tmp_path, lambda: CliRunner().invoke(command[0], [*command[1:], f"--config={config}"]),
+                   "--config", "the key seed appears twice")
+
+
+@pytest.mark.parametrize("preset, resolution", [("toy-tiny", 16), ("toy-small", 64)])
+def test_a_dry_run_on_data_without_the_presets_attention_resolution_is_accepted_back(preset, resolution, tmp_path):
+    # toy-tiny attends at 4x4, which 16x16 data's two levels (16, 8) lack; toy-small at 8x8, absent from 64, 32, 16.
+    data = write_image_dataset(tmp_path / "data", num=4, resolution=resolution)
+    printed = dry_run(f"--preset={preset}", f"--data={data}", f"--outdir={tmp_path / 'run'}")
+    config = write_config(tmp_path / "training_options.json", dict(json.loads(printed), run_id="0" * 32))
+    assert dry_run(f"--config={config}") == printed
+    # Typed on the command line, an attention resolution the U-Net does not have is still refused.
+    [attention] = json.loads(printed)["network"]["attn_resolutions"]
+    result = train(f"--preset={preset}", f"--data={data}", f"--attn-resolutions={attention}", "--dry-run")
+    assert_one_error_line(result, "attention at", "but the U-Net's levels are")
+
+
+def test_threads_is_stored_in_the_options_and_carried_by_config(train_data, tmp_path):
+    before = torch.get_num_threads()
+    wanted = before + 1
+    try:
+        printed = dry_run(*TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--threads={wanted}")
+        assert json.loads(printed)["threads"] == wanted
+        torch.set_num_threads(before)
+        config = write_config(tmp_path / "c.json", json.loads(printed))
+        assert dry_run(f"--config={config}") == printed and torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(before)

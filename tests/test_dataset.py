@@ -13,12 +13,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import dataset_tool
 import train_edm2
 from edm2.data.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error
-from tests.helpers import (assert_refused, black_png, png_bomb_zip, png_file, run_python_script, run_training,
-                           write_image_dataset, write_members)
+from tests.helpers import (TRAIN_ARGS, assert_one_error_line, assert_refused, black_png, png_bomb_zip, png_file,
+                           run_python_script, run_training, write_image_dataset, write_members)
 
 # The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
@@ -529,3 +530,45 @@ def test_hostile_sizes_are_refused_within_a_memory_bound(tmp_path, case, dry_run
     data = build(tmp_path)
     args = ["train_edm2.py", "--preset=toy-tiny", f"--data={data}", f"--outdir={tmp_path / 'run'}", "--dry-run"]
     assert_refused(tmp_path, lambda: run_python_script(args, dry_run_peak + GIB)[0], "--data", *words)
+
+
+def zip_with_odd_member(path, odd: str, how: str):
+    """A ZIP of four 8x8 PNGs and dataset.json; member `odd` marked encrypted, or compressed by method 93 (Zstandard,
+    which zipfile lacks), in both its local header and the central directory."""
+    pixels = np.zeros((8, 8, 3), np.uint8)
+    names = [image_fname(i) for i in range(4)]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name in names:
+            archive.writestr(name, png_file(pixels))
+        archive.writestr("dataset.json", json.dumps({"labels": [[name, 0] for name in names]}))
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(odd)
+    data = bytearray(path.read_bytes())
+    central = data.rindex(odd.encode()) - 46  # the central directory comes last; 46 fixed bytes precede a name
+    assert data[central:central + 4] == b"PK\x01\x02"
+    if how == "encrypted":
+        data[info.header_offset + 6] |= 1
+        data[central + 8] |= 1
+    else:
+        data[info.header_offset + 8:info.header_offset + 10] = (93).to_bytes(2, "little")
+        data[central + 10:central + 12] = (93).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("how, message", [("encrypted", "is encrypted"),
+                                          ("zstd", "is compressed with method 93, which this Python cannot read")])
+def test_an_encrypted_or_unreadably_compressed_zip_member_is_one_line_naming_it(how, message, tmp_path):
+    odd = image_fname(2)
+    path = zip_with_odd_member(tmp_path / "data.zip", odd, how)
+    with pytest.raises(DatasetError, match=f"data.zip: {odd} {message}"):
+        dataset = ImageFolderDataset(path)
+        [dataset[i] for i in range(len(dataset))]
+    result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={path}", f"--outdir={tmp_path / 'run'}",
+                                                  "--workers=0"])
+    assert_one_error_line(result, odd, message)
+    dest = tmp_path / "converted.zip"
+    result = CliRunner().invoke(dataset_tool.main, ["convert", "--source", str(path), "--dest", str(dest)])
+    assert_one_error_line(result, odd, message)
+    assert not dest.exists()

@@ -19,6 +19,7 @@ import dataset_tool
 from edm2.data import toy_shapes
 from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
+from edm2.runtime import files
 from edm2.runtime.locks import DestinationLock
 from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_bomb_zip, png_file,
                            run_python_script, save_tiny_vae, wait_for, write_members)
@@ -568,21 +569,25 @@ STALE_CASES = {
 
 
 @pytest.mark.parametrize("case", STALE_CASES)
-def test_a_rerun_removes_the_stale_temporaries_of_its_dest(tmp_path, class_folders, encode_setup, case):
+def test_a_rerun_removes_the_stale_temporary_files_of_its_dest(tmp_path, class_folders, encode_setup, case):
     args = STALE_CASES[case](tmp_path, encode_setup, class_folders)
     dest = args[-1]
     host = socket.gethostname()
-    stale_file = tmp_path / f".{dest.name}.{dead_pid()}@{host}.abc123.tmp"
+    stale_file = tmp_path / files.temporary_name(dest.name, f".{dest.name}.{dead_pid()}@{host}.")
     stale_file.write_bytes(b"half a ZIP")
-    stale_folder = tmp_path / f".{dest.name}.{dead_pid()}@{host}.def456.tmp"
+    # A folder is never removed by the clean-up (a user's may carry such a name): it is named, for the user.
+    stale_folder = tmp_path / files.temporary_name(dest.name, f".{dest.name}.{dead_pid()}@{host}.")
     (stale_folder / "00000").mkdir(parents=True)
     (stale_folder / "00000" / "img00000000.png").write_bytes(b"half a dataset")
-    live = tmp_path / f".{dest.name}.{os.getpid()}@{host}.ghi789.tmp"  # this process: a writer still running
+    live = tmp_path / files.temporary_name(dest.name)  # this process: a writer still running
     live.write_bytes(b"busy")
-    other = tmp_path / f".other.zip.{dead_pid()}@{host}.jkl012.tmp"  # another output's: not ours to remove
+    other = tmp_path / files.temporary_name("other.zip", f".other.zip.{dead_pid()}@{host}.")  # not ours to remove
     other.write_bytes(b"?")
-    assert_ok(run(*args))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, live.name, other.name, "train"])
+    result = run(*args)
+    assert_ok(result)
+    assert f"Left {stale_folder}" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dest.name, live.name, other.name, stale_folder.name,
+                                                                 "train"])
     ImageFolderDataset(dest)
 
 
@@ -601,7 +606,7 @@ def test_a_second_writer_of_a_dest_is_refused(tmp_path, class_folders, encode_se
         first.release()
 
 
-def test_a_killed_toy_run_leaves_a_temporary_that_the_rerun_removes(tmp_path):
+def test_a_killed_toy_run_leaves_a_temporary_folder_that_the_rerun_names_and_keeps(tmp_path):
     dest = tmp_path / "toy"
     command = [sys.executable, "dataset_tool.py", "toy", "--dest", str(dest), "--num", "1000000", "--resolution", "8"]
     child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -609,8 +614,11 @@ def test_a_killed_toy_run_leaves_a_temporary_that_the_rerun_removes(tmp_path):
     child.send_signal(signal.SIGKILL)
     child.wait()
     [stale] = tmp_path.glob(".toy.*.tmp")
-    assert_ok(run("toy", "--dest", dest, "--num", 3, "--resolution", 8))
-    assert [p.name for p in tmp_path.iterdir()] == ["toy"] and len(ImageFolderDataset(dest)) == 3
+    result = run("toy", "--dest", dest, "--num", 3, "--resolution", 8)
+    assert_ok(result)
+    assert f"Left {stale}: a folder an interrupted dataset_tool.py may have written" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["toy", stale.name])
+    assert len(ImageFolderDataset(dest)) == 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,8 +48,9 @@ def test_writer_leaves_nothing_on_failure_and_null_labels_unless_all(tmp_path, d
     assert not ImageFolderDataset(tmp_path / dest_name).has_labels
 
 
-def test_a_killed_writer_leaves_a_temporary_folder_that_remove_stale_temporaries_recognises(tmp_path):
-    # A ZIP is written through files.atomic_path (tests/test_files.py); a folder has its own temporary.
+def test_a_killed_writers_temporary_folder_is_named_and_never_removed(tmp_path):
+    # A ZIP is written through files.atomic_path (tests/test_files.py); a folder has its own temporary, and the
+    # clean-up removes no folder: a user's folder may carry the same kind of name.
     dest_name = "out"
     script = ("import os, sys, numpy as np\n"
               "from edm2.data.dataset_writer import dataset_writer, png_bytes\n"
@@ -61,9 +62,11 @@ def test_a_killed_writer_leaves_a_temporary_folder_that_remove_stale_temporaries
     [stale] = tmp_path.iterdir()
     assert stale.is_dir() and stale.name.startswith(f".{dest_name}.") and stale.name.endswith(files.TMP_SUFFIX)
     with dataset_writer(tmp_path / dest_name) as writer:  # a live writer's temporary is never taken for stale
-        assert files.remove_stale_temporaries(tmp_path, name=dest_name) == [stale]
+        assert files.stale_temporaries(tmp_path, name=dest_name, folders=True) == [stale]
+        assert files.remove_stale_temporaries(tmp_path, name=dest_name) == []
         writer.add(image_fname(0), png_bytes(np.zeros((4, 4, 3), np.uint8)), label=1)
-    assert [p.name for p in tmp_path.iterdir()] == [dest_name] and len(ImageFolderDataset(tmp_path / dest_name)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([stale.name, dest_name])
+    assert len(ImageFolderDataset(tmp_path / dest_name)) == 1
 
 
 @pytest.mark.parametrize("dest_name", ["out.zip", "out"])

@@ -1,6 +1,7 @@
 """Atomic writes and the download cache."""
 
 import errno
+import glob
 import os
 import shutil
 import socket
@@ -94,9 +95,9 @@ def test_a_killed_writer_leaves_a_temporary_that_a_rerun_removes(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state.pt")], cwd=REPO)
     assert result.returncode == 9
     [stale] = tmp_path.glob(".state.pt.*.tmp")
-    live = tmp_path / f"{files.temporary_prefix('other.pt')}abc{files.TMP_SUFFIX}"  # this process: alive
+    live = tmp_path / files.temporary_name('other.pt')  # this process: alive
     live.write_bytes(b"busy")
-    foreign = tmp_path / ".x.pt.1@some-other-host.abc.tmp"  # cannot tell whether its writer lives
+    foreign = tmp_path / files.temporary_name("x.pt", ".x.pt.1@some-other-host.")  # cannot tell whether its writer lives
     foreign.write_bytes(b"?")
     assert files.remove_stale_temporaries(tmp_path) == [stale]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name])
@@ -110,10 +111,11 @@ def test_stale_temporaries_of_a_name_with_glob_characters_are_removed(tmp_path, 
     # As a glob, 'd[1].zip' matches 'd1.zip' and never the name itself.
     gone = f"{dead_pid()}@{socket.gethostname()}"
     for dest in (name, lookalike):
-        (tmp_path / f".{dest}.{gone}.abc{files.TMP_SUFFIX}").write_bytes(b"half")
-    stale = tmp_path / f".{name}.{gone}.abc{files.TMP_SUFFIX}"
+        (tmp_path / files.temporary_name(dest, f".{dest}.{gone}.")).write_bytes(b"half")
+    [stale] = tmp_path.glob(f".{glob.escape(name)}.*")
+    [other] = tmp_path.glob(f".{glob.escape(lookalike)}.*")
     assert files.remove_stale_temporaries(tmp_path, name=name) == [stale]
-    assert [p.name for p in tmp_path.iterdir()] == [f".{lookalike}.{gone}.abc{files.TMP_SUFFIX}"]
+    assert list(tmp_path.iterdir()) == [other]
 
 
 def test_check_writable_dir(tmp_path):

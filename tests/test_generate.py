@@ -22,7 +22,7 @@ from edm2 import presets_generate
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.formats import snapshot
 from edm2.generation import MAX_SEED, generate_images
-from edm2.runtime.files import TMP_SUFFIX
+from edm2.runtime.files import TMP_SUFFIX, temporary_name
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import (
     REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, tiny_precond, tree,
@@ -411,9 +411,10 @@ def test_rerun_removes_what_killed_runs_left_but_not_a_live_writer(nets, tmp_pat
     out = tmp_path / "out"
     (out / "000000").mkdir(parents=True)
     host = socket.gethostname()
-    stale = [out / f".grid.png.{dead_pid()}@{host}.a1{TMP_SUFFIX}", out / "000000" / f".000007.png.{dead_pid()}@{host}.b2{TMP_SUFFIX}"]
+    stale = [out / temporary_name("", f".grid.png.{dead_pid()}@{host}."),
+             out / "000000" / temporary_name("", f".000007.png.{dead_pid()}@{host}.")]
     with live_process() as writer:
-        live = out / "000000" / f".000008.png.{writer.pid}@{host}.c3{TMP_SUFFIX}"
+        live = out / "000000" / temporary_name("", f".000008.png.{writer.pid}@{host}.")
         for path in [*stale, live]:
             path.write_bytes(b"half an image")
         # Without --subdirs only the output folder itself is cleaned.

@@ -312,8 +312,9 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
     out.mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()  # its process id now belongs to no process
-    stale = out / f".phema-0000002-0.100.safetensors.{dead.pid}@{socket.gethostname()}.x1{files.TMP_SUFFIX}"
-    live = out / f"{files.temporary_prefix('phema-0000002-0.050.safetensors')}x2{files.TMP_SUFFIX}"
+    name = "phema-0000002-0.100.safetensors"
+    stale = out / files.temporary_name(name, f".{name}.{dead.pid}@{socket.gethostname()}.")
+    live = out / files.temporary_name("phema-0000002-0.050.safetensors")
     stale.write_bytes(b"half a network")
     live.write_bytes(b"a writer that is still running")
     result = run_cli(f"--indir={run}", f"--outdir={out}", "--std=0.1")

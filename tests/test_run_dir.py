@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import train_edm2
 from edm2.formats.snapshot import images_tag
+from edm2.runtime import files
 from edm2.runtime.locks import DestinationInUse
 from training.run import checkpoint, run_dir
 from training.options import TrainingOptions
@@ -146,7 +147,8 @@ def test_open_locks_cleans_temporaries_and_undoes_a_fruitless_start(tmp_path):
     shutil.rmtree(path)
 
     path.mkdir(parents=True)
-    stale = [path / ".training-state-0000001.pt.999999@elsewhere.x1.tmp", path / ".stats.jsonl.1@host.x2.tmp"]
+    stale = [path / files.temporary_name("", ".training-state-0000001.pt.999999@elsewhere."),
+             path / files.temporary_name("", ".stats.jsonl.1@host.")]
     for tmp in stale:
         tmp.write_bytes(b"partial")
     reports = []

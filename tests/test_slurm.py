@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO, TRAIN_ARGS, TRAIN_ENV, free_port, snapshot_contents, wait_for
 
 SCRIPT = REPO / "scripts" / "slurm" / "train_edm2.sbatch"
@@ -32,6 +34,7 @@ def slurm_env(tmp_path: Path) -> dict:
         (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     return dict(TRAIN_ENV, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_STANDIN=str(tmp_path), SLURM_JOB_ID="4242",
+                TMPDIR=str(tmp_path),
                 SLURM_NNODES="1", SLURM_GPUS_ON_NODE="1", SLURM_JOB_NODELIST="localhost",
                 PYTHON=sys.executable, EDM2_RDZV_PORT=str(free_port()))
 
@@ -68,9 +71,10 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_the_next_job_resu
     job.send_signal(signal.SIGUSR1)  # what SLURM sends the batch script 600 s before the time limit
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 0, output
-    assert calls(tmp_path)[1:] == ["scancel --signal=TERM 4242", "scontrol requeue 4242"], output
-    # Stopped by the signal (log.txt ends 'Stopped at N images'), or, on a machine so slow that the signal
-    # landed after the last step, complete: either way a training state is on disk and the job asked to requeue.
+    # Stopped by the signal (log.txt ends 'Stopped at N images'): the job asks to requeue. On a machine so slow
+    # that the signal landed after the last step, the training is complete and there is nothing to requeue.
+    stopped = "Stopped at" in output
+    assert calls(tmp_path)[1:] == ["scancel --signal=TERM 4242", *["scontrol requeue 4242"] * stopped], output
     assert list(outdir.glob("training-state-*.pt")), output
 
     # The requeued job: the same command, with nothing sent, runs to the end and asks for no requeue.
@@ -79,3 +83,31 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_the_next_job_resu
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert calls(tmp_path) == ["scontrol show hostnames localhost"]
     assert snapshot_contents(outdir, "*.safetensors") == snapshot_contents(reference_run, "*.safetensors")
+
+
+# Stand-ins for the training (PYTHON): each ends as told when the recipe's SIGTERM reaches it.
+ENDINGS = {
+    "fails": ("exit 1", 1, False),
+    "finishes": ("exit 0", 0, False),
+    # torchrun, signalled with its workers, exits 1 however they ended: the marker alone tells.
+    "stops with a state": ('echo stopped > "$EDM2_STOP_MARKER"; exit 1', 0, True),
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_only_a_training_that_reports_its_stop_with_a_state_is_requeued(ending, tmp_path):
+    on_term, status, requeued = ENDINGS[ending]
+    training = tmp_path / "training"
+    training.write_text(f'#!/usr/bin/env bash\ntrap \'{on_term}\' TERM\ntouch "$SLURM_STANDIN/started"\n'
+                        "while true; do sleep 0.05; done\n")
+    training.chmod(0o755)
+    env = dict(slurm_env(tmp_path), PYTHON=str(training))
+    job = subprocess.Popen(["bash", str(SCRIPT)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (tmp_path / "started").exists(), job, timeout=60)
+    job.send_signal(signal.SIGUSR1)
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == status, output
+    assert calls(tmp_path)[1:] == ["scancel --signal=TERM 4242", *["scontrol requeue 4242"] * requeued], output
+    assert ("not requeueing" in output) != requeued, output
+    assert not list(Path(tmp_path).glob("edm2-stopped.*"))  # the marker goes with the job

@@ -162,15 +162,17 @@ def run_generate(net: Path, outdir: Path):
 
 
 def refuse_to_open(monkeypatch, path: Path) -> None:
-    """Make open() of path fail as it does for a file without read permission (root passes that check)."""
-    real_open = builtins.open
+    """Make open() and os.open() of path fail as they do for a file without read permission (root passes that
+    check)."""
+    def refusing(real_open):
+        def refusing_open(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file) == path:
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+        return refusing_open
 
-    def refusing_open(file, *args, **kwargs):
-        if isinstance(file, (str, os.PathLike)) and Path(file) == path:
-            raise PermissionError(13, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", refusing_open)
+    monkeypatch.setattr(builtins, "open", refusing(builtins.open))
+    monkeypatch.setattr(os, "open", refusing(os.open))
 
 
 def test_an_unreadable_file_is_not_reported_missing(tmp_path, monkeypatch):

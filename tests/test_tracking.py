@@ -9,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ from training.run.dashboard import snapshot_numbers
 from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS
 from training.run.sample_grid import grid_path
 from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
-from tests.helpers import REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
+from tests.helpers import (REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, black_png, tiny_precond,
+                           train_command)
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -192,16 +194,25 @@ def test_grid_zero_writes_no_grid(train_data, tmp_path):
     assert not (tmp_path / "run" / "samples").exists()
 
 
-def test_a_tracker_that_raises_does_not_stop_training(train_data, tmp_path, monkeypatch):
-    def fail(*args):
-        raise RuntimeError("disk on fire")
+TRACKER_FAULTS = {  # a tracker's method, what it does, and the error the warning names
+    "log raises": ("log", RuntimeError("disk on fire"), "RuntimeError: disk on fire"),
+    "log calls sys.exit": ("log", SystemExit(3), "SystemExit: 3"),
+    "start calls sys.exit": ("__init__", SystemExit(0), "SystemExit: 0"),  # before any result: nothing undone
+}
 
-    monkeypatch.setattr(trackers.TensorBoardTracker, "log", fail)
+
+@pytest.mark.parametrize("fault", TRACKER_FAULTS)
+def test_a_tracker_that_raises_or_exits_does_not_stop_or_undo_training(fault, train_data, tmp_path, monkeypatch):
+    method, error, named = TRACKER_FAULTS[fault]
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(trackers.TensorBoardTracker, method, fail)
     result = train_in_process(train_data, tmp_path / "run", "--logger=tensorboard", "--grid=0")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.output.splitlines() if line.startswith("Warning")]
-    assert warnings == ["Warning: the tensorboard tracker failed (RuntimeError: disk on fire); training goes on "
-                        "without it."]
+    assert warnings == [f"Warning: the tensorboard tracker failed ({named}); training goes on without it."]
     assert [row["nimg"] for row in stats_rows(tmp_path / "run")] == [512, 1024]
     assert (tmp_path / "run" / "training-state-0000001.pt").exists()
 
@@ -242,6 +253,27 @@ def test_trackers_drop_only_the_one_that_raises(tmp_path, capsys):
     assert [t.name for t in group.trackers] == ["good"]
     assert logged == [("status", 512, {"train/loss": 1.0}, {}), ("status", 1024, {"train/loss": 0.5}, {})]
     assert capsys.readouterr().out.count("Warning: the bad tracker failed") == 1
+
+
+def test_a_tracker_failing_in_its_own_thread_is_one_warning_line_without_traceback(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # Python's, not pytest's catcher
+    group = Trackers(("tensorboard",), tmp_path, {}, 0)
+    [tracker] = group.trackers
+    records = tracker.writer.file_writer.event_writer._async_writer._writer  # written by TensorBoard's own thread
+
+    def full_disk(data):
+        raise OSError(28, "No space left on device")
+
+    records.write = full_disk
+    group.log("status", 512, {"train/loss": 1.0})
+    group.flush()
+    group.log("status", 1024, {"train/loss": 0.5})
+    group.close()
+    tracker.writer.file_writer.event_writer._async_writer._worker.join()  # its thread has ended, hook included
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and group.trackers == [], out + err
+    assert (out + err).splitlines() == ["Warning: the tensorboard tracker failed (OSError: No space left "
+                                        "on device); training goes on without it."]
 
 
 @pytest.mark.bad_input
@@ -300,3 +332,53 @@ def test_plot_run_tensorboard_with_a_damaged_options_file_is_one_line(reference_
     (run / "training_options.json").write_text("[1, 2]")
     assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]),
                    "RUN", f"{run / 'training_options.json'}: a JSON list, not an object")
+
+
+def _without(run: Path, name: str, key: str, value=None) -> None:
+    """Set (or with value None remove) one key of a plots/ record file."""
+    path = run / "plots" / name
+    records = json.loads(path.read_text())
+    if value is None:
+        records.pop(key)
+    else:
+        records[key] = value
+    path.write_text(json.dumps(records))
+
+
+DAMAGED_RECORDS = {
+    "training.json without sigma": (lambda run: _without(run, "training.json", "sigma"), "malformed records"),
+    "sigma of strings": (lambda run: _without(run, "training.json", "sigma", ["a", "b"]), "malformed records"),
+    "noise_levels an object": (lambda run: _without(run, "training.json", "noise_levels", {"a": 1}),
+                               "malformed records"),
+    "a decompression-bomb grid": (lambda run: grid_path(run, 2048).write_bytes(black_png(20000, 20000)),
+                                  "not a readable PNG"),
+    "a full disk": (None, "cannot write (No space left on device)"),
+}
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("damage", DAMAGED_RECORDS)
+def test_plot_run_tensorboard_on_damaged_records_or_a_full_disk_is_one_line_and_writes_nothing(
+        damage, reference_run, tmp_path, monkeypatch):
+    run = tmp_path / "copied"
+    shutil.copytree(reference_run, run, ignore=shutil.ignore_patterns(TENSORBOARD_DIR))
+    assert CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in (run / TENSORBOARD_DIR).iterdir()}
+    spoil, message = DAMAGED_RECORDS[damage]
+    if spoil is None:
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        real_write = RecordWriter.write
+
+        def full_after_some(self, data):
+            if getattr(self, "written", 0) == 5:
+                raise OSError(28, "No space left on device")
+            self.written = getattr(self, "written", 0) + 1
+            real_write(self, data)
+        monkeypatch.setattr(RecordWriter, "write", full_after_some)
+    else:
+        spoil(run)
+    result = CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"])
+    assert_one_error_line(result, "RUN", message)
+    # The earlier event file is all TensorBoard finds: no partial file hides its events, no temporary is left.
+    assert {p.name: p.read_bytes() for p in (run / TENSORBOARD_DIR).iterdir()} == before
+    assert len(tensorboard_scalars(run).Scalars("train/loss")) == len(stats_rows(run))

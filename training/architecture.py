@@ -69,6 +69,15 @@ def check_network_fits_data(resolution: int, channels: int, network: dict, expli
                                 f"{data}")
 
 
+def differs_from_preset(network: dict, preset_network: dict) -> bool:
+    """Whether network arguments shape the U-Net (UNET_OPTIONS) otherwise than the preset's: only then are its
+    attention resolutions checked strictly (check_network_fits_data's explicit). The preset's own, stored in a
+    run's training_options.json and read back with --config, are the preset's choice, not the user's."""
+    def shape(values: dict) -> dict:
+        return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items() if k in UNET_OPTIONS}
+    return shape(network) != shape(preset_network)
+
+
 def unet_options(preset_network: dict, given: dict) -> dict:
     """The preset's U-Net arguments with the UNET_OPTIONS given on the command line (those not None)."""
     network = dict(preset_network)

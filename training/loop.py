@@ -42,7 +42,7 @@ from training.run.outputs import Outputs
 from training.run.preflight import check_run
 from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid
-from training.run.signals import StopFlag
+from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss, training_step
 from training.run.trackers import Trackers
@@ -79,6 +79,7 @@ def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) 
                                  **_reporters(run, opts, encoder, step, stack),
                                  metrics=_metrics(opts, dataset, encoder, step.device)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
+            write_stop_marker(step.state.cur_nimg)
         else:
             distributed.print0(f"Training complete: {step.state.cur_nimg} images.")
     return stop.signal

@@ -10,11 +10,11 @@ import os
 import torch
 
 from edm2.errors import EDM2Error
+from edm2.eval.scores import METRICS
 from edm2.network_args import shown
 from edm2.phema import MAX_STD
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
-from training.architecture import UNET_OPTIONS, check_network_fits_data
-from edm2.eval.scores import METRICS
+from training.architecture import check_network_fits_data, differs_from_preset
 from training.presets import get_preset
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
@@ -97,6 +97,7 @@ class TrainingOptions:
     channels_last: bool | None = None  # NHWC convolution weights and activations
     checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
     cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
+    threads: int | None = None  # --threads: PyTorch's CPU threads per process; None: PyTorch's default
     ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema)
     # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.
     loggers: tuple[str, ...] = ()
@@ -229,12 +230,7 @@ def _check_network(opts: TrainingOptions) -> None:
     _require(type(resolution) is int and resolution >= 1, "dataset", opts.dataset, "a resolution >= 1")
     if opts.init is None:
         check_network_fits_data(resolution, opts.channels, opts.network,
-                                explicit=_unet_shape(opts.network) != _unet_shape(get_preset(opts.preset).network))
-
-
-def _unet_shape(network: dict) -> dict:
-    """The UNET_OPTIONS that network arguments hold, sequences as lists."""
-    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in network.items() if k in UNET_OPTIONS}
+                                explicit=differs_from_preset(opts.network, get_preset(opts.preset).network))
 
 
 def _check_speed(opts: TrainingOptions) -> None:
@@ -245,6 +241,8 @@ def _check_speed(opts: TrainingOptions) -> None:
     for name in ("checkpoint_activations", "cpu_16bit"):
         _require(type(getattr(opts, name)) is bool, name, getattr(opts, name), "True or False")
     _counts(opts, ("batch_gpu", "workers"), 0)
+    _require(opts.threads is None or type(opts.threads) is int and opts.threads >= 1, "threads", opts.threads,
+             "an integer >= 1, or None")
 
 
 def _check_reports(opts: TrainingOptions) -> None:

@@ -7,6 +7,7 @@ anything of that size is allocated; edm2/data/dataset.py reads datasets through 
 from __future__ import annotations
 
 import collections
+import importlib.util
 import io
 import os
 import warnings
@@ -18,6 +19,7 @@ import numpy as np
 import PIL.Image
 
 from edm2.errors import EDM2Error
+from edm2.runtime import files
 
 # Bounds on what a file may declare, checked before anything of that size is allocated. 8192x8192 pixels is far
 # beyond what diffusion models train on and stays below PIL's own decompression-bomb warning (89M pixels);
@@ -26,6 +28,10 @@ MAX_IMAGE_PIXELS = 1 << 26
 MAX_FILE_BYTES = 1 << 29
 # Deflate compresses at most 1032:1; a ZIP member declaring more is a bomb (bzip2/LZMA) or lies about its size.
 MAX_ZIP_RATIO = 1100
+# The compression methods Python's zipfile reads: bzip2 and LZMA only when Python was built with their modules.
+_ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate",
+                **({zipfile.ZIP_BZIP2: "bzip2"} if importlib.util.find_spec("bz2") else {}),
+                **({zipfile.ZIP_LZMA: "LZMA"} if importlib.util.find_spec("lzma") else {})}
 # What PIL raises for files that are not (complete) images; SyntaxError comes from broken PNG chunks.
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, zipfile.BadZipFile, PIL.Image.DecompressionBombError)
 
@@ -91,7 +97,7 @@ class FileTree:
         """The bytes of one file, named by its relative path; a file of more than `limit` bytes is refused
         (a ZIP member by its declared size and compression ratio, before anything is inflated)."""
         if self.is_zip:
-            info = self._archive().getinfo(name)
+            info = self._member(name)
             if info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
                 raise DatasetError(f"{self.path}: {name} declares {info.file_size} bytes from {info.compress_size} "
                                    f"compressed, more than deflate's 1032:1; a decompression bomb")
@@ -100,7 +106,7 @@ class FileTree:
                                    f"a dataset file may hold")
             stream = self._archive().open(info)  # reads no more than the declared size (then checks the CRC)
         else:
-            stream = open(self.path / name, "rb")
+            stream = files.open_input(self.path / name)
         with stream:
             data = stream.read(limit + 1)  # a file may grow after listing; never more than limit + 1 bytes
         if len(data) > limit:
@@ -109,7 +115,19 @@ class FileTree:
 
     def open(self, name: str) -> IO[bytes]:
         """One file as a binary stream, to read its header without the rest."""
-        return self._archive().open(name) if self.is_zip else open(self.path / name, "rb")
+        return self._archive().open(self._member(name)) if self.is_zip else files.open_input(self.path / name)
+
+    def _member(self, name: str) -> zipfile.ZipInfo:
+        """The ZIP member `name`, refused (DatasetError naming it) when it is encrypted or compressed by a method
+        zipfile cannot read: zipfile would raise RuntimeError or NotImplementedError only when reading it."""
+        info = self._archive().getinfo(name)
+        if info.flag_bits & 0x1:
+            raise DatasetError(f"{self.path}: {name} is encrypted; a dataset's files must be readable without a "
+                               f"password")
+        if info.compress_type not in _ZIP_METHODS:
+            raise DatasetError(f"{self.path}: {name} is compressed with method {info.compress_type}, which this "
+                               f"Python cannot read; use {' or '.join(_ZIP_METHODS.values())}")
+        return info
 
     def close(self) -> None:
         """Close the ZIP file if this process opened it."""

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -81,8 +80,9 @@ def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) ->
 def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
     """Write a dataset to a temporary ZIP or directory, add dataset.json, and rename onto dest on success.
 
-    The temporary is named like files.atomic_path's (.DEST.PID@HOST.RANDOM.tmp), so that
-    files.remove_stale_temporaries recognises what a killed run left; a failed write is an OutputError.
+    The temporary is named like files.atomic_path's (.DEST.PID@HOST.RANDOM.tmp); a folder that a killed run left
+    is never removed by files.remove_stale_temporaries (no folder is): dataset_tool.py names it. A failed write is
+    an OutputError.
     """
     dest = Path(dest)
     if is_zip_path(dest):
@@ -90,9 +90,9 @@ def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
             yield writer
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=files.temporary_prefix(dest.name), suffix=files.TMP_SUFFIX, dir=dest.parent))
+    tmp = files.new_temporary(dest, folder=True)
     try:
-        tmp.chmod(0o777 & ~files.current_umask())  # mkdtemp makes the folder private
+        tmp.chmod(0o777 & ~files.current_umask())  # new_temporary makes the folder private
         writer = DatasetWriter(dest, lambda fname, data: _write_file(tmp / fname, data))
         yield writer
         try:

@@ -139,7 +139,7 @@ def load_stats(path_or_url: str | os.PathLike) -> Stats:
     if path.is_dir():
         raise NotStatisticsError(f"{source} is a folder (of images?), not a statistics file")
     try:
-        with open(path, "rb") as file:
+        with files.open_input(path) as file:
             is_zip = file.read(4) == b"PK\x03\x04"  # NumPy .npz is a ZIP archive
             file.seek(0)
             return _read_npz(file, source) if is_zip else _read_pickle(file, source)

@@ -28,6 +28,7 @@ from edm2.formats import legacy_storage, safe_pickle
 from edm2.layers import ArchitectureError
 from edm2.network_args import MAX_SCALE, real
 from edm2.networks import Precond
+from edm2.runtime import files
 
 
 MAX_KWARGS_DEPTH = 16  # dataset_kwargs nest one or two levels; our metadata JSON may nest 32 in all
@@ -188,7 +189,7 @@ def _loss_settings(state: dict) -> dict[str, float]:
 
 def restricted_load(path: str | os.PathLike) -> object:
     """The release pickle's contents, persistent objects as records; nothing in it runs."""
-    with open(path, "rb") as f:
+    with files.open_input(path) as f:
         try:
             return safe_pickle.restricted_load(f, _ALLOWED_GLOBALS, "not part of the release's format")
         except (ReleasePickleError, safe_pickle.RefusedGlobal) as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
 import safetensors
@@ -88,16 +87,14 @@ def save_state(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata
 def check_readable(path: str | os.PathLike) -> None:
     """Raise SnapshotError with the real reason (no such file, a folder, no permission) unless path can be read."""
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            # Opening a FIFO would wait for a writer; a folder or device is no snapshot either.
-            raise SnapshotError(f"{path}: is {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'}, not a file")
         # Opening is the only true test (permissions, ACLs, root's powers); safetensors reports a refusal as
-        # 'No such file or directory'.
-        with open(path, "rb"):
+        # 'No such file or directory'. open_input refuses a FIFO (it would wait for a writer) or a device.
+        with files.open_input(path):
             pass
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{path}: is a folder, not a file") from None
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
 

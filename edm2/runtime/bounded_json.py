@@ -2,7 +2,8 @@
 
 Python's json module recurses once per nesting level (100,000 nested lists end in a RecursionError, a
 traceback), converts any run of digits into an int (a 5,000-digit number costs quadratic time, and Python
-refuses more than 4,300 digits with a ValueError), and accepts NaN and Infinity. Every JSON file the project
+refuses more than 4,300 digits with a ValueError), accepts NaN and Infinity, and keeps the last of a key given
+twice. Every JSON file the project
 reads back (options, labels, statistics rows, locks, snapshot metadata) goes through `parse` or `read`, which
 refuse each of these with one line naming the file.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from edm2.errors import EDM2Error
+from edm2.runtime import files
 
 MAX_DEPTH = 32  # our files nest three or four levels; 32 leaves room without risking the recursion limit
 MAX_INT_DIGITS = 20  # enough for any count of images, seed (< 2**64) or size the project writes
@@ -45,7 +47,8 @@ def parse(text: str | bytes, source: str, max_depth: int = MAX_DEPTH, max_bytes:
     """Parse JSON `text` read from `source` (a file name, for the message); refuse what is out of bounds.
 
     Refused with JSONFileError: more than max_bytes, nesting deeper than max_depth, an integer of more than
-    MAX_INT_DIGITS digits, a float that overflows to infinity, NaN or Infinity, and malformed JSON.
+    MAX_INT_DIGITS digits, a float that overflows to infinity, NaN or Infinity, a key given twice in one object
+    (which value was meant is unknowable), and malformed JSON.
     """
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
     if len(raw) > max_bytes:
@@ -55,7 +58,8 @@ def parse(text: str | bytes, source: str, max_depth: int = MAX_DEPTH, max_bytes:
         raise JSONFileError(f"{source}: JSON nested {depth} levels deep, more than the {max_depth} allowed")
     try:
         return json.loads(raw, parse_int=lambda s: _integer(s, source), parse_float=lambda s: _float(s, source),
-                          parse_constant=lambda s: _constant(s, source))
+                          parse_constant=lambda s: _constant(s, source),
+                          object_pairs_hook=lambda pairs: _object(pairs, source))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         if isinstance(e, JSONFileError):
             raise
@@ -65,7 +69,7 @@ def parse(text: str | bytes, source: str, max_depth: int = MAX_DEPTH, max_bytes:
 def read(path: str | os.PathLike, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> Any:
     """Parse the JSON file `path` with `parse`'s bounds, reading no more than max_bytes + 1 bytes of it."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with files.open_input(path) as f:  # a FIFO or device is refused, not waited on
         raw = f.read(max_bytes + 1)
     return parse(raw, str(path), max_depth=max_depth, max_bytes=max_bytes)
 
@@ -100,6 +104,17 @@ def _float(text: str, source: str) -> float:
     if not np.isfinite(value):
         raise JSONFileError(f"{source}: the number {text[:30]} is not finite in double precision")
     return value
+
+
+def _object(pairs: list[tuple[str, Any]], source: str) -> dict:
+    """An object whose keys are all different."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        shown = twice if len(twice) <= 40 and twice.isprintable() else repr(twice[:40])
+        raise JSONFileError(f"{source}: the key {shown} appears twice in one object")
+    return obj
 
 
 def _constant(name: str, source: str) -> float:

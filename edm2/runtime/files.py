@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import glob
+import errno
 import hashlib
 import os
 import re
-import shutil
+import secrets
 import socket
+import stat
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import requests
 
 from edm2.errors import EDM2Error
 
 TMP_SUFFIX = ".tmp"
-# .NAME.PID@HOST.RANDOM.tmp: the writer's process and host tell a stale temporary from a live one.
-_TMP_NAME = re.compile(r"^\.(?P<name>.+?)\.(?P<pid>\d+)@(?P<host>.+)\.[A-Za-z0-9_]+\.tmp$")
+_TOKEN_BYTES = 4  # RANDOM below: 8 hex digits
+# .NAME.PID@HOST.RANDOM.tmp: the writer's process and host tell a stale temporary from a live one. The one
+# definition of our temporaries' names: temporary_name makes them, and the clean-up removes nothing else.
+_TMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)@(?P<host>[^/@]+)\.[0-9a-f]{%d}%s"
+                       % (2 * _TOKEN_BYTES, re.escape(TMP_SUFFIX)))
 
 
 class DownloadError(EDM2Error):
@@ -32,8 +36,29 @@ class OutputError(EDM2Error):
 
 
 def temporary_prefix(name: str) -> str:
-    """Prefix of a temporary beside the file `name`: '.NAME.PID@HOST.'; pair it with TMP_SUFFIX."""
+    """Prefix of a temporary beside the file `name`: '.NAME.PID@HOST.'; temporary_name completes it."""
     return f".{name}.{os.getpid()}@{socket.gethostname()}."
+
+
+def temporary_name(name: str, prefix: str | None = None) -> str:
+    """A new temporary name for the file `name` (.NAME.PID@HOST.RANDOM.tmp); prefix replaces '.NAME.PID@HOST.'."""
+    return f"{prefix or temporary_prefix(name)}{secrets.token_hex(_TOKEN_BYTES)}{TMP_SUFFIX}"
+
+
+def new_temporary(path: str | os.PathLike, folder: bool = False, named: str | None = None) -> Path:
+    """Create (exclusively, private to the user) an empty temporary file, or folder, beside `path`; return it.
+    Its name is made from `named` when given, else from path's name."""
+    path = Path(path)
+    while True:
+        tmp = path.parent / temporary_name(named or path.name)
+        try:
+            if folder:
+                tmp.mkdir(mode=0o700)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            return tmp
+        except FileExistsError:  # 2**32 names per process: a clash is rare, and the next name is another
+            continue
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -46,20 +71,20 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, named: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; only if the block succeeds, make it durable and rename it onto `path`.
 
+    The temporary's name is made from `named` when given (a reader that picks files by a part of path's name, as
+    TensorBoard does, must not see it), else from path's name.
     The file is fsynced before the rename and the folder after it, so a finished file survives a power loss.
     An OSError that names no file, or the temporary, is re-raised naming `path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=TMP_SUFFIX, dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    tmp = new_temporary(path, named=named)
     try:
         yield tmp
-        # mkstemp makes the file private; the finished file gets the modes open() would have given it.
+        # new_temporary makes the file private; the finished file gets the modes open() would have given it.
         tmp.chmod(0o666 & ~current_umask())
         fsync_path(tmp)
         os.replace(tmp, path)
@@ -87,29 +112,68 @@ def _writer_is_gone(match: re.Match) -> bool:
     return False
 
 
-def remove_stale_temporaries(directory: str | os.PathLike, name: str | None = None, owned: bool = False,
-                             recursive: bool = False) -> list[Path]:
-    """Delete temporaries that killed writers left in `directory`; return what was deleted.
+def stale_temporaries(directory: str | os.PathLike, name: str | None = None, owned: bool = False,
+                      recursive: bool = False, folders: bool = False) -> list[Path]:
+    """Temporaries that killed writers left in `directory`: regular files, or with `folders` folders, named
+    exactly as temporary_name names them (of `name` when given).
 
-    Only temporaries of `name` when given. A temporary counts as stale when its writer process is gone;
-    with `owned` (the caller holds the folder, e.g. under a run lock) every temporary counts.
+    A temporary counts as stale when its writer process is gone; with `owned` (the caller holds the folder,
+    e.g. under a run lock) every temporary counts.
     """
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    # A name holds glob characters ('d[1].zip') as literal characters.
-    pattern = f".{glob.escape(name)}.*{TMP_SUFFIX}" if name is not None else f".*{TMP_SUFFIX}"
-    removed = []
-    for path in sorted(directory.rglob(pattern) if recursive else directory.glob(pattern)):
-        match = _TMP_NAME.match(path.name)
-        if not owned and (match is None or not _writer_is_gone(match)):
+    found = []
+    for path in sorted(directory.rglob(f"*{TMP_SUFFIX}") if recursive else directory.glob(f"*{TMP_SUFFIX}")):
+        match = _TMP_NAME.fullmatch(path.name)
+        if match is None or name is not None and match["name"] != name:
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        removed.append(path)
+        if _file_type(path) == (stat.S_IFDIR if folders else stat.S_IFREG) and (owned or _writer_is_gone(match)):
+            found.append(path)
+    return found
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, name: str | None = None, owned: bool = False,
+                             recursive: bool = False) -> list[Path]:
+    """Delete the stale_temporaries files in `directory` (never a folder, nor any other name: those are a
+    user's); return what was deleted."""
+    removed = stale_temporaries(directory, name, owned, recursive)
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed
+
+
+def _file_type(path: Path) -> int | None:
+    """The type bits of `path` itself (a link is a link), None when it is gone."""
+    try:
+        return stat.S_IFMT(path.lstat().st_mode)
+    except OSError:
+        return None
+
+
+_NOT_REGULAR = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket"}
+
+
+def open_input(path: str | os.PathLike) -> BinaryIO:
+    """Open an input file for reading in binary mode; OSError naming it when it is not a regular file.
+
+    The check is made on the very file the caller then reads (opened without waiting, then fstat): a FIFO would
+    wait for a writer forever, and a device never ends. A folder is an IsADirectoryError, as open() gives.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind == stat.S_IFDIR:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if kind != stat.S_IFREG:
+            what = _NOT_REGULAR.get(kind, "a special file")
+            raise OSError(errno.EINVAL, f"{what}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_writable_dir(path: str | os.PathLike) -> None:

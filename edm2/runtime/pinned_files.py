@@ -14,6 +14,7 @@ import os
 from typing import BinaryIO
 
 from edm2.errors import EDM2Error
+from edm2.runtime import files
 
 CHUNK_BYTES = 1 << 20
 
@@ -39,7 +40,7 @@ def read_pinned(path: str | os.PathLike, sha256: str) -> bytes:
     as the first pass counted) and hashed again, so what the caller parses is exactly what was verified even if
     the file is replaced or rewritten meanwhile.
     """
-    with open(path, "rb") as file:
+    with files.open_input(path) as file:
         digest, size = stream_sha256(file)
         if digest != sha256:
             raise PinnedFileError(f"its SHA-256 is {digest}, not {sha256}")

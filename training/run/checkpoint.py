@@ -232,7 +232,8 @@ def load_state(path: str | os.PathLike) -> dict:
     NewerStateError for a newer format version; CheckpointError for anything else amiss."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with files.open_input(path) as f:  # a FIFO or device is refused, not waited on
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: unreadable ({e.__class__.__name__}: {str(e).splitlines()[0]})") from None
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]

@@ -49,7 +49,8 @@ def stats_rows(run_dir: Path, keys: Sequence[str], required: bool = True) -> lis
     or foreign line is skipped. Unless required, a missing file gives no rows."""
     path = run_dir / STATS_FILE
     try:
-        lines = path.read_bytes().splitlines()
+        with files.open_input(path) as f:  # a FIFO or device is refused, not waited on
+            lines = f.read().splitlines()
     except FileNotFoundError:
         if not required:
             return []

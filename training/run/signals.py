@@ -4,6 +4,10 @@ SIGTERM (cluster preemption) may come more than once: SLURM signals every proces
 forwards the one it receives to each worker, and a preempted job gets another at the end of its grace time;
 every SIGTERM after the first is ignored. A second SIGINT (Ctrl-C pressed again) aborts at once. After a
 stop by SIGINT the command line ends by SIGINT itself (die_by), so shells, scripts and make stop too.
+
+A job script that requeues a stopped training (scripts/slurm/train_edm2.sbatch) must tell such a stop from a
+training that failed or finished: with $EDM2_STOP_MARKER set, every process that stopped on a signal after its
+training state was written writes that file (write_stop_marker), and no other ending does.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import os
 import signal
 import sys
 
-from edm2.runtime import distributed
+from edm2.runtime import distributed, files
+
+STOP_MARKER_ENV = "EDM2_STOP_MARKER"
 
 
 class StopFlag:
@@ -55,3 +61,16 @@ def die_by(sig: signal.Signals) -> None:
     signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     sys.exit(128 + sig)  # only where the signal is blocked: the status a shell reports for it
+
+
+def write_stop_marker(nimg: int) -> None:
+    """Write the file $EDM2_STOP_MARKER names (when set): this process stopped on a signal at nimg images, its
+    training state written. A marker that cannot be written is one line: the job then does not requeue."""
+    path = os.environ.get(STOP_MARKER_ENV)
+    if not path:
+        return
+    try:
+        with files.atomic_path(path) as tmp:
+            tmp.write_text(f"stopped at {nimg} images with a training state\n")
+    except OSError as e:
+        print(f"Cannot write the stop marker {path} (${STOP_MARKER_ENV}): {e.strerror or e}", flush=True)

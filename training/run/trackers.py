@@ -5,7 +5,8 @@ Every number is logged against the images seen: TensorBoard's step is the image 
 TensorBoard steps are integers), W&B's x axis is the logged 'kimg'. A resumed run continues the same TensorBoard
 directory, purging the events a killed run wrote after its last training state, and the same W&B run (its id
 in RUN/wandb-run.json, with the image count each group of numbers was last logged at, so none is logged twice).
-A tracker that raises is dropped with one warning line: training never stops for it.
+A tracker that raises, calls sys.exit, or fails in a thread of its own (TensorBoard writes its event file from
+one: a full or read-only disk) is dropped with one warning line and no traceback: training never stops for it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from edm2.runtime import bounded_json, files
 from training.options import TRACKERS
 
 _MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+# The packages whose threads belong to each tracker: an exception ending one of them is that tracker's failure.
+_THREAD_PACKAGES = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",)}
 TENSORBOARD_DIR = "tensorboard"
 WANDB_FILE = "wandb-run.json"
 WANDB_DIR = "wandb"  # W&B's own files, in the run directory unless $WANDB_DIR says elsewhere
@@ -128,11 +132,39 @@ class WandbTracker:
         self.run.finish()
 
 
+def _thread_tracker(thread: threading.Thread | None) -> str | None:
+    """The tracker whose library runs this thread (its class's or its target's package), or None."""
+    modules = [type(thread).__module__, getattr(getattr(thread, "_target", None), "__module__", None) or ""]
+    return next((name for name, packages in _THREAD_PACKAGES.items()
+                 if any(m == p or m.startswith(p + ".") for m in modules for p in packages)), None)
+
+
+def _thread_failed(args: threading.ExceptHookArgs) -> None:
+    """threading.excepthook: a tracker's thread that fails is the current Trackers' one warning line, not a
+    traceback; any other thread's failure goes to the hook that was there before."""
+    name = _thread_tracker(args.thread)
+    if name is None or _current is None:
+        _previous_hook(args)
+    elif not isinstance(args.exc_value, SystemExit):  # SystemExit ends a thread quietly, as Python's own hook has it
+        _current.warn(name, args.exc_value)
+
+
+_previous_hook = threading.excepthook
+_current: Trackers | None = None  # the Trackers that warn for failed tracker threads: the newest
+
+
 class Trackers:
-    """The trackers of a run, each dropped with one warning line when it raises."""
+    """The trackers of a run, each dropped with one warning line when it raises, calls sys.exit or fails in its
+    own thread."""
 
     def __init__(self, names: tuple[str, ...], run_dir: Path, options: dict, cur_nimg: int):
+        global _current, _previous_hook
         self.trackers: list = []
+        self.failed: set[str] = set()  # trackers warned about, dropped at the next call
+        self._lock = threading.Lock()  # warn() runs in the trackers' threads too
+        _current = self
+        if threading.excepthook is not _thread_failed:
+            _previous_hook, threading.excepthook = threading.excepthook, _thread_failed
         # A resumed run drops what a killed run logged after the training state it resumes from; the options are
         # logged once, by the run's first invocation.
         makers = dict(tensorboard=lambda: TensorBoardTracker(run_dir, None if cur_nimg else options, cur_nimg + 1),
@@ -142,22 +174,31 @@ class Trackers:
             if tracker is not None:
                 self.trackers.append(tracker)
 
+    def warn(self, name: str, error: BaseException) -> None:
+        """The one warning line of a failed tracker (once, from whichever thread sees the failure first)."""
+        with self._lock:
+            if name in self.failed:
+                return
+            self.failed.add(name)
+        print(f"Warning: the {name} tracker failed ({type(error).__name__}: {one_line(error)}); training goes on "
+              f"without it.", flush=True)
+
     def _guarded(self, name: str, fn):
-        """fn()'s result, or None after one warning line when it raises."""
+        """fn()'s result, or None after one warning line when it raises or calls sys.exit."""
         try:
             return fn()
-        except Exception as e:  # a tracker's library may raise anything; training must go on
-            print(f"Warning: the {name} tracker failed ({type(e).__name__}: {one_line(e)}); training goes on "
-                  f"without it.", flush=True)
+        except (Exception, SystemExit) as e:  # a tracker's library may raise, or exit, anything; training goes on
+            self.warn(name, e)
             return None
 
     def _each(self, method: str, *args) -> None:
-        """Call a method of every tracker; drop those that raise."""
+        """Call a method of every tracker; drop those that raise or have failed in their threads."""
         kept = []
         for tracker in self.trackers:
-            if self._guarded(tracker.name, lambda t=tracker: getattr(t, method)(*args) or True):
+            if tracker.name not in self.failed and self._guarded(
+                    tracker.name, lambda t=tracker: getattr(t, method)(*args) or True):
                 kept.append(tracker)
-        self.trackers = kept
+        self.trackers = [tracker for tracker in kept if tracker.name not in self.failed]
 
     def log(self, group: str, nimg: int, scalars: dict[str, float],
             images: dict[str, np.ndarray] | None = None) -> None:
