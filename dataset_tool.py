@@ -21,7 +21,7 @@ from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
-from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
+from edm2.encoders import DEFAULT_VAE, ENCODINGS, EncoderError, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
@@ -110,8 +110,11 @@ def main() -> None:
               help="Processes reading and cropping images.")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
+@click.option("--encoding", type=click.Choice([name for name, cls in ENCODINGS.items() if cls.stores_pixels]),
+              default="pixels", show_default=True, help="What the network sees of the PNGs, recorded in dataset.json "
+              "(edm2.encoders.ENCODINGS)")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str, workers: int, channels: str) -> None:
+            max_images: int | None, on_error: str, workers: int, channels: str, encoding: str) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
@@ -133,6 +136,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             raise click.BadParameter(str(e), param_hint="'--source'") from None
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
+            writer.encoding = ENCODINGS[encoding]().dataset_record()
             try:
                 written = convert_images(images, writer, transform_image, max_images, workers,
                                          on_skip=report_skip if on_error == "skip" else None, mode=mode)
@@ -211,6 +215,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
         count = min(len(dataset), max_images or len(dataset))
         encoder = load_vae(vae, batch)
         with dataset_writer(dest) as writer:
+            writer.encoding = StandardRGBEncoder().dataset_record()
             for idx, image in tqdm(decoded_images(dataset, encoder, count, batch, distributed.device()),
                                    total=count, desc="decode", unit="img"):
                 writer.add(image_fname(idx), png_bytes(image), label_of(dataset, idx))
@@ -235,6 +240,7 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     with distributed.session(single_process=True):
         kinds = list(SHAPES)[:classes]
         with claimed_dest(dest, "toy"), dataset_writer(dest) as writer:
+            writer.encoding = StandardRGBEncoder().dataset_record()
             for idx in tqdm(range(num), desc="toy", unit="img"):
                 image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
                 writer.add(image_fname(idx), png_bytes(image), idx % classes)
