@@ -198,12 +198,50 @@ class StabilityVAEEncoder(Encoder):
                 "bias": self.bias.tolist(), "batch_size": self.batch_size}
 
 
+class LinearRGBEncoder(Encoder):
+    """sRGB pixels stored as they are, seen by the network in linear light, ((x / 255) ** gamma) * 2 - 1: the
+    README's worked example of a data encoding (Extending)."""
+
+    encoding = "linear-rgb"
+    stores_pixels = True
+
+    def __init__(self, gamma: float = 2.2):
+        if type(gamma) not in (int, float) or not 0.1 <= gamma <= 10:
+            raise EncoderSettingsError(f"gamma={gamma!r}: expected a number in [0.1, 10]")
+        self.gamma = float(gamma)
+
+    def encode_pixels(self, x: torch.Tensor) -> torch.Tensor:
+        """PNG pixels are stored as they are."""
+        return x
+
+    def encode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 sRGB -> linear light in [-1, 1]."""
+        return (x.to(torch.float32) / 255) ** self.gamma * 2 - 1
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Linear light in [-1, 1] -> uint8 sRGB, rounded to nearest."""
+        return ((x.to(torch.float32) + 1) / 2).clip(0, 1).pow(1 / self.gamma).mul(255).add(0.5).to(torch.uint8)
+
+    def out_channels(self, in_channels: int) -> int:
+        """The network sees the stored channels."""
+        return in_channels
+
+    def config(self) -> dict:
+        """The class and gamma (encoder_from_config)."""
+        return {"class": "LinearRGBEncoder", "gamma": self.gamma}
+
+    def settings(self) -> dict:
+        """gamma, which a dataset records."""
+        return {"gamma": self.gamma}
+
+
 _VAE_KEYS = {"vae_name", "scale", "bias", "batch_size"}
 
 # The data encodings a dataset may hold, by the name dataset.json records ("encoding", with its constructor's
 # arguments as "encoding_settings" if any): what turns its stored samples into network inputs and back to pixels.
 # A new encoding is an Encoder subclass (its `encoding` name, config() and the arguments it takes) and a row here.
-ENCODINGS: dict[str, type[Encoder]] = {cls.encoding: cls for cls in (StandardRGBEncoder, StabilityVAEEncoder)}
+ENCODINGS: dict[str, type[Encoder]] = {cls.encoding: cls for cls in (StandardRGBEncoder, StabilityVAEEncoder,
+                                                                     LinearRGBEncoder)}
 
 
 def encoder_for_dataset(encoding: object, settings: object) -> Encoder:
