@@ -142,6 +142,16 @@ def init_options(init: str, arch: str, dataset: ImageFolderDataset, encoder: Enc
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
+def run_network(preset: str, arch: str, init: str | None, dataset: ImageFolderDataset, encoder: Encoder,
+                given: dict, channels: int | None) -> tuple[Encoder, dict]:
+    """The run's encoder and the options that say its network: from --arch and the architecture options, or from
+    the --init snapshot."""
+    if init is None:
+        img_channels = encoder.out_channels(dataset.num_channels)
+        return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
+    return init_options(init, arch, dataset, encoder, dict(given, channels=channels))
+
+
 def build_options(preset: str, dataset: ImageFolderDataset, encoder: Encoder, **values) -> TrainingOptions:
     """The run's options for this data; what their own checks refuse (TrainingOptions.__post_init__) is one line."""
     try:
@@ -281,12 +291,8 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
     given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
-    if init is None:
-        overrides["network"] = network_options(preset, arch, dataset, encoder.out_channels(dataset.num_channels),
-                                               overrides["channels"], given)
-    else:
-        encoder, from_init = init_options(init, arch, dataset, encoder, dict(given, channels=overrides["channels"]))
-        overrides.update(from_init)
+    encoder, network = run_network(preset, arch, init, dataset, encoder, given, overrides["channels"])
+    overrides.update(network)
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
         ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
