@@ -25,7 +25,7 @@ from edm2.data.tar_source import TarSource, is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
-from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
+from edm2.encoders import DEFAULT_VAE, ENCODINGS, EncoderError, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
@@ -175,8 +175,12 @@ def main() -> None:
               "a resumed write)  [default: about 256 MiB of samples]")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
+@click.option("--encoding", type=click.Choice([name for name, cls in ENCODINGS.items() if cls.stores_pixels]),
+              default="pixels", show_default=True, help="What the network sees of the PNGs, recorded in dataset.json "
+              "(edm2.encoders.ENCODINGS)")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str) -> None:
+            max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str,
+            encoding: str) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
 
     Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
@@ -195,6 +199,9 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     """
     if is_shards(dest):
         tar_only(source, resolution, transform)
+        if encoding != "pixels":
+            raise click.BadParameter("a shard dataset records the encoding of its source's samples; convert to a "
+                                     "PNG dataset for another --encoding", param_hint="'--encoding'")
         with distributed.session(single_process=True):
             return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size)
     if is_tar_source(source):
@@ -207,6 +214,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             raise click.BadParameter(str(e), param_hint="'--source'") from None
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
+            writer.encoding = ENCODINGS[encoding]().dataset_record()
             try:
                 written = convert_images(images, writer, transform_image, max_images, workers,
                                          on_skip=report_skip if on_error == "skip" else None, mode=mode)
@@ -300,6 +308,7 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
         count = min(len(dataset), max_images or len(dataset))
         encoder = load_vae(vae, batch)
         with dataset_writer(dest) as writer:
+            writer.encoding = StandardRGBEncoder().dataset_record()
             for idx, image in tqdm(decoded_images(dataset, encoder, count, batch, distributed.device()),
                                    total=count, desc="decode", unit="img"):
                 writer.add(image_fname(idx), png_bytes(image), label_of(dataset, idx))
@@ -324,6 +333,7 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
     with distributed.session(single_process=True):
         kinds = list(SHAPES)[:classes]
         with claimed_dest(dest, "toy"), dataset_writer(dest) as writer:
+            writer.encoding = StandardRGBEncoder().dataset_record()
             for idx in tqdm(range(num), desc="toy", unit="img"):
                 image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
                 writer.add(image_fname(idx), png_bytes(image), idx % classes)

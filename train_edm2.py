@@ -15,17 +15,19 @@ from cli.evaluation import check_features
 from cli.speed import THREADS, threads_option
 from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
                        Number, StdList)
-from edm2.data.dataset import DatasetError, ImageFolderDataset
+from edm2.data.dataset import DatasetError, ImageData
 from edm2.data.sources import open_data
-from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
+from edm2.encoders import Encoder, EncoderSettingsError, StabilityVAEEncoder, StandardRGBEncoder, encoder_for_dataset
 from edm2.errors import SnapshotError, one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
+from edm2 import families
 from training.architecture import (
-    UNET_OPTIONS, NetworkMisfit, check_init, check_network_fits_data, differs_from_preset, read_init, unet_options,
+    UNET_OPTIONS, NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data, differs_from_preset,
+    read_init, unet_options,
 )
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
@@ -95,7 +97,7 @@ def check_metrics_ref(metrics: tuple[str, ...], ref_path: str | None) -> None:
         raise click.BadParameter(e.message, param_hint="--metrics-ref") from None
 
 
-def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
+def open_dataset(data: str, cond: bool) -> ImageData:
     """The training data, checked for labels when training a class-conditional model."""
     try:
         dataset = open_data(data, use_labels=cond)
@@ -106,9 +108,16 @@ def open_dataset(data: str, cond: bool) -> ImageFolderDataset:
     return dataset
 
 
-def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
-    """StandardRGBEncoder for PNG data of any channel count (grayscale, RGB, ...), StabilityVAEEncoder for
-    8-channel mean/std latents."""
+def choose_encoder(dataset: ImageData) -> Encoder:
+    """The encoder of the encoding the dataset records (dataset.json "encoding", edm2.encoders.ENCODINGS); for a
+    dataset written by the release or an earlier version, which records none, the rule they imply (see
+    unrecorded_encoding): StandardRGBEncoder for PNG data of any channel count, StabilityVAEEncoder for 8-channel
+    mean/std latents."""
+    if dataset.encoding is not None:
+        try:
+            return encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
+        except EncoderSettingsError as e:
+            raise click.BadParameter(f"{dataset.path}: {e}", param_hint="--data") from None
     image, _ = dataset[0]
     channels = dataset.num_channels
     if image.dtype == np.uint8:
@@ -123,26 +132,41 @@ def choose_encoder(dataset: ImageFolderDataset) -> Encoder:
     return encoder
 
 
-def network_options(preset: str, resolution: int, channels: int | None, given: dict) -> dict:
-    """The preset's U-Net arguments with --channel-mult, --num-blocks and --attn-resolutions; impossible ones are
-    refused with a line that names the option. Attention resolutions are held to the U-Net's levels when one of
-    these was typed on the command line or they shape the U-Net otherwise than the preset: a --config file that
-    holds the preset's own (a run's training_options.json) leaves out those the data does not have, as the preset
-    does."""
-    network = unet_options(get_preset(preset).network, given)
+def unrecorded_encoding(dataset: ImageData, encoder: Encoder) -> str | None:
+    """The line that says a dataset records no encoding and which one its files imply; None when it records one."""
+    if dataset.encoding is not None:
+        return None
+    return (f"{dataset.path}: dataset.json records no encoding (written by the release or an earlier version); "
+            f"its {'PNG images' if encoder.encoding == 'pixels' else '.npy latents'} are taken as {encoder.encoding}")
+
+
+def network_options(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
+                    given: dict) -> dict:
+    """The network arguments of family --arch: the preset's with --channel-mult, --num-blocks and --attn-resolutions;
+    impossible ones are refused with a line that names the option. The U-Net's attention resolutions are held to
+    its levels when one of these was typed on the command line or they shape it otherwise than the preset: a
+    --config file that holds the preset's own (a run's training_options.json) leaves out those the data does not
+    have, as the preset does."""
+    channels = channels or get_preset(preset).channels
     source = click.get_current_context().get_parameter_source
     typed = any(value is not None and source(name) == ParameterSource.COMMANDLINE for name, value in given.items())
     try:
-        check_network_fits_data(resolution, channels or get_preset(preset).channels, network,
-                                explicit=typed or differs_from_preset(network, get_preset(preset).network))
+        network = unet_options(get_preset(preset).network, given, arch)
+        if arch == families.DEFAULT_FAMILY:
+            check_network_fits_data(dataset.resolution, channels, network,
+                                    explicit=typed or differs_from_preset(network, get_preset(preset).network))
+        else:
+            check_family_fits_data(dataset.resolution, img_channels, dataset.label_dim, channels, network)
     except NetworkMisfit as e:
         raise click.UsageError(str(e)) from None
     return network
 
 
-def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict) -> tuple[Encoder, dict]:
+def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder,
+                 given: dict) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
-    cannot load, or does not fit the data or the options given, is refused naming --init.
+    cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
+    than an --arch given naming --arch.
 
     Data labeled with some of the network's classes trains it with its labels as they are: the dataset's one-hot
     labels widen to the network's classes."""
@@ -152,11 +176,25 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
                    label_dim=dataset.label_dim, encoder=encoder, given=given)
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
+    theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
+    if arch not in (families.DEFAULT_FAMILY, theirs):
+        raise click.BadParameter(f"{init} is a network of family {theirs!r}; leave --arch out to take it",
+                                 param_hint="--arch")
     dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
-def build_options(preset: str, dataset: ImageFolderDataset, encoder: Encoder, **values) -> TrainingOptions:
+def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, encoder: Encoder,
+                given: dict, channels: int | None) -> tuple[Encoder, dict]:
+    """The run's encoder and the options that say its network: from --arch and the architecture options, or from
+    the --init snapshot."""
+    if init is None:
+        img_channels = encoder.out_channels(dataset.num_channels)
+        return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
+    return init_options(init, arch, dataset, encoder, dict(given, channels=channels))
+
+
+def build_options(preset: str, dataset: ImageData, encoder: Encoder, **values) -> TrainingOptions:
     """The run's options for this data; what their own checks refuse (TrainingOptions.__post_init__) is one line."""
     try:
         return TrainingOptions.from_preset(preset, dataset_description(dataset), encoder.config(), **values)
@@ -172,13 +210,17 @@ def config_params(values: dict, path: str) -> dict:
     if not isinstance(network, dict):
         raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
     params = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *RECIPE_FIELDS, RUN_ID_KEY)}
-    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **params}
+    arch = {"arch": network["family"]} if "family" in network else {}
+    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **arch, **params}
 
 
-def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, time_steps: int) -> None:
-    """The options as JSON on stdout (a valid --config); on stderr, the data, the network's size, where the run
-    would start or resume and, with time_steps, its speed."""
+def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, time_steps: int,
+                  note: str | None) -> None:
+    """The options as JSON on stdout (a valid --config); on stderr, the note on the data's encoding, if any, the
+    data, the network's size, where the run would start or resume and, with time_steps, its speed."""
     click.echo(json.dumps(opts.to_json(), indent=2))
+    if note:
+        click.echo(note, err=True)
     count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
     click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
     click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
@@ -191,6 +233,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
+@click.option("--arch", type=click.Choice(families.names()), default=families.DEFAULT_FAMILY, show_default=True,
+              help="Network family (edm2.families): " + "; ".join(f"{name}: {families.get(name).summary}"
+                                                                 for name in families.names()))
 @click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
 @click.option("--data", metavar="ZIP|DIR|SHARDS|BLEND",
               help="Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)  "
@@ -265,7 +310,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
               "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
 @threads_option
-def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
+def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
          checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int,
          channel_mult: tuple[int, ...] | None, num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
@@ -296,11 +341,8 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
     given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
-    if init is None:
-        overrides["network"] = network_options(preset, dataset.resolution, overrides["channels"], given)
-    else:
-        encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
-        overrides.update(from_init)
+    encoder, network = run_network(preset, arch, init, dataset, encoder, given, overrides["channels"])
+    overrides.update(network)
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
         ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
@@ -308,16 +350,19 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
         threads=click.get_current_context().meta.get(THREADS), **overrides,
     )
     try:
-        check_derived(config or {}, opts.to_json(), UNET_OPTIONS)
+        check_derived(config or {}, opts.to_json(), (*UNET_OPTIONS, "family"))
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="--config") from None
     try:
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
+    note = unrecorded_encoding(dataset, encoder) if init is None else None
     if dry_run:
-        print_dry_run(opts, dataset, encoder, time_steps)
+        print_dry_run(opts, dataset, encoder, time_steps, note)
         return
+    if note:
+        click.echo(note, err=True)
     files.check_writable_dir(opts.run_dir)
     try:
         with distributed.session():

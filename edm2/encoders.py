@@ -27,7 +27,11 @@ class EncoderSettingsError(EncoderError, ValueError):
 
 
 class Encoder:
-    """Common interface: encode = encode_latents(encode_pixels(x))."""
+    """Common interface: encode = encode_latents(encode_pixels(x)); `encoding` is the name under which ENCODINGS
+    registers the class and a dataset records what it holds (dataset.json "encoding")."""
+
+    encoding = ""
+    stores_pixels = False  # whether a dataset of this encoding stores PNG pixels (dataset_tool.py convert writes it)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 NCHW pixels -> float32 network input."""
@@ -53,12 +57,24 @@ class Encoder:
         """JSON-serializable settings; encoder_from_config() rebuilds the encoder."""
         raise NotImplementedError
 
+    def dataset_record(self) -> dict:
+        """What a dataset of this encoding records in dataset.json: its name and the settings that rebuild it."""
+        settings = self.settings()
+        return {"encoding": self.encoding, **({"encoding_settings": settings} if settings else {})}
+
+    def settings(self) -> dict:
+        """The constructor arguments that a dataset records (encoder_for_dataset passes them back)."""
+        return {}
+
     def init(self, device: torch.device) -> None:
         """Load now, onto device, what decoding needs (pixels need nothing), so that it fails before any sampling."""
 
 
 class StandardRGBEncoder(Encoder):
     """RGB pixels scaled to [-1, 1] (release)."""
+
+    encoding = "pixels"
+    stores_pixels = True
 
     def encode_pixels(self, x: torch.Tensor) -> torch.Tensor:
         """Pixels are stored as they are."""
@@ -86,6 +102,8 @@ class StabilityVAEEncoder(Encoder):
 
     The VAE is loaded on first use, onto the device of the input, and is never pickled.
     """
+
+    encoding = "stability-vae"
 
     def __init__(self, vae_name: str = DEFAULT_VAE,
                  raw_mean: Sequence[float] = (5.81, 3.25, 0.12, -2.15),
@@ -170,13 +188,75 @@ class StabilityVAEEncoder(Encoder):
                                        f"got {in_channels}")
         return in_channels // 2
 
+    def settings(self) -> dict:
+        """The VAE whose latents a dataset holds; the normalization is the network's (config())."""
+        return {"vae_name": self.vae_name}
+
     def config(self) -> dict:
         """VAE name, normalization and batch size; floats are the exact float32 values."""
         return {"class": "StabilityVAEEncoder", "vae_name": self.vae_name, "scale": self.scale.tolist(),
                 "bias": self.bias.tolist(), "batch_size": self.batch_size}
 
 
+class LinearRGBEncoder(Encoder):
+    """sRGB pixels stored as they are, seen by the network in linear light, ((x / 255) ** gamma) * 2 - 1: the
+    README's worked example of a data encoding (Extending)."""
+
+    encoding = "linear-rgb"
+    stores_pixels = True
+
+    def __init__(self, gamma: float = 2.2):
+        if type(gamma) not in (int, float) or not 0.1 <= gamma <= 10:
+            raise EncoderSettingsError(f"gamma={gamma!r}: expected a number in [0.1, 10]")
+        self.gamma = float(gamma)
+
+    def encode_pixels(self, x: torch.Tensor) -> torch.Tensor:
+        """PNG pixels are stored as they are."""
+        return x
+
+    def encode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 sRGB -> linear light in [-1, 1]."""
+        return (x.to(torch.float32) / 255) ** self.gamma * 2 - 1
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Linear light in [-1, 1] -> uint8 sRGB, rounded to nearest."""
+        return ((x.to(torch.float32) + 1) / 2).clip(0, 1).pow(1 / self.gamma).mul(255).add(0.5).to(torch.uint8)
+
+    def out_channels(self, in_channels: int) -> int:
+        """The network sees the stored channels."""
+        return in_channels
+
+    def config(self) -> dict:
+        """The class and gamma (encoder_from_config)."""
+        return {"class": "LinearRGBEncoder", "gamma": self.gamma}
+
+    def settings(self) -> dict:
+        """gamma, which a dataset records."""
+        return {"gamma": self.gamma}
+
+
 _VAE_KEYS = {"vae_name", "scale", "bias", "batch_size"}
+
+# The data encodings a dataset may hold, by the name dataset.json records ("encoding", with its constructor's
+# arguments as "encoding_settings" if any): what turns its stored samples into network inputs and back to pixels.
+# A new encoding is an Encoder subclass (its `encoding` name, config() and the arguments it takes) and a row here.
+ENCODINGS: dict[str, type[Encoder]] = {cls.encoding: cls for cls in (StandardRGBEncoder, StabilityVAEEncoder,
+                                                                     LinearRGBEncoder)}
+
+
+def encoder_for_dataset(encoding: object, settings: object) -> Encoder:
+    """The encoder of a dataset that records its encoding (dataset.json "encoding" and "encoding_settings");
+    EncoderSettingsError, one line naming it, for an encoding this edm2 does not know or settings it cannot take."""
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
+        shown = repr(encoding)[:60]
+        raise EncoderSettingsError(f"the data encoding {shown} is not registered: this edm2 knows "
+                                   f"{', '.join(ENCODINGS)} (edm2.encoders.ENCODINGS)")
+    if not isinstance(settings, dict):
+        raise EncoderSettingsError(f"encoding_settings of {encoding!r}: expected an object")
+    try:
+        return ENCODINGS[encoding](**settings)
+    except (TypeError, ValueError) as e:
+        raise EncoderSettingsError(f"encoding_settings of {encoding!r}: {one_line(e)}") from None
 
 
 def encoder_from_config(config: dict) -> Encoder:
@@ -189,6 +269,12 @@ def encoder_from_config(config: dict) -> Encoder:
         try:
             return StabilityVAEEncoder.from_scale_bias(**settings)
         except (TypeError, ValueError) as e:  # numbers that are not numbers; EncoderSettingsError included
+            raise EncoderSettingsError(f"not an encoder config: {config} ({one_line(e)})") from None
+    registered = {cls.__name__: cls for cls in ENCODINGS.values()}
+    if kind in registered and registered[kind] not in (StandardRGBEncoder, StabilityVAEEncoder):
+        try:  # another encoding's config() is its class and the settings its constructor takes
+            return registered[kind](**settings)
+        except (TypeError, ValueError) as e:
             raise EncoderSettingsError(f"not an encoder config: {config} ({one_line(e)})") from None
     raise EncoderSettingsError(f"not an encoder config: {config}")
 

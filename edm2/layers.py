@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
 from edm2.errors import EDM2Error
 
@@ -19,6 +20,9 @@ class ArchitectureError(EDM2Error):
 
 def normalize(x: torch.Tensor, dim: Sequence[int] | int | None = None, eps: float = 1e-4) -> torch.Tensor:
     """Scale x to unit RMS along `dim` (default: all but the first), Algorithm 1."""
+    # Each primitive here takes part in torch function dispatch, so that edm2.eval.flops prices it whole.
+    if has_torch_function((x,)):
+        return handle_torch_function(normalize, (x,), x, dim=dim, eps=eps)
     if dim is None:
         dim = list(range(1, x.ndim))
     norm_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -30,16 +34,22 @@ def normalize(x: torch.Tensor, dim: Sequence[int] | int | None = None, eps: floa
 
 def mp_silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU rescaled to unit output magnitude for unit-normal input (Eq. 81)."""
+    if has_torch_function((x,)):
+        return handle_torch_function(mp_silu, (x,), x)
     return F.silu(x) / 0.596
 
 
 def mp_sum(a: torch.Tensor, b: torch.Tensor, t: float = 0.5) -> torch.Tensor:
     """Weighted sum of a and b that keeps unit magnitude (Eq. 88)."""
+    if has_torch_function((a, b)):
+        return handle_torch_function(mp_sum, (a, b), a, b, t=t)
     return a.lerp(b, t) / math.sqrt((1 - t) ** 2 + t**2)
 
 
 def mp_cat(a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5) -> torch.Tensor:
     """Concatenation with per-part weights that keep unit magnitude (Eq. 103)."""
+    if has_torch_function((a, b)):
+        return handle_torch_function(mp_cat, (a, b), a, b, dim=dim, t=t)
     na, nb = a.shape[dim], b.shape[dim]
     c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2))
     wa = c / math.sqrt(na) * (1 - t)
@@ -49,6 +59,8 @@ def mp_cat(a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5) -> to
 
 def resample(x: torch.Tensor, mode: str = "keep") -> torch.Tensor:
     """Box-filter (filter [1,1]) downsampling or nearest upsampling by 2; 'keep' returns x."""
+    if has_torch_function((x,)):
+        return handle_torch_function(resample, (x,), x, mode=mode)
     if mode == "keep":
         return x
     if mode == "down":

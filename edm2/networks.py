@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from edm2 import network_args
+from edm2 import families, network_args
 from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
 
 
@@ -186,7 +186,9 @@ class UNet(torch.nn.Module):
 
 
 class Precond(torch.nn.Module):
-    """EDM preconditioning around the U-Net (Eq. 4-8) plus the log-variance head u(sigma) (Eq. 21)."""
+    """EDM preconditioning around a network of a registered family (Eq. 4-8; by default the U-Net, family 'edm2')
+    plus the log-variance head u(sigma) (Eq. 21). The family's network is `unet`, the name the release's
+    state-dict keys give it."""
 
     def __init__(
         self,
@@ -197,10 +199,12 @@ class Precond(torch.nn.Module):
         use_bf16: bool = False,
         sigma_data: float = 0.5,
         logvar_channels: int = 128,
+        family: str = families.DEFAULT_FAMILY,
         **unet_kwargs,
     ):
         super().__init__()
         network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16)
+        self.family = families.get(family)
         self.init_kwargs = dict(
             img_resolution=img_resolution,
             img_channels=img_channels,
@@ -209,6 +213,7 @@ class Precond(torch.nn.Module):
             use_bf16=use_bf16,
             sigma_data=sigma_data,
             logvar_channels=logvar_channels,
+            family=family,
             **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in unet_kwargs.items()},
         )
         self.img_resolution = img_resolution
@@ -219,7 +224,7 @@ class Precond(torch.nn.Module):
         self.sigma_data = sigma_data
         # Compute in the 16-bit dtype on the CPU too (bfloat16 on CPUs with bfloat16 units; tests); not saved.
         self.cpu_16bit = False
-        self.unet = UNet(img_resolution, img_channels, label_dim, **unet_kwargs)
+        self.unet = self.family.constructor(img_resolution, img_channels, label_dim, **unet_kwargs)
         self.logvar_fourier = MPFourier(logvar_channels)
         self.logvar_linear = MPConv(logvar_channels, 1, [])
 
@@ -269,6 +274,18 @@ class Precond(torch.nn.Module):
             return d_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
         return d_x, logvar
+
+
+def unet_blocks(unet: UNet) -> list[tuple[str, torch.nn.Module]]:
+    """The U-Net's encoder and decoder blocks, named 'enc.16x16_block0' etc., in evaluation order."""
+    return [(f"{side}.{name}", block) for side, blocks in (("enc", unet.enc), ("dec", unet.dec))
+            for name, block in blocks.items() if isinstance(block, Block)]
+
+
+EDM2 = families.register(families.NetworkFamily(
+    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks,
+    options=("channel_mult", "num_blocks", "attn_resolutions"),
+    summary="the magnitude-preserving U-Net of config G (the release's)"))
 
 
 def count_parameters(net: torch.nn.Module) -> int:

@@ -84,7 +84,7 @@ def test_convert_reads_back_with_labels_in_release_layout(tmp_path, class_folder
     else:
         assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.*")) == sorted(names + ["dataset.json"])
         metadata = json.loads((dest / "dataset.json").read_text())
-    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)]}
+    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)], "encoding": "pixels"}
     ds = ImageFolderDataset(dest)
     assert (len(ds), ds.resolution, ds.num_channels, ds.label_dim) == (5, 16, 3, 3)
     for i, (source_name, _, _) in enumerate(SOURCE_FILES):
@@ -206,7 +206,9 @@ def test_encode_writes_the_encoders_latents(encode_setup, one_thread):
     contents = zip_contents(reference)
     names = [latent_fname(i) for i in range(10)]
     assert sorted(contents) == sorted(names + ["dataset.json"])
-    assert json.loads(contents["dataset.json"]) == {"labels": [[name, i % 3] for i, name in enumerate(names)]}
+    assert json.loads(contents["dataset.json"]) == {"labels": [[name, i % 3] for i, name in enumerate(names)],
+                                                    "encoding": "stability-vae",
+                                                    "encoding_settings": {"vae_name": str(vae_dir)}}
     latents = ImageFolderDataset(reference)
     assert (latents.num_channels, latents.resolution, latents.label_dim) == (8, 8, 3)
     for i in range(10):

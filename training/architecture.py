@@ -1,5 +1,6 @@
-"""The U-Net of a run: the options that shape it (--channel-mult, --num-blocks, --attn-resolutions) checked
-against the data, and the architecture, encoder and weights a run takes over from a snapshot (--init)."""
+"""The network of a run: its family (--arch, edm2.families), the options that shape it (--channel-mult, --num-blocks,
+--attn-resolutions: those the family takes) checked against the data, and the architecture, encoder and weights a
+run takes over from a snapshot (--init)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import os
 
 import torch
 
+import edm2.architectures  # noqa: F401  (every family --arch may name)
+from edm2 import families
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
-from edm2.networks import Block, UNet
+from edm2.networks import EDM2, Block, Precond, UNet
 from edm2.runtime import files
 
-# The U-Net arguments that train_edm2.py sets with options of the same names (dashes for underscores).
-UNET_OPTIONS = ("channel_mult", "num_blocks", "attn_resolutions")
+# The network arguments that train_edm2.py sets with options of the same names (dashes for underscores): the
+# U-Net's; a family takes those of them its NetworkFamily.options names.
+UNET_OPTIONS = EDM2.options
 # Precond arguments that a run sets from its data and options, not from an --init snapshot's architecture.
 RUN_ARGUMENTS = ("img_resolution", "img_channels", "label_dim", "model_channels", "dropout", "use_fp16", "use_bf16")
 
@@ -78,11 +82,32 @@ def differs_from_preset(network: dict, preset_network: dict) -> bool:
     return shape(network) != shape(preset_network)
 
 
-def unet_options(preset_network: dict, given: dict) -> dict:
-    """The preset's U-Net arguments with the UNET_OPTIONS given on the command line (those not None)."""
-    network = dict(preset_network)
-    network.update({name: value for name, value in given.items() if value is not None})
-    return network
+def unet_options(preset_network: dict, given: dict, arch: str = families.DEFAULT_FAMILY) -> dict:
+    """The network arguments of a run of family arch: the preset's (for another family than the U-Net, those its
+    constructor takes), with the UNET_OPTIONS given on the command line (those not None) and the family's name
+    (unless the U-Net's); NetworkMisfit names a given option that the family does not take."""
+    family = families.get(arch)
+    takes = inspect.signature(family.constructor).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    network = {k: v for k, v in preset_network.items() if family is EDM2 or open_ended or k in takes}
+    for name, value in given.items():
+        if value is not None and name not in family.options:
+            raise NetworkMisfit(f"--{name.replace('_', '-')} does not shape the network family {arch!r}, which takes "
+                                f"{', '.join('--' + o.replace('_', '-') for o in family.options) or 'no such options'}")
+        if value is not None:
+            network[name] = value
+    return network if family is EDM2 else dict(network, family=arch)
+
+
+def check_family_fits_data(resolution: int, img_channels: int, label_dim: int, channels: int, network: dict) -> None:
+    """Raise NetworkMisfit unless a network of another family than the U-Net (which check_network_fits_data checks
+    option by option) can be built for this data: its constructor checks its arguments, on the meta device."""
+    try:
+        with torch.device("meta"):
+            Precond(resolution, img_channels, label_dim, model_channels=channels, **network)
+    except (TypeError, families.ArchitectureError) as e:
+        raise NetworkMisfit(f"the network family {network.get('family')!r} cannot be built for this data "
+                            f"({resolution}x{resolution}, {img_channels} channels): {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +126,10 @@ class InitSnapshot:
 
     @property
     def network(self) -> dict:
-        """The Precond/U-Net arguments that a run's options carry in `network` (all but RUN_ARGUMENTS)."""
-        return {k: v for k, v in self.network_kwargs.items() if k not in RUN_ARGUMENTS}
+        """The Precond arguments that a run's options carry in `network` (all but RUN_ARGUMENTS; the family only when
+        it is not the U-Net, as the options record it)."""
+        return {k: v for k, v in self.network_kwargs.items() if k not in RUN_ARGUMENTS
+                and (k, v) != ("family", families.DEFAULT_FAMILY)}
 
 
 def init_path(path_or_url: str) -> str:

@@ -9,8 +9,10 @@ import os
 
 import torch
 
+from edm2 import families
 from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
+from edm2.families import DEFAULT_FAMILY
 from edm2.network_args import shown
 from edm2.phema import MAX_STD
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
@@ -228,7 +230,9 @@ def _check_network(opts: TrainingOptions) -> None:
         return
     resolution = opts.dataset["resolution"]
     _require(type(resolution) is int and resolution >= 1, "dataset", opts.dataset, "a resolution >= 1")
-    if opts.init is None:
+    family = opts.network.get("family", DEFAULT_FAMILY)
+    _require(family in families.names(), "network", opts.network, f"a network family of {', '.join(families.names())}")
+    if opts.init is None and family == DEFAULT_FAMILY:
         check_network_fits_data(resolution, opts.channels, opts.network,
                                 explicit=differs_from_preset(opts.network, get_preset(opts.preset).network))
 

@@ -95,6 +95,9 @@ class BlendDataset(ImageData):
             if source.image_shape != first.image_shape or source[0][0].dtype != first[0][0].dtype:
                 raise BlendError(f"{name} holds {source[0][0].dtype} samples of shape {source.image_shape}, "
                                  f"{names[0]} {first[0][0].dtype} of {first.image_shape}; mixed shapes or dtypes")
+            if source.encoding != first.encoding or source.encoding_settings != first.encoding_settings:
+                raise BlendError(f"{name} records the encoding {source.encoding!r}, {names[0]} {first.encoding!r}; "
+                                 f"a blend's sources share their encoding")
             if source.label_dim != first.label_dim:
                 raise BlendError(f"{name} has {source.label_dim} classes, {names[0]} {first.label_dim}; a blend's "
                                  f"sources share their classes")
@@ -103,6 +106,7 @@ class BlendDataset(ImageData):
         self.offsets = np.cumsum([0] + self.sizes)
         self.segments = segments(self.sizes, self.weights)
         self.path, self.image_shape, self.label_dim = first.path, first.image_shape, first.label_dim
+        self.encoding, self.encoding_settings = first.encoding, first.encoding_settings
         self.raw_labels = None if first.raw_labels is None else _BlendLabels(self)
 
     def source_of(self, idx: int) -> tuple[object, int]:

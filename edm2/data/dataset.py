@@ -88,6 +88,20 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
     return values
 
 
+def read_encoding(files: FileTree) -> tuple[object, object]:
+    """(encoding, encoding_settings) that dataset.json records (edm2.encoders.ENCODINGS names them); (None, {}) for
+    a dataset written by the release or an earlier version, which records none."""
+    if LABELS_FILE not in files.names:
+        return None, {}
+    try:
+        record = bounded_json.parse(files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES), LABELS_FILE)
+    except (OSError, zipfile.BadZipFile, bounded_json.JSONFileError) as e:
+        raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
+    if not isinstance(record, dict):
+        return None, {}
+    return record.get("encoding"), record.get("encoding_settings", {})
+
+
 def is_class(label: object) -> bool:
     """Whether a dataset.json label is a class: an integer in [0, MAX_CLASSES) (JSON's true and false are not)."""
     return isinstance(label, int) and not isinstance(label, bool) and 0 <= label < MAX_CLASSES
@@ -127,10 +141,13 @@ def is_raw_image_folder(files: FileTree) -> bool:
 
 
 class ImageData(torch.utils.data.Dataset):
-    """What every dataset kind shares (folders and ZIPs, shards, blends): image_shape (CHW) and label_dim."""
+    """What every dataset kind shares (folders and ZIPs, shards, blends): image_shape (CHW), label_dim and the
+    encoding it records (an edm2.encoders.ENCODINGS name and its settings; None for data that records none)."""
 
     image_shape: list[int] | None
     label_dim: int
+    encoding: str | None = None
+    encoding_settings: dict
 
     @property
     def num_channels(self) -> int:
@@ -190,6 +207,7 @@ class ImageFolderDataset(ImageData):
         if ".npy" in kinds and pictures:
             raise DatasetError(f"{self.path}: mixes {', '.join(pictures)} and .npy images; a dataset holds one kind")
         all_labels = read_labels(self._files, self._all_fnames) if use_labels else None
+        self.encoding, self.encoding_settings = read_encoding(self._files)
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
         self._raw_idx = np.arange(len(self._all_fnames), dtype=np.int64)

@@ -35,10 +35,12 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def labels_json(labels: dict[str, int | None]) -> str:
-    """dataset.json text: every file's class, or null unless every file has one (as the release)."""
+def labels_json(labels: dict[str, int | None], encoding: dict | None = None) -> str:
+    """dataset.json text: every file's class, or null unless every file has one (as the release); and what the
+    files hold, {"encoding": name, "encoding_settings": {...}} (edm2.encoders.ENCODINGS), when given."""
     complete = len(labels) > 0 and all(label is not None for label in labels.values())
-    return json.dumps({"labels": [[name, int(label)] for name, label in labels.items()] if complete else None})
+    listed = [[name, int(label)] for name, label in labels.items()] if complete else None
+    return json.dumps({"labels": listed, **(encoding or {})})
 
 
 def is_zip_path(path: str | os.PathLike) -> bool:
@@ -58,6 +60,7 @@ class DatasetWriter:
         self.dest = dest
         self._add_file = add_file
         self.labels: dict[str, int | None] = {}
+        self.encoding: dict | None = None  # dataset.json's "encoding" and "encoding_settings", set by the caller
 
     def add(self, fname: str, data: bytes, label: int | None = None) -> None:
         """Store one image file under its release name with its class (None for unlabeled)."""
@@ -96,7 +99,7 @@ def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
         writer = DatasetWriter(dest, lambda fname, data: _write_file(tmp / fname, data))
         yield writer
         try:
-            (tmp / LABELS_FILE).write_text(labels_json(writer.labels))
+            (tmp / LABELS_FILE).write_text(labels_json(writer.labels, writer.encoding))
         except OSError as e:
             raise write_failure(dest, e) from None
         os.replace(tmp, dest)
@@ -115,7 +118,7 @@ def _zip_writer(dest: Path) -> Iterator[DatasetWriter]:
             _abandon(archive)
             raise
         try:
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels, writer.encoding))
             archive.close()
         except OSError as e:
             _abandon(archive)

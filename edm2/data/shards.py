@@ -180,7 +180,7 @@ class ShardDataset(ImageData):
             raise DatasetError(f"{self.path}: holds {beyond.name}, beyond the index's {num_shards(self.index)} "
                                f"shards; the index disagrees with its shards")
         self.image_shape = list(self.index["shape"])
-        self.encoding = self.index["encoding"]
+        self.encoding, self.encoding_settings = self.index["encoding"], {}
         self._labeled = self.index["label_dim"] > 0
         self.label_dim = self.index["label_dim"] if use_labels else 0
         self.raw_labels = ShardLabels(self) if use_labels and self._labeled else None

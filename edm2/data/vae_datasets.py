@@ -110,11 +110,13 @@ def save_latents(work: Path, indices: list[int], latents: np.ndarray) -> None:
                 raise write_failure(path, e) from None
 
 
-def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: int) -> None:
-    """Turn a complete progress folder into the output dataset (ZIP or directory) with dataset.json."""
+def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: int, encoding: dict) -> None:
+    """Turn a complete progress folder into the output dataset (ZIP or directory) with dataset.json, recording the
+    encoding (Encoder.dataset_record)."""
     names = [latent_fname(i) for i in range(count)]
     if is_zip_path(dest):
         with dataset_writer(dest) as writer:
+            writer.encoding = encoding
             for idx, name in enumerate(tqdm(names, desc="write ZIP", unit="img")):
                 writer.add(name, (work / name).read_bytes(), label_of(dataset, idx))
         shutil.rmtree(work)
@@ -122,7 +124,7 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
     files.remove_stale_temporaries(work, owned=True, recursive=True)  # every writer has finished
     (work / ENCODE_MANIFEST).unlink()
     with files.atomic_path(work / LABELS_FILE) as tmp:
-        tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)}))
+        tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)}, encoding))
     os.replace(work, dest)
 
 
@@ -159,7 +161,7 @@ def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: StabilityVA
         missing = pending_blocks(work, count, batch)
         if missing:
             raise EncodeWorkError(f"{work}: images of {len(missing)} batches are missing; rerun to finish")
-        finish_encode(work, dest, dataset, count)
+        finish_encode(work, dest, dataset, count, encoder.dataset_record())
 
 
 def decoded_images(dataset: ImageFolderDataset, encoder: StabilityVAEEncoder, count: int, batch: int,

@@ -6,24 +6,22 @@ The release traces `net(x, sigma, labels)` for one sample and prices every trace
 times 3 for silu and softmax; linalg_vector_norm costs its input elements; views, casts, cat, unbind and
 constants cost nothing. Paper Table 6's "gigaflops" are these totals for the img512 models.
 
-Our network computes some of the same functions with other kernels than the release's network, so tracing
-ours would price different ops. We therefore do not trace: `count_flops` walks the network's modules and
-adds up what the release's network (training/networks_edm2.py) executes for the same architecture:
+`count_flops` runs the network itself, of whatever family, on the meta device (shapes only, no arithmetic) under
+a torch function mode that prices each call by those rules: the network's own code is the one description of
+what it computes. Where our code computes a function with another kernel than the release's, the call is priced
+as the release's kernel:
 
-- resampling: the release's 'down' is a depthwise conv2d with the normalized 2x2 box filter at stride 2 and
-  its 'up' a depthwise conv_transpose2d with that filter times 4 (a mul on the 4-element filter), each
-  costing 4 per output element; ours uses avg_pool2d and repeat_interleave.
-- attention: the release divides k by sqrt(channels per head), multiplies q^T k as a matmul, takes an
-  explicit softmax and multiplies by v; ours calls scaled_dot_product_attention.
-- MPConv: the release normalizes its weight on every call, also in eval mode (linalg_vector_norm, add of
-  eps, div, mul by gain / sqrt(fan_in), plus a div for a learned gain); ours normalizes once per sampler run
-  (edm2.layers.weights_normalized_once).
-- everything else is the same op for op: mp_silu (silu, div), mp_sum (lerp, div), mp_cat (two muls),
-  pixel norm (linalg_vector_norm, add, div), clip_ (clamp_), the Fourier embedding (outer, add, cos, mul)
-  and the preconditioning (16 scalar ops, c_in * x, c_skip * x + c_out * F_x).
+- the magnitude-preserving primitives of edm2.layers, which take part in torch function dispatch, are priced
+  whole: resample as the release's depthwise box-filter convolution (stride 2) or transposed convolution (with
+  its filter times 4), 4 per output element; mp_cat with the two weights the release's trace computes as 0-d
+  tensors (a div and a mul each) besides its two muls; normalize, mp_silu and mp_sum op for op.
+- scaled_dot_product_attention as the release's attention: k divided by sqrt(channels per head), q^T k and the
+  weighted sum of v as matmuls, an explicit softmax, and the token count height * width (a traced product).
+- an MPConv with the constant gain 1: the release's trace computes gain / sqrt(fan_in) as a reciprocal and a mul
+  of 0-d tensors (a learned gain's div is a tensor op here too).
 
-Like the release, the log-variance head (not evaluated by `net(x, sigma, labels)`) is not counted, but its
-weights are among the parameters. The totals agree with the per-op figures the paper gives for XXL
+Like the release, the log-variance head (not evaluated by `net(x, sigma, labels)`) is not counted, but its weights
+are among the parameters. The totals agree with Table 6 and with the per-op figures the paper gives for XXL
 (Appendix D.5: convolutions 545.50, linalg_vector_norm 1.54, matmul 1.43 Gflops).
 """
 
@@ -32,21 +30,27 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from edm2.networks import Block, Precond
-
-# The release's preconditioning on the [1,1,1,1] sigma, one flop per op: c_skip (pow, add, reciprocal, mul),
-# c_out (mul, pow, add, sqrt, div), c_in (pow, add, sqrt, reciprocal, mul) and c_noise (log, div).
-_SCALAR_OPS = {"pow": 3, "add": 3, "reciprocal": 2, "mul": 3, "sqrt": 2, "div": 2, "log": 1}
-
+from edm2 import layers
+from edm2.networks import Precond
 
 # Flops of one part of the network by the release's op name ('_convolution', 'matmul', 'div', ...).
 Cost = collections.Counter
 
 # The ops whose flops are multiply-accumulates (each counted as one flop, as the release counts).
 MAC_OPS = ("_convolution", "matmul")
+
+# Elementwise calls by name: (the release's op name, flops per output element).
+_ELEMENTWISE = {
+    "add": ("add", 1), "__add__": ("add", 1), "__radd__": ("add", 1), "mul": ("mul", 1), "__mul__": ("mul", 1),
+    "__rmul__": ("mul", 1), "div": ("div", 1), "__truediv__": ("div", 1), "__div__": ("div", 1), "pow": ("pow", 1),
+    "__pow__": ("pow", 1), "sqrt": ("sqrt", 1), "log": ("log", 1), "cos": ("cos", 1), "outer": ("outer", 1),
+    "lerp": ("lerp", 2), "clip_": ("clamp_", 2), "clamp_": ("clamp_", 2), "silu": ("silu", 3),
+}
 
 
 @dataclasses.dataclass
@@ -66,132 +70,116 @@ class FlopsCount:
         return sum(self.parts.values(), Cost())
 
 
-def _mpconv(cost: Cost, weight: torch.Tensor, out_elements: int, learned_gain: bool = False) -> None:
-    """The release's MPConv in eval mode: weight normalization on every call, then the convolution or matmul."""
-    w = weight.numel()
-    cost["linalg_vector_norm"] += w
-    cost["add"] += weight.shape[0]  # eps, one per output channel
-    cost["div"] += w  # w / norm
-    cost["mul"] += w  # w * (gain / sqrt(fan_in))
-    # The trace records fan_in = w[0].numel() as a 0-d tensor, so gain / sqrt(fan_in) is a tensor op too: a div
-    # for a learned gain (a tensor), a reciprocal and a mul for the constant gain 1.
-    if learned_gain:
-        cost["div"] += 1
-    else:
-        cost["reciprocal"] += 1
-        cost["mul"] += 1
-    cost["matmul" if weight.ndim == 2 else "_convolution"] += out_elements * math.prod(weight.shape[1:])
+def _elements(t: torch.Tensor) -> int:
+    return t.numel()
 
 
-def _mp_silu(cost: Cost, elements: int) -> None:
-    cost["silu"] += 3 * elements
-    cost["div"] += elements
+def _primitive_cost(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor) -> Cost | None:
+    """The release's cost of one of edm2.layers' primitives; None for any other call."""
+    if func is layers.normalize:
+        return Cost(linalg_vector_norm=_elements(args[0]), add=out.numel() // _norm_length(args, kwargs),
+                    div=out.numel())
+    if func is layers.mp_silu:
+        return Cost(silu=3 * out.numel(), div=out.numel())
+    if func is layers.mp_sum:
+        return Cost(lerp=2 * out.numel(), div=out.numel())
+    if func is layers.mp_cat:
+        return Cost(div=2, mul=2 + out.numel())
+    if func is layers.resample:
+        mode = kwargs.get("mode", "keep")
+        return Cost() if mode == "keep" else Cost(_convolution=4 * out.numel(), mul=4 if mode == "up" else 0)
+    return None
 
 
-def _mp_sum(cost: Cost, elements: int) -> None:
-    cost["lerp"] += 2 * elements
-    cost["div"] += elements
+def _norm_length(args: tuple, kwargs: dict) -> int:
+    """How many elements each norm of normalize(x, dim) reduces."""
+    x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dims = range(1, x.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
+    return math.prod(x.shape[d] for d in dims)
 
 
-def _normalize(cost: Cost, elements: int, norms: int) -> None:
-    """normalize(): linalg_vector_norm of the input, add of eps to each norm, div."""
-    cost["linalg_vector_norm"] += elements
-    cost["add"] += norms
-    cost["div"] += elements
+def _torch_cost(func: Callable, args: tuple, kwargs: dict, out: object) -> Cost:
+    """The release's cost of a torch call from its shapes; calls the release's rules do not price cost nothing."""
+    name = getattr(func, "__name__", "")
+    if name in _ELEMENTWISE and isinstance(out, torch.Tensor):
+        op, factor = _ELEMENTWISE[name]
+        return Cost({op: factor * out.numel()})
+    if name in ("__rdiv__", "__rtruediv__", "reciprocal"):  # a / t is traced as reciprocal(t) * a
+        return Cost(reciprocal=out.numel(), mul=out.numel() if name != "reciprocal" else 0)
+    if name == "conv2d":
+        return Cost(_convolution=out.numel() * math.prod(args[1].shape[1:]))
+    if name in ("__matmul__", "matmul", "mm", "bmm"):
+        return Cost(matmul=out.numel() * args[0].shape[-1])
+    if name == "linear":
+        return Cost(matmul=out.numel() * args[1].shape[1])
+    if name == "scaled_dot_product_attention":
+        q, k = args[0], args[1]
+        heads, tokens, per_head = q.shape[-3], q.shape[-2], q.shape[-1]
+        rows = q.numel() // (tokens * per_head)
+        return Cost(mul=1, div=k.numel(), matmul=2 * rows * per_head * tokens * k.shape[-2],
+                    softmax=3 * rows * tokens * k.shape[-2])
+    return Cost()
 
 
-def _attention(cost: Cost, block: Block, channels: int, pixels: int) -> None:
-    """The release's cosine self-attention (einsums as matmuls, explicit softmax) and its mp_sum."""
-    heads = block.num_heads
-    cost["mul"] += 1  # the token count height * width, a product of traced sizes
-    _mpconv(cost, block.attn_qkv.weight, 3 * channels * pixels)
-    _normalize(cost, 3 * channels * pixels, heads * 3 * pixels)  # q, k, v over each head's channels
-    cost["div"] += channels * pixels  # k / sqrt(channels per head)
-    cost["matmul"] += 2 * channels * pixels * pixels  # q^T k, then the weighted sum of v; all heads
-    cost["softmax"] += 3 * heads * pixels * pixels
-    _mpconv(cost, block.attn_proj.weight, channels * pixels)
-    _mp_sum(cost, channels * pixels)
+class _Pricer(TorchFunctionMode):
+    """Adds the release's cost of every call to the part of the network being evaluated."""
+
+    def __init__(self, parts: dict[str, Cost], stack: list[str]):
+        super().__init__()
+        self.parts, self.stack = parts, stack
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = _primitive_cost(func, args, kwargs, out)
+        self.parts.setdefault(self.stack[-1], Cost()).update(cost if cost is not None else
+                                                             _torch_cost(func, args, kwargs, out))
+        return out
 
 
-def _block(block: Block, channels_in: int, resolution: int) -> tuple[Cost, int]:
-    """Cost of one encoder or decoder block (paper Figure 21) for its input size; returns it and the output
-    resolution."""
-    cost = Cost()
-    out = block.out_channels
-    if block.resample_mode == "down":
-        resolution //= 2
-        cost["_convolution"] += 4 * channels_in * resolution**2  # depthwise 2x2 box filter, stride 2
-    elif block.resample_mode == "up":
-        resolution *= 2
-        cost["mul"] += 4  # the 2x2 filter times 4
-        cost["_convolution"] += 4 * channels_in * resolution**2  # depthwise transposed, stride 2
-    pixels = resolution**2
-    if block.flavor == "enc":
-        if block.conv_skip is not None:
-            _mpconv(cost, block.conv_skip.weight, out * pixels)
-        _normalize(cost, out * pixels, pixels)  # pixel norm over channels
-    _mp_silu(cost, (out if block.flavor == "enc" else channels_in) * pixels)
-    _mpconv(cost, block.conv_res0.weight, out * pixels)
-    _mpconv(cost, block.emb_linear.weight, out, learned_gain=True)
-    cost["add"] += out  # c = emb_linear(emb) + 1
-    cost["mul"] += out * pixels  # y * c
-    _mp_silu(cost, out * pixels)
-    _mpconv(cost, block.conv_res1.weight, out * pixels)
-    if block.flavor == "dec" and block.conv_skip is not None:
-        _mpconv(cost, block.conv_skip.weight, out * pixels)
-    _mp_sum(cost, out * pixels)
-    if block.num_heads:
-        _attention(cost, block, out, pixels)
-    if block.clip_act is not None:
-        cost["clamp_"] += 2 * out * pixels
-    return cost, resolution
+def _parts(net: Precond) -> list[tuple[str, torch.nn.Module]]:
+    """The parts a count reports: the family's blocks, and the other modules of the network holding weights or
+    buffers of their own outside the blocks (embeddings, first and last layers)."""
+    blocks = net.family.blocks(net.unet)
+    inside = {id(m) for _, block in blocks for m in block.modules()}
+    others = [(name, m) for name, m in net.unet.named_modules() if id(m) not in inside
+              and (next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None)
+              and m is not net.unet]
+    return blocks + others
 
 
-def _embedding(net: Precond) -> Cost:
-    """The noise (and class) embedding of one sample: Fourier features, linear layers, mp_sum, mp_silu."""
-    unet, cost = net.unet, Cost()
-    noise_channels, emb_channels = unet.emb_fourier.freqs.numel(), unet.emb_noise.weight.shape[0]
-    for op in ("outer", "add", "cos", "mul"):  # y = c_noise outer freqs + phases; cos(y) * sqrt(2)
-        cost[op] += noise_channels
-    _mpconv(cost, unet.emb_noise.weight, emb_channels)
-    if unet.emb_label is not None:
-        cost["mul"] += net.label_dim  # labels * sqrt(label_dim)
-        _mpconv(cost, unet.emb_label.weight, emb_channels)
-        _mp_sum(cost, emb_channels)
-    _mp_silu(cost, emb_channels)
-    return cost
+def _hooks(net: Precond, stack: list[str], parts: dict[str, Cost]) -> list:
+    """Hooks that name the part being evaluated, and add the release's gain artifact of each MPConv with gain 1."""
+    hooks = []
+    for name, module in [("unet", net.unet), *_parts(net)]:
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+
+    def constant_gain(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not isinstance(kwargs.get("gain", args[1] if len(args) > 1 else 1), torch.Tensor):
+            parts.setdefault(stack[-1], Cost()).update(reciprocal=1, mul=1)
+
+    hooks += [m.register_forward_pre_hook(constant_gain, with_kwargs=True) for m in layers.mpconvs(net.unet)]
+    return hooks
 
 
 def count_flops(net: Precond) -> FlopsCount:
-    """Parameters (all of them) and flops of `net(x, sigma, labels)` for one sample as the release counts them;
-    works on the meta device."""
-    unet = net.unet
-    image = net.img_channels * net.img_resolution**2
-    # c_in * x; then c_skip * x + c_out * F_x.
-    parts = {"precond": Cost(_SCALAR_OPS) + Cost(mul=3 * image, add=image), "embedding": _embedding(net)}
-    channels, resolution, skips = net.img_channels + 1, net.img_resolution, []
-    for name, block in unet.enc.items():
-        if isinstance(block, Block):
-            parts[f"enc.{name}"], resolution = _block(block, channels, resolution)
-            channels = block.out_channels
-        else:  # the first 3x3 convolution
-            parts[f"enc.{name}"] = cost = Cost()
-            channels = block.weight.shape[0]
-            _mpconv(cost, block.weight, channels * resolution**2)
-        skips.append(channels)
-    for name, block in unet.dec.items():
-        concat = 0
-        if "block" in name:
-            channels += skips.pop()
-            concat = channels * resolution**2
-        parts[f"dec.{name}"], resolution = _block(block, channels, resolution)
-        if concat:
-            # mp_cat with the skip connection: its two weights are 0-d tensors in the trace (a div and a mul
-            # each), then one mul per element of either part.
-            parts[f"dec.{name}"].update(div=2, mul=2 + concat)
-        channels = block.out_channels
-    parts["out_conv"] = Cost()
-    _mpconv(parts["out_conv"], unet.out_conv.weight, image, learned_gain=True)
+    """Parameters (all of them) and flops of `net(x, sigma, labels)` for one sample as the release counts them, from
+    a run of a copy of the network built on the meta device (no weights, no arithmetic)."""
+    with torch.device("meta"):
+        shadow = Precond(**net.init_kwargs).eval()
+        x = torch.zeros([1, net.img_channels, net.img_resolution, net.img_resolution])
+        labels = torch.zeros([1, net.label_dim])
+        sigma = torch.ones([1])
+    stack, parts = ["precond"], {}
+    hooks = _hooks(shadow, stack, parts)
+    try:
+        with torch.no_grad(), torch.device("meta"), _Pricer(parts, stack):
+            shadow(x, sigma, labels)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    parts = {name: cost for name, cost in parts.items() if +cost}
     return FlopsCount(sum(p.numel() for p in net.parameters()), parts)
 
 

@@ -1,0 +1,110 @@
+"""The README's Extending examples, run end to end: the network family 'mp-resnet' (edm2/architectures/mp_resnet.py),
+the data encoding 'linear-rgb' (edm2.encoders.LinearRGBEncoder) and recorded encodings; and the one-line answers to
+a family or an encoding that is not registered."""
+
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import count_flops
+import dataset_tool
+import generate
+import train_edm2
+from edm2.architectures.mp_resnet import MPResNet
+from edm2.encoders import LinearRGBEncoder
+from edm2.eval import flops
+from edm2.formats.snapshot import load_generator, load_network
+from tests.helpers import assert_refused, write_image_dataset
+
+
+def train(data, outdir, *args):
+    return CliRunner().invoke(train_edm2.main, ["--preset=toy-tiny", f"--data={data}", f"--outdir={outdir}",
+                                                "--workers=0", "--grid=0", *args])
+
+
+def test_a_network_family_trains_saves_loads_samples_and_counts(train_data, tmp_path):
+    # Two steps of 32 images, then a snapshot: the family's network goes through the whole run.
+    result = train(train_data, tmp_path / "run", "--arch=mp-resnet", "--num-blocks=2", "--duration=64",
+                   "--batch=32", "--snapshot=64", "--checkpoint=64", "--status=32")
+    assert result.exit_code == 0, result.output
+    snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
+    net, metadata = load_network(snapshot)
+    assert type(net.unet) is MPResNet and len(net.unet.blocks) == 2
+    assert metadata["network_kwargs"]["family"] == "mp-resnet" and net.unet.conv_in.weight.shape == (16, 4, 3, 3)
+
+    out = tmp_path / "images"
+    result = CliRunner().invoke(generate.main, [f"--net={snapshot}", f"--outdir={out}", "--seeds=0-2", "--steps=2",
+                                                "--class=1"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png", "000002.png"]
+
+    result = CliRunner().invoke(count_flops.main, [str(snapshot), "--verbose"])
+    assert result.exit_code == 0, result.output
+    rows = dict(re.findall(r"^(block\d)\s+([0-9.]+)", result.output, flags=re.M))
+    assert list(rows) == ["block0", "block1"]
+    # The convolutions by hand: 8x8 pixels, 16 channels; 3x3 in (3 + 1 -> 16), two 3x3 per block, 3x3 out (16 -> 3).
+    convolutions = 64 * 9 * (4 * 16 + 2 * 2 * 16 * 16 + 16 * 3)
+    assert flops.count_flops(net).by_op()["_convolution"] == convolutions
+
+
+@pytest.mark.bad_input
+def test_an_unknown_network_family_is_one_line(train_data, tmp_path):
+    assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--arch=dit-xl"), "--arch", "'dit-xl'",
+                   "edm2", "mp-resnet")
+
+
+@pytest.mark.bad_input
+def test_an_option_the_family_does_not_take_is_one_line(train_data, tmp_path):
+    assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--arch=mp-resnet", "--channel-mult=1,2"),
+                   "--channel-mult does not shape the network family 'mp-resnet', which takes --num-blocks")
+
+
+def recorded(path, **record):
+    """A release-format dataset whose dataset.json also records these keys (an encoding)."""
+    labels = json.loads((path / "dataset.json").read_text())
+    (path / "dataset.json").write_text(json.dumps(dict(labels, **record)))
+    return path
+
+
+@pytest.mark.bad_input
+def test_a_dataset_of_an_unknown_encoding_is_one_line(tmp_path):
+    data = recorded(write_image_dataset(tmp_path / "data", num=16), encoding="dct-8x8")
+    assert_refused(tmp_path, lambda: train(data, tmp_path / "run", "--dry-run"), "--data",
+                   "the data encoding 'dct-8x8' is not registered", "pixels, stability-vae")
+
+
+def test_a_recorded_encoding_is_taken_and_an_unrecorded_one_said_once(tmp_path):
+    data = write_image_dataset(tmp_path / "release", num=16)  # the release's dataset.json: labels only
+    result = train(data, tmp_path / "run", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("records no encoding") == 1 and "taken as pixels" in result.output
+    data = recorded(write_image_dataset(tmp_path / "ours", num=16), encoding="pixels")
+    result = train(data, tmp_path / "run", "--dry-run")
+    assert result.exit_code == 0 and "records no encoding" not in result.output
+    assert json.loads(result.output[: result.output.rindex("}") + 1])["encoder"] == {"class": "StandardRGBEncoder"}
+
+
+def test_a_data_encoding_is_written_trained_on_and_decoded(tmp_path):
+    source = write_image_dataset(tmp_path / "source", num=16)
+    data = tmp_path / "linear.zip"
+    result = CliRunner().invoke(dataset_tool.main, ["convert", f"--source={source}", f"--dest={data}",
+                                                    "--encoding=linear-rgb", "--workers=0"])
+    assert result.exit_code == 0, result.output
+    result = train(data, tmp_path / "run", "--duration=32", "--batch=32", "--snapshot=32", "--checkpoint=32",
+                   "--status=32")
+    assert result.exit_code == 0, result.output
+    assert "records no encoding" not in result.output
+    snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
+    _, encoder, metadata = load_generator(snapshot)
+    assert isinstance(encoder, LinearRGBEncoder) and metadata["encoder"] == {"class": "LinearRGBEncoder", "gamma": 2.2}
+    out = tmp_path / "images"
+    result = CliRunner().invoke(generate.main, [f"--net={snapshot}", f"--outdir={out}", "--seeds=0-1", "--steps=2"])
+    assert result.exit_code == 0, result.output
+    assert len(list(out.glob("*.png"))) == 2
+    # Every 8-bit value comes back through linear light (float32 powers are off by far less than the 0.5 rounding).
+    levels = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16)
+    assert torch.equal(encoder.decode(encoder.encode(levels)), levels)
+    assert encoder.encode(levels).min() == -1 and encoder.encode(levels).max() == 1
