@@ -99,7 +99,8 @@ def network_options(preset: str, resolution: int, channels: int | None, given: d
     return network
 
 
-def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict) -> tuple[Encoder, dict]:
+def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict,
+                 preset: str) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
     cannot load, or does not fit the data or the options given, is refused naming --init.
 
@@ -108,7 +109,7 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
     try:
         snapshot = read_init(init)
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
-                   label_dim=dataset.label_dim, encoder=encoder, given=given)
+                   label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset)
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
     dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
@@ -250,7 +251,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     if init is None:
         overrides["network"] = network_options(preset, dataset.resolution, overrides["channels"], given)
     else:
-        encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
+        encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]), preset)
         overrides.update(from_init)
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,

@@ -16,6 +16,7 @@ from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
 from edm2.networks import Block, UNet
 from edm2.runtime import files
+from training.presets import get_preset
 
 # The U-Net arguments that train_edm2.py sets with options of the same names (dashes for underscores).
 UNET_OPTIONS = ("channel_mult", "num_blocks", "attn_resolutions")
@@ -131,13 +132,22 @@ def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
     return load_generator(path_or_url)[0].state_dict()
 
 
+def network_config(network: dict) -> str:
+    """The configuration of the paper's Table 1 that network arguments build: their `config` (edm2.ladder), else G."""
+    return network.get("config", "G")
+
+
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
-               given: dict) -> None:
+               given: dict, preset: str | None = None) -> None:
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
-    --cond=False; data holding some of the classes is fine), or architecture options (given: channels and
+    --cond=False; data holding some of the classes is fine), a preset of another configuration, or architecture options (given: channels and
     UNET_OPTIONS as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
+    ours, theirs = network_config(get_preset(preset).network) if preset else None, network_config(kwargs)
+    if ours not in (None, theirs):
+        raise NetworkMisfit(f"--preset={preset} trains CONFIG {ours}, but {name} is a CONFIG {theirs} network; choose "
+                            f"a preset of CONFIG {theirs}")
     if type(encoder) is not type(init.encoder):
         raise NetworkMisfit(f"{name} works on {type(init.encoder).__name__} data but the data is for "
                             f"{type(encoder).__name__}")

@@ -11,8 +11,11 @@ import math
 
 import torch
 
+from edm2.ladder import LadderBlock, UniformConv
 from edm2.layers import MPConv
 from edm2.networks import Block
+
+BLOCKS, LEARNED = (Block, LadderBlock), (MPConv, UniformConv)  # every configuration's blocks and learned layers
 
 
 def bucket(name: str) -> str:
@@ -36,7 +39,7 @@ def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
             counts[name] = output.numel()
         return hook
 
-    blocks = [(name.removeprefix("unet."), m) for name, m in net.named_modules() if isinstance(m, Block)]
+    blocks = [(name.removeprefix("unet."), m) for name, m in net.named_modules() if isinstance(m, BLOCKS)]
     hooks = [m.register_forward_hook(record(name)) for name, m in blocks]
     try:
         net(x, sigma, labels)
@@ -50,4 +53,4 @@ def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
 def weight_rms(net: torch.nn.Module) -> dict[str, float]:
     """RMS of each learned layer's raw weight, keyed by module name less 'unet.' ('enc.16x16_block0.conv_res0')."""
     return {name.removeprefix("unet."): float(m.weight.detach().to(torch.float64).square().mean().sqrt())
-            for name, m in net.named_modules() if isinstance(m, MPConv)}
+            for name, m in net.named_modules() if isinstance(m, LEARNED)}
