@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from edm2 import network_args
+from edm2 import families, network_args
 from edm2.layers import ArchitectureError, MPConv, MPFourier, cosine_attention, resample
 
 CONFIGS = ("C", "D", "E")
@@ -110,7 +110,7 @@ class LadderUNet(torch.nn.Module):
                  attn_resolutions: Sequence[int] = (16, 8), channels_per_head: int = 64, dropout: float = 0.0):
         if config not in LAYERS:
             raise ArchitectureError(f"unknown network configuration {network_args.shown(config)}; choose one of "
-                                    f"{', '.join(CONFIGS)} (or leave it out for G)")
+                                    f"{', '.join(CONFIGS)}")
         network_args.check_unet(dict(locals(), label_balance=0.5, concat_balance=0.5), dict(
             channels_per_head=channels_per_head, dropout=dropout, res_balance=0.5, attn_balance=0.5, clip_act=None))
         super().__init__()
@@ -171,3 +171,25 @@ class LadderUNet(torch.nn.Module):
                 x = torch.cat([x, skips.pop()], dim=1)
             x = block(x, emb)
         return self.out_conv(F.silu(rms_group_norm(x, num_groups(x.shape[1]))))
+
+
+def ladder_blocks(unet: LadderUNet) -> list[tuple[str, torch.nn.Module]]:
+    """The encoder and decoder blocks, named 'enc.16x16_block0' etc. as the G U-Net's, in evaluation order."""
+    return [(f"{side}.{name}", block) for side, blocks in (("enc", unet.enc), ("dec", unet.dec))
+            for name, block in blocks.items() if isinstance(block, LadderBlock)]
+
+
+def _constructor(config: str):
+    def construct(img_resolution: int, img_channels: int, label_dim: int, **arguments) -> LadderUNet:
+        return LadderUNet(img_resolution, img_channels, label_dim, config=config, **arguments)
+    construct.__doc__ = f"The U-Net of CONFIG {config}."
+    return construct
+
+
+SUMMARIES = {"C": "the paper's CONFIG C: ADM streamlined (no biases, Eq. 29 group norm, cosine attention)",
+             "D": "the paper's CONFIG D: C with magnitude-preserving learned layers (Eq. 47), weights free to grow",
+             "E": "the paper's CONFIG E: D with forced weight normalization (Eq. 66); Eq. 67 decay in its presets"}
+# The families 'config-c', 'config-d' and 'config-e' (G is the release's 'edm2').
+FAMILIES = {config: families.register(families.NetworkFamily(
+    name=f"config-{config.lower()}", constructor=_constructor(config), blocks=ladder_blocks,
+    options=("channel_mult", "num_blocks", "attn_resolutions"), summary=SUMMARIES[config])) for config in CONFIGS}

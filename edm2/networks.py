@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from edm2 import network_args
-from edm2.ladder import LadderBlock, LadderUNet, UniformConv
+from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, cosine_attention, mp_cat, mp_silu, mp_sum, normalize,
                          resample)
 
@@ -177,7 +176,9 @@ class UNet(torch.nn.Module):
 
 
 class Precond(torch.nn.Module):
-    """EDM preconditioning around the U-Net (Eq. 4-8) plus the log-variance head u(sigma) (Eq. 21)."""
+    """EDM preconditioning around a network of a registered family (Eq. 4-8; by default the U-Net, family 'edm2')
+    plus the log-variance head u(sigma) (Eq. 21). The family's network is `unet`, the name the release's
+    state-dict keys give it."""
 
     def __init__(
         self,
@@ -188,10 +189,12 @@ class Precond(torch.nn.Module):
         use_bf16: bool = False,
         sigma_data: float = 0.5,
         logvar_channels: int = 128,
+        family: str = families.DEFAULT_FAMILY,
         **unet_kwargs,
     ):
         super().__init__()
         network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16)
+        self.family = families.get(family)
         self.init_kwargs = dict(
             img_resolution=img_resolution,
             img_channels=img_channels,
@@ -200,6 +203,7 @@ class Precond(torch.nn.Module):
             use_bf16=use_bf16,
             sigma_data=sigma_data,
             logvar_channels=logvar_channels,
+            family=family,
             **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in unet_kwargs.items()},
         )
         self.img_resolution = img_resolution
@@ -210,9 +214,7 @@ class Precond(torch.nn.Module):
         self.sigma_data = sigma_data
         # Compute in the 16-bit dtype on the CPU too (bfloat16 on CPUs with bfloat16 units; tests); not saved.
         self.cpu_16bit = False
-        # A `config` argument picks an earlier configuration of the paper's Table 1 (edm2.ladder); none is G.
-        unet = UNet if "config" not in unet_kwargs else LadderUNet
-        self.unet = unet(img_resolution, img_channels, label_dim, **unet_kwargs)
+        self.unet = self.family.constructor(img_resolution, img_channels, label_dim, **unet_kwargs)
         self.logvar_fourier = MPFourier(logvar_channels)
         self.logvar_linear = MPConv(logvar_channels, 1, [])
 
@@ -264,6 +266,18 @@ class Precond(torch.nn.Module):
         return d_x, logvar
 
 
+def unet_blocks(unet: UNet) -> list[tuple[str, torch.nn.Module]]:
+    """The U-Net's encoder and decoder blocks, named 'enc.16x16_block0' etc., in evaluation order."""
+    return [(f"{side}.{name}", block) for side, blocks in (("enc", unet.enc), ("dec", unet.dec))
+            for name, block in blocks.items() if isinstance(block, Block)]
+
+
+EDM2 = families.register(families.NetworkFamily(
+    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks,
+    options=("channel_mult", "num_blocks", "attn_resolutions"),
+    summary="the magnitude-preserving U-Net of config G (the release's)"))
+
+
 def count_parameters(net: torch.nn.Module) -> int:
     """Number of trainable parameter elements (works on the meta device)."""
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
@@ -274,20 +288,21 @@ def count_macs(net: Precond, batch_size: int = 1) -> int:
     device: about 1% under Table 6's 'gigaflops', which also count elementwise operations (see edm2.eval.flops)."""
     macs = 0
 
-    def conv_hook(module: MPConv | UniformConv, inputs: tuple, output: torch.Tensor) -> None:
+    def conv_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         nonlocal macs
         w = module.weight
         spatial = output.shape[2] * output.shape[3] if output.ndim == 4 else 1
         macs += output.shape[0] * spatial * w[0].numel() * w.shape[0]
 
-    def attn_hook(module: Block | LadderBlock, inputs: tuple, output: torch.Tensor) -> None:
+    def attn_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         nonlocal macs
-        if module.num_heads:
-            n, c, h, w = output.shape
-            macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
+        n, c, h, w = output.shape
+        macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
 
-    hooks = [m.register_forward_hook(conv_hook) for m in net.modules() if isinstance(m, (MPConv, UniformConv))]
-    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if isinstance(m, (Block, LadderBlock))]
+    # Every family's learned layers hold their kernel as `weight`, and its attention blocks count heads in num_heads.
+    layers = [m for m in net.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    hooks = [m.register_forward_hook(conv_hook) for m in layers]
+    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if getattr(m, "num_heads", 0)]
     try:
         device = next(net.parameters()).device
         x = torch.zeros(batch_size, net.img_channels, net.img_resolution, net.img_resolution, device=device)

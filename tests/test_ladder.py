@@ -1,4 +1,4 @@
-"""The paper's configurations C, D and E (edm2.ladder), each tested for its defining change against the paper's
+"""The paper's configurations C, D and E (edm2.ladder, families config-c/d/e), each tested for its defining change against the paper's
 definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and their bad input."""
 
 import math
@@ -12,7 +12,8 @@ import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from edm2.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
-from edm2.layers import ArchitectureError, MPConv, force_weight_normalization
+from edm2.families import UnknownFamily
+from edm2.layers import MPConv, force_weight_normalization
 from edm2.networks import Precond, UNet, count_parameters
 from tests.helpers import TRAIN_ARGS, assert_refused, tiny_precond
 from training.lr_schedule import learning_rate_schedule
@@ -23,7 +24,7 @@ SMALL = dict(model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resoluti
 
 def ladder(config: str, seed: int = 0, **overrides) -> Precond:
     torch.manual_seed(seed)
-    return Precond(8, 3, 4, use_fp16=False, config=config, **{**SMALL, **overrides})
+    return Precond(8, 3, 4, use_fp16=False, family=f"config-{config.lower()}", **{**SMALL, **overrides})
 
 
 def learned_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,17 +123,17 @@ def test_parameter_counts_are_table_1s_and_g_is_the_unchanged_u_net():
     # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): C, D and E 277.8; G 280.2.
     for config, mparams in (("C", 277.8), ("D", 277.8), ("E", 277.8), (None, 280.2)):
         with torch.device("meta"):
-            net = Precond(64, 4, 1000, **({"config": config} if config else {}))
+            net = Precond(64, 4, 1000, **({"family": f"config-{config.lower()}"} if config else {}))
         assert round(count_parameters(net) / 1e6, 1) == mparams
     net = tiny_precond()
-    assert type(net.unet) is UNet and "config" not in net.init_kwargs
+    assert type(net.unet) is UNet and net.init_kwargs["family"] == "edm2"
 
 
 def test_a_ladder_snapshot_loads_as_its_configuration(tmp_path):
     net = ladder("D")
     save_network(tmp_path / "d.safetensors", net, {})
     loaded, _ = load_network(tmp_path / "d.safetensors")
-    assert type(loaded.unet) is LadderUNet and loaded.init_kwargs["config"] == "D"
+    assert type(loaded.unet) is LadderUNet and loaded.init_kwargs["family"] == "config-d"
     x, sigma = torch.randn(2, 3, 8, 8), torch.tensor([0.5, 3.0])
     # The snapshot stores float16 weights: the outputs agree to float16 rounding of the weights.
     assert np.allclose(loaded(x, sigma).detach(), net(x, sigma).detach(), atol=2e-2)
@@ -141,7 +142,7 @@ def test_a_ladder_snapshot_loads_as_its_configuration(tmp_path):
 @pytest.mark.bad_input
 def test_a_configuration_that_does_not_exist_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ArchitectureError, match=r"^unknown network configuration 'Z'; choose one of C, D, E \(or"):
+    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-c, config-d, "):
         ladder("Z")
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, ["--preset=config-z-toy"]),
                    "--preset", "'config-z-toy' is not one of", "'config-c-toy'")
@@ -155,4 +156,4 @@ def test_a_preset_and_init_of_different_configurations_is_one_line(train_data, t
     args = [*TRAIN_ARGS, "--preset=config-c-toy", f"--data={train_data}", f"--outdir={tmp_path / 'run'}",
             f"--init={init}"]
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, args), "--init",
-                   "--preset=config-c-toy trains CONFIG C, but g.safetensors is a CONFIG G network")
+                   "--preset=config-c-toy trains the network family 'config-c', but g.safetensors is of family 'edm2'")

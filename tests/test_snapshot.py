@@ -19,6 +19,7 @@ import reconstruct_phema
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import (FORMAT_VERSION, SnapshotError, load_generator, load_network, read_metadata,
                                    save_network)
+from edm2.networks import UNet
 from tests.helpers import (FAKE_RUN, REPO, assert_refused, fake_training_run, tiny_precond, write_raw_snapshot)
 
 
@@ -94,6 +95,9 @@ BAD_FILES = {
     "impossible network": (lambda path: write_raw_snapshot(path, snapshot_metadata(
                            network_kwargs=dict(tiny_precond().init_kwargs, channels_per_head=0))),
                            "unsupported network arguments"),
+    "unregistered family": (lambda path: write_raw_snapshot(path, snapshot_metadata(
+                            network_kwargs=dict(tiny_precond().init_kwargs, family="dit-xl"))),
+                            "its network is of a family that is not registered (unknown network family 'dit-xl'"),
     "other weights": (lambda path: write_raw_snapshot(path, snapshot_metadata(), tiny_precond(model_channels=32)),
                       "weights do not match the stored architecture"),
     # float16 weights relabelled in the header as integers of the same size: the bytes fit, the numbers do not.
@@ -145,6 +149,12 @@ def test_the_bad_files_start_from_a_valid_snapshot(tmp_path):
     # Each case below changes one thing of this file, which loads.
     net, meta = load_network(write_raw_snapshot(tmp_path / "ok.safetensors", snapshot_metadata()))
     assert meta["nimg"] == 9216 and net.init_kwargs == tiny_precond().init_kwargs
+
+
+def test_a_snapshot_written_before_network_families_is_the_release_unet(tmp_path):
+    earlier = {k: v for k, v in tiny_precond().init_kwargs.items() if k != "family"}
+    net, _ = load_network(write_raw_snapshot(tmp_path / "old.safetensors", snapshot_metadata(network_kwargs=earlier)))
+    assert type(net.unet) is UNet and net.init_kwargs == tiny_precond().init_kwargs
 
 
 @pytest.mark.parametrize("case", BAD_FILES)

@@ -12,6 +12,7 @@ import torch
 
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
+from edm2.families import DEFAULT_FAMILY
 from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
 from edm2.networks import Block, UNet
@@ -132,22 +133,22 @@ def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
     return load_generator(path_or_url)[0].state_dict()
 
 
-def network_config(network: dict) -> str:
-    """The configuration of the paper's Table 1 that network arguments build: their `config` (edm2.ladder), else G."""
-    return network.get("config", "G")
+def network_family(network: dict) -> str:
+    """The network family that network arguments build (edm2.families): theirs, else the release's U-Net."""
+    return network.get("family", DEFAULT_FAMILY)
 
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
                given: dict, preset: str | None = None) -> None:
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
-    --cond=False; data holding some of the classes is fine), a preset of another configuration, or architecture options (given: channels and
-    UNET_OPTIONS as given on the command line, None where not given)."""
+    --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
+    options (given: channels and UNET_OPTIONS as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
-    ours, theirs = network_config(get_preset(preset).network) if preset else None, network_config(kwargs)
+    ours, theirs = network_family(get_preset(preset).network) if preset else None, network_family(kwargs)
     if ours not in (None, theirs):
-        raise NetworkMisfit(f"--preset={preset} trains CONFIG {ours}, but {name} is a CONFIG {theirs} network; choose "
-                            f"a preset of CONFIG {theirs}")
+        raise NetworkMisfit(f"--preset={preset} trains the network family {ours!r}, but {name} is of family "
+                            f"{theirs!r}; choose a preset of {theirs!r}")
     if type(encoder) is not type(init.encoder):
         raise NetworkMisfit(f"{name} works on {type(init.encoder).__name__} data but the data is for "
                             f"{type(encoder).__name__}")

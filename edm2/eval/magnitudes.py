@@ -1,8 +1,9 @@
 """Activation and weight magnitudes of an EDM2 network (paper Figure 3, Appendix A.6), for plots over training.
 
 A magnitude here is an RMS, sqrt(mean(x^2)) over all elements: 1 for unit-normal values whatever their shape
-(Eq. 3 before the per-feature aggregation). Activations are each U-Net block's output; weights are each
-learned layer's raw stored weight, before the normalization applied on use (Eq. 47).
+(Eq. 3 before the per-feature aggregation). Activations are the outputs of the blocks the network's family names
+(edm2.families.NetworkFamily.blocks; the U-Net's encoder and decoder blocks); weights are each learned layer's
+raw stored weight, before the normalization applied on use (Eq. 47).
 """
 
 from __future__ import annotations
@@ -11,11 +12,7 @@ import math
 
 import torch
 
-from edm2.ladder import LadderBlock, UniformConv
-from edm2.layers import MPConv
-from edm2.networks import Block
-
-BLOCKS, LEARNED = (Block, LadderBlock), (MPConv, UniformConv)  # every configuration's blocks and learned layers
+from edm2.networks import Precond
 
 
 def bucket(name: str) -> str:
@@ -27,9 +24,10 @@ def bucket(name: str) -> str:
 
 
 @torch.no_grad()
-def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
+def block_output_rms(net: Precond, x: torch.Tensor, sigma: torch.Tensor,
                      labels: torch.Tensor | None) -> dict[str, float]:
-    """RMS of each U-Net block's output when net denoises x at sigma, keyed 'enc.16x16_block0' etc., in order."""
+    """RMS of each block's output when net denoises x at sigma, keyed as its family names them ('enc.16x16_block0'
+    etc.), in order."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -39,7 +37,7 @@ def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
             counts[name] = output.numel()
         return hook
 
-    blocks = [(name.removeprefix("unet."), m) for name, m in net.named_modules() if isinstance(m, BLOCKS)]
+    blocks = net.family.blocks(net.unet)
     hooks = [m.register_forward_hook(record(name)) for name, m in blocks]
     try:
         net(x, sigma, labels)
@@ -51,6 +49,7 @@ def block_output_rms(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
 
 @torch.no_grad()
 def weight_rms(net: torch.nn.Module) -> dict[str, float]:
-    """RMS of each learned layer's raw weight, keyed by module name less 'unet.' ('enc.16x16_block0.conv_res0')."""
+    """RMS of each learned layer's raw weight (a module's parameter named 'weight'), keyed by module name less 'unet.'
+    ('enc.16x16_block0.conv_res0')."""
     return {name.removeprefix("unet."): float(m.weight.detach().to(torch.float64).square().mean().sqrt())
-            for name, m in net.named_modules() if isinstance(m, LEARNED)}
+            for name, m in net.named_modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)}

@@ -12,8 +12,10 @@ import safetensors
 import safetensors.torch
 import torch
 
+import edm2.architectures  # noqa: F401  (every network family a snapshot may name)
 from edm2.encoders import Encoder, encoder_from_config
 from edm2.errors import SnapshotError, one_line
+from edm2.families import UnknownFamily
 from edm2.formats.release_pickle import load_release_pickle
 from edm2.networks import Precond
 from edm2.runtime import bounded_json, files
@@ -144,12 +146,16 @@ def architecture_difference(a: dict[str, tuple[int, ...]], b: dict[str, tuple[in
 
 
 def _build_network(path: Path, network_kwargs: object) -> Precond:
-    """A Precond from stored constructor arguments, on the 'meta' device: no memory or time spent on weights."""
+    """A Precond of the stored family from its stored constructor arguments (no family recorded: the release's
+    U-Net), on the 'meta' device: no memory or time spent on weights."""
     if not isinstance(network_kwargs, dict):
         raise SnapshotError(f"{path}: metadata lacks the network's constructor arguments ('network_kwargs')")
     try:
         with torch.device("meta"):
             return Precond(**network_kwargs)
+    except UnknownFamily as e:
+        raise SnapshotError(f"{path}: its network is of a family that is not registered ({e}); register it "
+                            "(edm2.architectures) to load this snapshot") from None
     except Exception as e:  # arguments from a file can fail in any way (TypeError, IndexError, ZeroDivisionError...)
         raise SnapshotError(f"{path}: unsupported network arguments {network_kwargs}: {one_line(e)}") from None
 
