@@ -73,10 +73,15 @@ class Block(torch.nn.Module):
         x = mp_sum(x, y, t=self.res_balance)
 
         if self.num_heads:
-            x = mp_sum(x, cosine_attention(x, self.attn_qkv, self.attn_proj, self.num_heads), t=self.attn_balance)
+            x = mp_sum(x, self._attention(x), t=self.attn_balance)
         if self.clip_act is not None:
             x = x.clip_(-self.clip_act, self.clip_act)
         return x
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-32)."""
+        return cosine_attention(x, self.attn_qkv, self.attn_proj, self.num_heads)
+
 
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
 _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for name in network_args.BLOCK_ARGS}
