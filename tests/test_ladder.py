@@ -12,6 +12,7 @@ import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from edm2.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
+from edm2.eval.magnitudes import bucket_magnitudes
 from edm2.families import UnknownFamily
 from edm2.layers import MPConv, force_weight_normalization
 from edm2.networks import Precond, UNet, count_parameters
@@ -157,3 +158,16 @@ def test_a_preset_and_init_of_different_configurations_is_one_line(train_data, t
             f"--init={init}"]
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, args), "--init",
                    "--preset=config-c-toy trains the network family 'config-c', but g.safetensors is of family 'edm2'")
+
+
+@pytest.mark.parametrize("config", ["C", "G"])
+def test_bucket_magnitudes_are_appendix_a6s_without_gains_or_biases(config):
+    # Appendix A.6: a weight feature is one output row of a learned weight tensor of the bucket, its magnitude Eq. 3's
+    # RMS; G's scalar gains (emb_gain, out_gain) are no weight tensors and stay out. By hand in float64.
+    net = ladder("C") if config == "C" else tiny_precond(8, 3, 4, use_fp16=False)
+    x, sigma, labels = torch.randn(2, 3, 8, 8), torch.tensor([0.5, 2.0]), torch.eye(4)[:2]
+    got = bucket_magnitudes(net, x, sigma, labels)
+    rows = torch.cat([p.detach().double().flatten(1).square().mean(1).sqrt() for name, p in net.named_parameters()
+                      if name.startswith("unet.dec.4x4") and p.ndim >= 2])
+    assert got["weights"]["dec 4x4"] == pytest.approx({"max": float(rows.max()), "mean": float(rows.mean())})
+    assert set(got["activations"]) == set(got["weights"]) == {"enc 8x8", "enc 4x4", "dec 4x4", "dec 8x8"}
