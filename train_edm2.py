@@ -100,7 +100,7 @@ def network_options(preset: str, resolution: int, channels: int | None, given: d
 
 
 def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given: dict,
-                 preset: str) -> tuple[Encoder, dict]:
+                 preset: str | None = None) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
     cannot load, or does not fit the data or the options given, is refused naming --init.
 
