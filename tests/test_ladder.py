@@ -1,5 +1,5 @@
-"""The paper's configurations C, D and E (edm2.ladder, families config-c/d/e), each tested for its defining change against the paper's
-definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and their bad input."""
+"""The paper's configurations C, D and E (edm2.ladder, families config-c/d/e), each tested for its defining change
+against the paper's definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and bad input."""
 
 import math
 
@@ -143,7 +143,7 @@ def test_a_ladder_snapshot_loads_as_its_configuration(tmp_path):
 @pytest.mark.bad_input
 def test_a_configuration_that_does_not_exist_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-c, config-d, "):
+    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-c, "):
         ladder("Z")
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, ["--preset=config-z-toy"]),
                    "--preset", "'config-z-toy' is not one of", "'config-c-toy'")

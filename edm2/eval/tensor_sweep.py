@@ -22,7 +22,7 @@ from edm2.eval.magnitudes import bucket
 from edm2.eval.sweep import round_to_stored
 
 TENSOR_SWEEP_JSON, TENSOR_SWEEP_PNG = "ema-tensor-sweep.json", "ema-tensor-sweep.png"
-CHOICES = ("all", "buckets")  # every weight tensor of the U-Net, or the first one of each resolution bucket
+CHOICES = ("all", "buckets")  # every weight tensor of the U-Net, or the first named of each resolution bucket
 
 
 def weight_tensors(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[str]:
@@ -32,8 +32,8 @@ def weight_tensors(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> lis
 
 
 def choose_tensors(choice: str | Sequence[str], names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[str]:
-    """'all' weight tensors, the first of each resolution bucket ('buckets'), or the named ones, each checked to be
-    one of the weight tensors."""
+    """'all' weight tensors, the first in names of each resolution bucket ('buckets'), or the named ones, each
+    checked to be one of the weight tensors."""
     weights = weight_tensors(names, shapes)
     if choice == "all":
         return weights
