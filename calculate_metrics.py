@@ -11,7 +11,7 @@ import click
 import numpy as np
 import torch
 
-from cli import evaluation, sweep as sweep_cli
+from cli import evaluation, sweep as sweep_cli, tensor_sweep
 from cli.command import Group
 from cli.config import config_option
 from cli.solver import solver_option
@@ -327,5 +327,6 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
         if main_rank:
             sweep_cli.finish(plan, metrics, guidance)
 
+main.add_command(tensor_sweep.command)
 if __name__ == "__main__":
     main(prog_name="calculate_metrics.py")

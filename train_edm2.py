@@ -162,8 +162,8 @@ def network_options(preset: str, arch: str, dataset: ImageData, img_channels: in
     return network
 
 
-def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder,
-                 given: dict) -> tuple[Encoder, dict]:
+def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, given: dict,
+                 preset: str | None = None) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
     cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
     than an --arch given naming --arch.
@@ -173,7 +173,7 @@ def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder,
     try:
         snapshot = read_init(init)
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
-                   label_dim=dataset.label_dim, encoder=encoder, given=given)
+                   label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset)
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
     theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
@@ -191,7 +191,7 @@ def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, en
     if init is None:
         img_channels = encoder.out_channels(dataset.num_channels)
         return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
-    return init_options(init, arch, dataset, encoder, dict(given, channels=channels))
+    return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)
 
 
 def build_options(preset: str, dataset: ImageData, encoder: Encoder, **values) -> TrainingOptions:

@@ -21,7 +21,7 @@ import functools
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import safetensors
@@ -166,18 +166,37 @@ def _tracks(folder: Path, prefix: str) -> list[posthoc.Track]:
             for (step, std), (path, buffers) in sorted(found.items())]
 
 
-def synthesize(folder: str | os.PathLike, std: float, step: int | None = None,
-               prefix: str = "ema") -> dict[str, torch.Tensor]:
+def synthesize(folder: str | os.PathLike, std: float, step: int | None = None, prefix: str = "ema",
+               tensor_stds: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of an EMA with sigma_rel `std` at `step` (default: the newest saved), from saved tracks.
 
     Uses every track saved up to then (Eq. 129 with the weights of Algorithm 3); floating tensors are float32.
+    tensor_stds gives named parameters their own sigma_rel (paper Figure 5b; edm2.posthoc.combine_per_tensor),
+    the others keep `std`.
     """
-    phema.std_to_exp(np.float64(std))  # an impossible sigma_rel is refused before any file is read
+    tensor_stds = dict(tensor_stds or {})
+    phema.std_to_exp(np.float64([std, *tensor_stds.values()]))  # an impossible sigma_rel: refused before any read
     tracks = _tracks(Path(folder), prefix)
     out_step = tracks[-1].nimg if step is None else step
     if out_step not in {t.nimg for t in tracks}:
         raise AnyEMAError(f"no track saved at step {step}; saved steps: {sorted({t.nimg for t in tracks})}")
-    outputs = posthoc.combine([t for t in tracks if t.nimg <= out_step], out_step, [std], batch=1)
-    _, net, _ = next(outputs)
-    outputs.close()
+    used = [t for t in tracks if t.nimg <= out_step]
+    if tensor_stds:
+        _check_names(Path(folder) / used[-1].name, tensor_stds)
+        net, _ = posthoc.combine_per_tensor(used, out_step, std, tensor_stds)
+    else:
+        outputs = posthoc.combine(used, out_step, [std], batch=1)
+        _, net, _ = next(outputs)
+        outputs.close()
     return {name: t.detach().clone() for name, t in net.state_dict().items()}
+
+
+def _check_names(path: Path, tensor_stds: Mapping[str, float]) -> None:
+    """Refuse a per-tensor length for a tensor the tracks do not average (read from the file's header)."""
+    _, _, buffers = _describe(path)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        averaged = dict.fromkeys(name for name in f.keys() if name not in buffers)
+    try:
+        posthoc.check_tensor_names(tensor_stds, averaged)
+    except posthoc.PosthocError as e:
+        raise AnyEMAError(f"{path}: {e}") from None

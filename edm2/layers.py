@@ -96,6 +96,8 @@ class MPConv(torch.nn.Module):
     evaluation use each layer's weight normalized once.
     """
 
+    forced = True  # renormalized by force_weight_normalization (Eq. 66); config D's layers are not
+
     def __init__(self, in_channels: int, out_channels: int, kernel: Sequence[int]):
         super().__init__()
         self.out_channels = out_channels
@@ -117,6 +119,17 @@ def normalized_weight(weight: torch.Tensor) -> torch.Tensor:
     return normalize(weight.to(torch.promote_types(weight.dtype, torch.float32)))
 
 
+def cosine_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int) -> torch.Tensor:
+    """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-34) of x [N,C,H,W] through the
+    layers qkv (C -> 3C) and proj (C -> C)."""
+    n, c, h, w = x.shape
+    # The release lays qkv channels out as [head, channel, (q,k,v)].
+    q, k, v = normalize(qkv(x).reshape(n, num_heads, -1, 3, h * w), dim=2).unbind(3)
+    # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
+    y = F.scaled_dot_product_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
+    return proj(y.transpose(2, 3).reshape(n, c, h, w))
+
+
 def mpconvs(*nets: object) -> list[MPConv]:
     """The MPConv layers of those nets that are modules (a plain function or None has none), each once."""
     modules = (m for net in nets if isinstance(net, torch.nn.Module) for m in net.modules())
@@ -127,7 +140,7 @@ def force_weight_normalization(net: torch.nn.Module) -> None:
     """Forced weight normalization (Eq. 66): every MPConv's stored rows back to norm sqrt(fan_in). The training
     step applies it before each forward pass, eager or compiled, so that no forward pass writes weights."""
     with torch.no_grad():
-        for layer in mpconvs(net):
+        for layer in (layer for layer in mpconvs(net) if layer.forced):
             layer.weight.copy_(normalized_weight(layer.weight))
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from edm2 import families, network_args
-from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
+from edm2.layers import (ArchitectureError, MPConv, MPFourier, cosine_attention, mp_cat, mp_silu, mp_sum, normalize,
+                         resample)
 
 
 class Block(torch.nn.Module):
@@ -79,13 +80,7 @@ class Block(torch.nn.Module):
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-32)."""
-        n, c, h, w = x.shape
-        # The release lays qkv channels out as [head, channel, (q,k,v)].
-        qkv = self.attn_qkv(x).reshape(n, self.num_heads, -1, 3, h * w)
-        q, k, v = normalize(qkv, dim=2).unbind(3)
-        # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
-        y = F.scaled_dot_product_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
-        return self.attn_proj(y.transpose(2, 3).reshape(n, c, h, w))
+        return cosine_attention(x, self.attn_qkv, self.attn_proj, self.num_heads)
 
 
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
@@ -298,20 +293,21 @@ def count_macs(net: Precond, batch_size: int = 1) -> int:
     device: about 1% under Table 6's 'gigaflops', which also count elementwise operations (see edm2.eval.flops)."""
     macs = 0
 
-    def conv_hook(module: MPConv, inputs: tuple, output: torch.Tensor) -> None:
+    def conv_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         nonlocal macs
         w = module.weight
         spatial = output.shape[2] * output.shape[3] if output.ndim == 4 else 1
         macs += output.shape[0] * spatial * w[0].numel() * w.shape[0]
 
-    def attn_hook(module: Block, inputs: tuple, output: torch.Tensor) -> None:
+    def attn_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         nonlocal macs
-        if module.num_heads:
-            n, c, h, w = output.shape
-            macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
+        n, c, h, w = output.shape
+        macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
 
-    hooks = [m.register_forward_hook(conv_hook) for m in net.modules() if isinstance(m, MPConv)]
-    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if isinstance(m, Block)]
+    # Every family's learned layers hold their kernel as `weight`, and its attention blocks count heads in num_heads.
+    layers = [m for m in net.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    hooks = [m.register_forward_hook(conv_hook) for m in layers]
+    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if getattr(m, "num_heads", 0)]
     try:
         device = next(net.parameters()).device
         x = torch.zeros(batch_size, net.img_channels, net.img_resolution, net.img_resolution, device=device)

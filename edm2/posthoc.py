@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import safetensors
@@ -271,6 +271,40 @@ def combine(tracks: Sequence[Track], out_nimg: int, stds: Sequence[float], batch
                     "profile_error": error,
                 }
                 yield std, net, dict(meta, nimg=out_nimg, ema_std=std, phema=record)
+
+
+def combine_per_tensor(tracks: Sequence[Track], out_nimg: int, std: float,
+                       tensor_stds: Mapping[str, float]) -> tuple[torch.nn.Module, dict]:
+    """The network of sigma_rel `std` at out_nimg, except the parameters named in tensor_stds, each reconstructed
+    at its own sigma_rel (paper Figure 5b); metadata is combine's for `std`, with the per-tensor lengths added.
+
+    One pass over the tracks per distinct length, each solved alone: a parameter is bit for bit what
+    combine(tracks, out_nimg, [its length]) gives (solving lengths together moves the coefficients by float64
+    round-off, ~1e-13). Memory: one input network, one output and one copy of the parameters.
+    """
+    std, tensor_stds = float(std), {name: float(s) for name, s in tensor_stds.items()}
+    chosen: dict[str, torch.Tensor] = {}
+    net = meta = None
+    for length in dict.fromkeys([std, *tensor_stds.values()]):
+        for _, net, metadata in combine(tracks, out_nimg, [length], batch=1):
+            params = dict(net.named_parameters())
+            check_tensor_names(tensor_stds, params)
+            chosen.update({name: p.detach().clone() for name, p in params.items()
+                           if tensor_stds.get(name, std) == length})
+            meta = metadata if length == std else meta
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(chosen[name])
+    return net, dict(meta, tensor_stds=tensor_stds)
+
+
+def check_tensor_names(names: Iterable[str], params: Mapping[str, object]) -> None:
+    """Refuse a per-tensor EMA length for a tensor the network lacks, naming it and some the network has."""
+    unknown = [name for name in names if name not in params]
+    if unknown:
+        known = [name for name in params if name.endswith("weight")][:3]
+        raise PosthocError(f"the network has no parameter {unknown[0]!r} (its parameters are named like "
+                           f"{', '.join(map(repr, known))})")
 
 
 # Measured with phema.reconstruction_error for two tracks (0.05, 0.10): the paper's setting (a snapshot every 8Mi

@@ -241,3 +241,29 @@ def test_tied_weights_are_saved_and_synthesized(tmp_path):
     ema.save(tmp_path)
     state = synthesize(tmp_path, 0.07)
     assert torch.equal(state["0.weight"], model[0].weight.detach()) and torch.equal(state["1.weight"], state["0.weight"])
+
+
+def test_per_tensor_lengths_change_only_their_tensors(training):
+    # Issue 28, Must show 2 (paper Figure 5b). Every tensor at the global length is the global synthesis bit for bit:
+    # combine_per_tensor copies each parameter from combine's output for its own length, solved alone. Moving one
+    # tensor's length leaves every other tensor bit for bit as it was, and that tensor is the whole-network synthesis
+    # at its length, bit for bit, for the same reason.
+    folder, _, _, model = training
+    names = [name for name, _ in model.named_parameters()]
+    whole = synthesize(folder, TARGET)
+    same = synthesize(folder, TARGET, tensor_stds=dict.fromkeys(names, TARGET))
+    assert all(torch.equal(same[name], whole[name]) for name in whole)
+    moved = synthesize(folder, TARGET, tensor_stds={"3.weight": 0.15})
+    at_moved = synthesize(folder, 0.15)
+    assert torch.equal(moved["3.weight"], at_moved["3.weight"])
+    assert not torch.equal(moved["3.weight"], whole["3.weight"])
+    assert all(torch.equal(moved[name], whole[name]) for name in whole if name != "3.weight")
+
+
+@pytest.mark.bad_input
+def test_a_per_tensor_length_for_a_tensor_the_network_lacks_is_one_line(training):
+    folder, _, _, _ = training
+    with pytest.raises(AnyEMAError, match=r"no parameter 'enc\.conv\.weight' \(its parameters are named like '0\.weight'"):
+        synthesize(folder, TARGET, tensor_stds={"enc.conv.weight": 0.1})
+    with pytest.raises(AnyEMAError, match="no parameter '1.running_mean'"):  # a buffer is not averaged
+        synthesize(folder, TARGET, tensor_stds={"1.running_mean": 0.1})

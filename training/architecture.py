@@ -15,10 +15,12 @@ import edm2.architectures  # noqa: F401  (every family --arch may name)
 from edm2 import families
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
+from edm2.families import DEFAULT_FAMILY
 from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
 from edm2.networks import EDM2, Block, Precond, UNet
 from edm2.runtime import files
+from training.presets import get_preset
 
 # The network arguments that train_edm2.py sets with options of the same names (dashes for underscores): the
 # U-Net's; a family takes those of them its NetworkFamily.options names.
@@ -167,13 +169,22 @@ def init_weights(path_or_url: str) -> dict[str, torch.Tensor]:
     return load_generator(path_or_url)[0].state_dict()
 
 
+def network_family(network: dict) -> str:
+    """The network family that network arguments build (edm2.families): theirs, else the release's U-Net."""
+    return network.get("family", DEFAULT_FAMILY)
+
+
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
-               given: dict) -> None:
+               given: dict, preset: str | None = None) -> None:
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
-    --cond=False; data holding some of the classes is fine), or architecture options (given: channels and
-    UNET_OPTIONS as given on the command line, None where not given)."""
+    --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
+    options (given: channels and UNET_OPTIONS as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
+    ours, theirs = network_family(get_preset(preset).network) if preset else None, network_family(kwargs)
+    if ours not in (None, theirs):
+        raise NetworkMisfit(f"--preset={preset} trains the network family {ours!r}, but {name} is of family "
+                            f"{theirs!r}; choose a preset of {theirs!r}")
     if type(encoder) is not type(init.encoder):
         raise NetworkMisfit(f"{name} works on {type(init.encoder).__name__} data but the data is for "
                             f"{type(encoder).__name__}")

@@ -53,3 +53,40 @@ def weight_rms(net: torch.nn.Module) -> dict[str, float]:
     ('enc.16x16_block0.conv_res0')."""
     return {name.removeprefix("unet."): float(m.weight.detach().to(torch.float64).square().mean().sqrt())
             for name, m in net.named_modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
+
+
+def _learned(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The U-Net's encoder and decoder layers with a learned weight (Appendix A.6: biases and gains left out)."""
+    return [(name.removeprefix("unet."), m) for name, m in net.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.ndim >= 2
+            and name.removeprefix("unet.").split(".")[0] in ("enc", "dec")]
+
+
+@torch.no_grad()
+def bucket_magnitudes(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
+                      labels: torch.Tensor | None) -> dict[str, dict[str, dict[str, float]]]:
+    """Appendix A.6 (Figure 15): per resolution bucket, the max and the mean over features of Eq. 3's per-feature
+    magnitudes, {'activations': {bucket: {'max', 'mean'}}, 'weights': ...}. An activation feature is one output
+    channel of a learned layer, its RMS over the batch and pixels (after any bias, before any nonlinearity); a
+    weight feature is one output row of the raw stored weight."""
+    layers = _learned(net)
+    squares: dict[str, list[torch.Tensor]] = {}
+
+    def record(name: str):
+        def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            out = output.detach().to(torch.float64)
+            dims = [d for d in range(out.ndim) if d != 1]
+            squares.setdefault(bucket(name), []).append(out.square().mean(dim=dims).sqrt())
+        return hook
+
+    hooks = [m.register_forward_hook(record(name)) for name, m in layers]
+    try:
+        net(x, sigma, labels)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rows: dict[str, list[torch.Tensor]] = {}
+    for name, m in layers:
+        rows.setdefault(bucket(name), []).append(m.weight.detach().to(torch.float64).flatten(1).square().mean(1).sqrt())
+    return {kind: {b: {"max": float(torch.cat(v).max()), "mean": float(torch.cat(v).mean())} for b, v in found.items()}
+            for kind, found in (("activations", squares), ("weights", rows))}

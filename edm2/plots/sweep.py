@@ -68,3 +68,24 @@ def ema_guidance_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplot
 def guidance_figure(rows: Sequence[dict], metrics: Sequence[str]) -> matplotlib.figure.Figure:
     """Each metric against guidance strength, one line per sigma_rel; rows of one training time."""
     return _panels(rows, metrics, "guidance", "std", "guidance strength w", lambda s: f"σ_rel {s:.3f}")
+
+
+def tensor_sweep_figure(rows: Sequence[dict], metric: str, std: float) -> matplotlib.figure.Figure:
+    """Figure 5b: metric against sigma_rel, the whole network thick and one faint curve per tensor swept alone
+    (the others at the global length std, marked)."""
+    figure = plots.new_figure(6, 4.5)
+    ax = figure.add_subplot(1, 1, 1)
+    tensors = list(dict.fromkeys(row["tensor"] for row in rows if row["tensor"] is not None))
+    for k, name in enumerate(tensors):
+        curve = sorted((row["std"], row[metric]) for row in rows if row["tensor"] == name)
+        ax.plot([s for s, _ in curve], [v for _, v in curve], "-", color=f"C{k % 10}", alpha=0.45, linewidth=1,
+                label=name.removeprefix("unet.") if len(tensors) <= 12 else None)
+    whole = sorted((row["std"], row[metric]) for row in rows if row["tensor"] is None)
+    ax.plot([s for s, _ in whole], [v for _, v in whole], "o-", color="black", linewidth=2.5, markersize=3,
+            label="whole network")
+    ax.axvline(std, color="gray", linestyle=":", linewidth=1)
+    ax.set(xlabel="EMA length σ_rel", ylabel=LABELS.get(metric, metric),
+           title=f"one tensor at a time, the others at σ_rel {std:.3f}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    return figure

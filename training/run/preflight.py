@@ -34,7 +34,7 @@ def check_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encod
     snapshot = read_init(opts.init)
     given = dict(channels=opts.channels, **{name: opts.network.get(name) for name in UNET_OPTIONS})
     check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels, label_dim=dataset.label_dim,
-               encoder=encoder, given=given)
+               encoder=encoder, given=given, preset=opts.preset)
     name, classes = os.path.basename(snapshot.path), snapshot.network_kwargs["label_dim"]
     network = opts.to_json()["network"]
     if network != snapshot.network:

@@ -1,0 +1,173 @@
+"""The paper's configurations C, D and E (edm2.ladder, families config-c/d/e), each tested for its defining change
+against the paper's definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and bad input."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import train_edm2
+from edm2.encoders import StandardRGBEncoder
+from edm2.formats.snapshot import load_network, save_network
+from edm2.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
+from edm2.eval.magnitudes import bucket_magnitudes
+from edm2.families import UnknownFamily
+from edm2.layers import MPConv, force_weight_normalization
+from edm2.networks import Precond, UNet, count_parameters
+from tests.helpers import TRAIN_ARGS, assert_refused, tiny_precond
+from training.lr_schedule import learning_rate_schedule
+from training.presets import get_preset
+
+SMALL = dict(model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,), channels_per_head=16)
+
+
+def ladder(config: str, seed: int = 0, **overrides) -> Precond:
+    torch.manual_seed(seed)
+    return Precond(8, 3, 4, use_fp16=False, family=f"config-{config.lower()}", **{**SMALL, **overrides})
+
+
+def learned_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in net.unet.modules() if isinstance(m, (UniformConv, MPConv))]
+
+
+def test_config_c_has_no_biases_and_he_uniform_weights():
+    # Appendix B.3: every bias removed (group norms included: they have no parameters left), every layer He-uniform
+    # initialized as ADM's layers (bound 1/sqrt(fan_in)), the zero-initialized ones and the class embedding included.
+    net = ladder("C")
+    assert all(name.endswith(".weight") for name, _ in net.unet.named_parameters())
+    layers = learned_layers(net)
+    assert layers and all(type(m) is UniformConv for m in layers)
+    assert sum(p.numel() for p in net.unet.parameters()) == sum(m.weight.numel() for m in layers)
+    for m in layers:
+        fan_in = m.weight[0].numel()
+        assert m.weight.abs().max() <= 1 / math.sqrt(fan_in)
+    # U(-b, b) has variance b^2 / 3; over the 9,216 weights of the 3x3 32->32 convolution, the sample mean of w^2
+    # (variance of w^2: 4 b^4 / 45) lies within 5 standard errors, 5 * sqrt(4/45)/sqrt(9216) b^2 = 0.016 b^2.
+    w = net.unet.dec["4x4_in0"].conv_res1.weight.double()
+    assert abs(w.square().mean() * w[0].numel() - 1 / 3) < 0.016
+
+
+def test_config_c_has_a_constant_channel_and_fourier_features():
+    net = ladder("C")
+    seen = {}
+    first = net.unet.enc["8x8_conv"]
+    first.register_forward_hook(lambda m, i, o: seen.update(input=i[0]))
+    net.unet.emb_noise.register_forward_hook(lambda m, i, o: seen.update(features=i[0]))
+    sigma = torch.tensor([0.3, 2.0, 11.0])
+    net(torch.randn(3, 3, 8, 8), sigma, torch.eye(4)[:3])
+    assert first.weight.shape[1] == 4 and torch.equal(seen["input"][:, 3], torch.ones(3, 8, 8))
+    # Eq. 35-36: b = cos(2 pi (f a + phi)) of a = c_noise = ln(sigma) / 4, in float64 from the stored f and phi.
+    fourier = net.unet.emb_fourier
+    a = sigma.double().log() / 4
+    expected = torch.cos(a[:, None] * fourier.freqs.double()[None] + fourier.phases.double()[None])
+    assert torch.allclose(seen["features"].double(), expected, atol=1e-5)  # float32 angles of |.| < 40
+
+
+def test_config_c_group_norm_has_no_mean_subtraction_or_scale():
+    # Eq. 29 in float64 by hand: a / sqrt(mean over the group's pixels and channels of a^2 + eps), eps = 1e-4.
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64) + 3  # an offset that a mean subtraction would remove
+    groups = x.reshape(2, 2, 4, 4, 4)
+    expected = (groups / (groups.square().mean(dim=(2, 3, 4), keepdim=True) + 1e-4).sqrt()).reshape(x.shape)
+    got = rms_group_norm(x.float(), 2)
+    assert torch.allclose(got.double(), expected, rtol=1e-6)
+    assert got.mean() > 0.9  # the offset stays
+
+
+def test_config_d_normalizes_every_learned_layer_on_use_and_never_forces_it():
+    net = ladder("D")
+    layers = learned_layers(net)
+    assert layers and all(type(m) is DriftingMPConv for m in layers)
+    # Eq. 47: b = (w_i / (||w_i|| + eps)) a, row by row, in float64 by hand, for a conv and a linear layer; the scale
+    # of the stored weight makes no difference (up to eps).
+    for m in (net.unet.enc["8x8_block0"].conv_res0, net.unet.emb_layer1):
+        with torch.no_grad():
+            m.weight.mul_(7.0)
+        shape = [2, m.weight.shape[1], *([6, 6] if m.weight.ndim == 4 else [])]
+        x = torch.randn(shape)
+        w = m.weight.double()
+        w_hat = w / (w.flatten(1).norm(dim=1).reshape(-1, *[1] * (w.ndim - 1)) + 1e-4 * math.sqrt(w[0].numel()))
+        expected = (x.double() @ w_hat.t() if w.ndim == 2
+                    else torch.nn.functional.conv2d(x.double(), w_hat, padding=w.shape[-1] // 2))
+        assert torch.allclose(m(x).double(), expected, rtol=1e-5, atol=1e-5)
+    # Eq. 66 is not applied: force_weight_normalization leaves D's stored weights alone, so their norms may drift.
+    before = [m.weight.detach().clone() for m in layers]
+    force_weight_normalization(net)
+    assert all(torch.equal(m.weight, b) for m, b in zip(layers, before))
+
+
+def test_config_e_forces_weight_normalization_and_decays_the_learning_rate():
+    net = ladder("E")
+    layers = learned_layers(net)
+    assert layers and all(type(m) is MPConv for m in layers)
+    with torch.no_grad():
+        for m in layers:
+            m.weight.mul_(torch.rand(m.weight.shape[0], *[1] * (m.weight.ndim - 1)) * 5 + 0.1)
+    before = [m.weight.double().flatten(1).norm(dim=1) for m in layers]
+    force_weight_normalization(net)
+    for m, norm in zip(layers, before):
+        # Eq. 66, every row back to norm sqrt(N_j) (N_j its fan-in), with Algorithm 1's eps on the RMS:
+        # ||w|| / (||w|| / sqrt(N_j) + eps); float32 round-off.
+        n = math.sqrt(m.weight[0].numel())
+        assert torch.allclose(m.weight.double().flatten(1).norm(dim=1), norm / (norm / n + 1e-4), rtol=1e-5)
+    # Eq. 67 with Table 1's alpha_ref 0.0100 and t_ref 70000 (iterations of 2048 images): E decays, D stays constant.
+    e, d = get_preset("config-e-img512"), get_preset("config-d-img512")
+    t = 280000
+    assert learning_rate_schedule(t * 2048, e.batch, e.lr, e.decay, 0) == pytest.approx(0.0100 / math.sqrt(t / 70000))
+    assert learning_rate_schedule(t * 2048, d.batch, d.lr, d.decay, 0) == 0.0100
+    c = get_preset("config-c-img512")
+    assert (c.lr, c.decay) == (0.0002, 0)
+
+
+def test_parameter_counts_are_table_1s_and_g_is_the_unchanged_u_net():
+    # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): C, D and E 277.8; G 280.2.
+    for config, mparams in (("C", 277.8), ("D", 277.8), ("E", 277.8), (None, 280.2)):
+        with torch.device("meta"):
+            net = Precond(64, 4, 1000, **({"family": f"config-{config.lower()}"} if config else {}))
+        assert round(count_parameters(net) / 1e6, 1) == mparams
+    net = tiny_precond()
+    assert type(net.unet) is UNet and net.init_kwargs["family"] == "edm2"
+
+
+def test_a_ladder_snapshot_loads_as_its_configuration(tmp_path):
+    net = ladder("D")
+    save_network(tmp_path / "d.safetensors", net, {})
+    loaded, _ = load_network(tmp_path / "d.safetensors")
+    assert type(loaded.unet) is LadderUNet and loaded.init_kwargs["family"] == "config-d"
+    x, sigma = torch.randn(2, 3, 8, 8), torch.tensor([0.5, 3.0])
+    # The snapshot stores float16 weights: the outputs agree to float16 rounding of the weights.
+    assert np.allclose(loaded(x, sigma).detach(), net(x, sigma).detach(), atol=2e-2)
+
+
+@pytest.mark.bad_input
+def test_a_configuration_that_does_not_exist_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-c, "):
+        ladder("Z")
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, ["--preset=config-z-toy"]),
+                   "--preset", "'config-z-toy' is not one of", "'config-c-toy'")
+
+
+@pytest.mark.bad_input
+def test_a_preset_and_init_of_different_configurations_is_one_line(train_data, tmp_path, monkeypatch):
+    init = tmp_path / "g.safetensors"
+    save_network(init, tiny_precond(8, 3, 4), {"encoder": StandardRGBEncoder().config()})
+    monkeypatch.setattr(train_edm2, "train", lambda *args: pytest.fail("training started"))
+    args = [*TRAIN_ARGS, "--preset=config-c-toy", f"--data={train_data}", f"--outdir={tmp_path / 'run'}",
+            f"--init={init}"]
+    assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, args), "--init",
+                   "--preset=config-c-toy trains the network family 'config-c', but g.safetensors is of family 'edm2'")
+
+
+@pytest.mark.parametrize("config", ["C", "G"])
+def test_bucket_magnitudes_are_appendix_a6s_without_gains_or_biases(config):
+    # Appendix A.6: a weight feature is one output row of a learned weight tensor of the bucket, its magnitude Eq. 3's
+    # RMS; G's scalar gains (emb_gain, out_gain) are no weight tensors and stay out. By hand in float64.
+    net = ladder("C") if config == "C" else tiny_precond(8, 3, 4, use_fp16=False)
+    x, sigma, labels = torch.randn(2, 3, 8, 8), torch.tensor([0.5, 2.0]), torch.eye(4)[:2]
+    got = bucket_magnitudes(net, x, sigma, labels)
+    rows = torch.cat([p.detach().double().flatten(1).square().mean(1).sqrt() for name, p in net.named_parameters()
+                      if name.startswith("unet.dec.4x4") and p.ndim >= 2])
+    assert got["weights"]["dec 4x4"] == pytest.approx({"max": float(rows.max()), "mean": float(rows.mean())})
+    assert set(got["activations"]) == set(got["weights"]) == {"enc 8x8", "enc 4x4", "dec 4x4", "dec 8x8"}
