@@ -1,5 +1,5 @@
-"""The paper's configurations C, D and E (edm2.ladder, families config-c/d/e), each tested for its defining change
-against the paper's definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and bad input."""
+"""The paper's configurations C, D and E (edm2.architectures.ladder, families config-c/d/e), each tested for its
+defining change against the paper's definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and bad input."""
 
 import math
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
-from edm2.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
+from edm2.architectures.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
 from edm2.eval.magnitudes import bucket_magnitudes
 from edm2.families import UnknownFamily
 from edm2.layers import MPConv, force_weight_normalization

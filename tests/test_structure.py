@@ -19,7 +19,7 @@ PACKAGES = ("edm2", "training", "cli")
 LAYERS = {
     "edm2.errors": 0,
     **dict.fromkeys(("edm2.layers", "edm2.networks", "edm2.network_args", "edm2.loss", "edm2.sampler", "edm2.phema",
-                     "edm2.encoders", "edm2.families", "edm2.architectures", "edm2.ladder"), 1),  # the model
+                     "edm2.encoders", "edm2.families", "edm2.architectures"), 1),  # the model
     "edm2.runtime": 2,
     "edm2.data": 3,
     "edm2.formats": 4,

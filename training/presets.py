@@ -81,7 +81,8 @@ PRESETS: dict[str, Preset] = {
                         network=TOY_SMALL_UNET),
 }
 
-# The paper's Table 1 ladder (edm2.ladder, families config-c/d/e): CONFIG C, D and E at ImageNet-512 with the 192-channel U-Net of Table 1
+# The paper's Table 1 ladder (edm2.architectures.ladder, families config-c/d/e): CONFIG C, D and E at ImageNet-512
+# with the 192-channel U-Net of Table 1
 # (G is edm2-img512-s), attention at 16x16 and 8x8 (B's removal of 32x32). C keeps B's Adam rate 0.0002 (Figure
 # 18), D raises it to 0.0100 for N(0,1) weights (Appendix B.4); both constant (t_ref = infinity, decay 0); E adds
 # Eq. 67's decay with t_ref 70000 (Appendix B.5). The toy rows scale toy-small's recipe by the same ratios (toy-small's
