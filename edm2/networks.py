@@ -9,6 +9,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.autograd import forward_ad
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from edm2 import network_args
 from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
@@ -84,8 +86,20 @@ class Block(torch.nn.Module):
         qkv = self.attn_qkv(x).reshape(n, self.num_heads, -1, 3, h * w)
         q, k, v = normalize(qkv, dim=2).unbind(3)
         # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
-        y = F.scaled_dot_product_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
+        y = attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
         return self.attn_proj(y.transpose(2, 3).reshape(n, c, h, w))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(N_c)) v (Eq. 10-11) by scaled-dot-product attention, whatever the layout of q, k, v.
+
+    Forward-mode AD (torch.func.jvp, as consistency-model training takes it) runs on SDPA's math kernel: the fused
+    kernels (the CPU's flash kernel among them) have no forward-mode rule. Without tangents the call is untouched.
+    """
+    if any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
@@ -177,8 +191,10 @@ class UNet(torch.nn.Module):
         return self.out_conv(x, gain=self.out_gain)
 
     def _block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded."""
-        if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()):
+        """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded (but
+        not under forward-mode AD: the replay in the backward pass would run without the tangents)."""
+        tangents = any(forward_ad.unpack_dual(t).tangent is not None for t in (x, emb))
+        if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()) or tangents:
             return block(x, emb)
         # The replay restores the RNG state: dropout draws the same masks. It writes nothing either: the forced
         # weight normalization happens before the forward pass (edm2.layers.force_weight_normalization).
