@@ -21,8 +21,11 @@ from edm2 import loss as loss_module
 from edm2 import sampler
 from edm2 import solvers as solvers_module
 from edm2.encoders import StandardRGBEncoder
+from edm2.eval import benchmark
+from edm2.eval.validation import loss_per_sigma
 from edm2.formats.snapshot import load_network, read_metadata, save_network
 from edm2.generation import generate_images
+from edm2.networks import count_macs
 from training.options import OptionsError, OptionsMismatch, check_same_hyperparameters
 from tests.helpers import (REPO, TRAIN_ARGS, assert_refused, read_pngs, tiny_precond, toy_tiny_options,
                            validation_loss_by_hand)
@@ -81,6 +84,7 @@ def test_the_readmes_solver_is_second_order_counted_and_samples_through_generate
     torch.manual_seed(0)
     net = tiny_precond(label_dim=5).eval().requires_grad_(False)
     save_network(net_path, net, {"encoder": StandardRGBEncoder().config()})
+    assert benchmark.sampling_flops_per_image(net, None, 16, name) == 2.0 * count_macs(net) * 31
     args = [f"--net={net_path}", "--seeds=0-2", "--steps=4", "--S_churn=5", "--S_max=10"]
     for solver in (name, "heun"):
         result = CliRunner().invoke(generate.main, [*args, f"--solver={solver}", f"--outdir={tmp_path / solver}"])
@@ -176,3 +180,19 @@ def test_a_resumed_run_keeps_its_loss_and_runs_from_before_the_names_had_edm2s()
     check_same_hyperparameters(run, toy_tiny_options().hyperparameters())
     with pytest.raises(OptionsMismatch, match="loss_weighting: run has 'edm2', now 'min-snr'"):
         check_same_hyperparameters(run, {**toy_tiny_options().hyperparameters(), "loss_weighting": "min-snr"})
+
+
+def test_the_loss_per_noise_level_weights_by_the_loss_it_is_given(monkeypatch):
+    # The dashboard's curve (loss_per_sigma): the same errors, each weighted by the run's lambda(sigma).
+    name, extended = apply_example(loss_module, "A loss weighting", "WEIGHTINGS", monkeypatch)
+    net = tiny_precond().eval()
+    generator = torch.Generator().manual_seed(0)
+    y, noise = torch.randn([2, 2, 3, 8, 8], generator=generator)
+    sigmas = [0.01, 0.3, 5.0]
+    edm2, _ = loss_per_sigma(net, y, noise, None, sigmas, loss_module.EDM2Loss(sigma_data=0.5))
+    ours, _ = loss_per_sigma(net, y, noise, None, sigmas, loss_module.EDM2Loss(sigma_data=0.5, weighting=name))
+    for sigma, a, b in zip(sigmas, edm2, ours):
+        sigma = torch.tensor(sigma, dtype=torch.float64)
+        ratio = extended.min_snr_weight(sigma, 0.5) / loss_module.edm2_weight(sigma, 0.5)
+        assert b == pytest.approx(a * float(ratio), rel=1e-12)
+    assert ours[0] < 0.5 * edm2[0]  # the cap bites at low noise
