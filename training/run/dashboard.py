@@ -27,6 +27,7 @@ import torch
 from edm2.errors import EDM2Error, one_line
 from edm2.eval.magnitudes import block_output_rms, weight_rms
 from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING
 from edm2.runtime import bounded_json, files
 from training.run.run_dir import STATS_FILE
 from training.step import recipe_loss
@@ -154,9 +155,11 @@ class Dashboard:
         samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, self.loss)
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
-        self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, weighting=opts.loss_weighting,
-                             noise=opts.noise_dist, ema_std=opts.ema_stds[0], probe=probe,
-                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[])
+        # Another loss is another measurement; EDM2's is named by its absence, as in the records of earlier versions.
+        names = {k: v for k, v in self.loss.record().items() if k in ("weighting", "noise")}
+        self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, ema_std=opts.ema_stds[0], probe=probe,
+                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[],
+                             **({} if names == dict(weighting=DEFAULT_WEIGHTING, noise=DEFAULT_NOISE) else names))
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         earlier = self._earlier_rows(TRAINING_JSON, self.training, ("noise_levels", "resumes"), cur_nimg)
