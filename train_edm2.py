@@ -14,13 +14,14 @@ from cli.config import config_option
 from cli.evaluation import check_features
 from cli.speed import THREADS, threads_option
 from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
-                       Number, StdList)
+                       Number, StdList, TableChoice)
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderSettingsError, StabilityVAEEncoder, StandardRGBEncoder, encoder_for_dataset
 from edm2.errors import SnapshotError, one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
+from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
@@ -250,6 +251,10 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
                    "(generate.py --gnet=self); needs --cond=True")
 @click.option("--P_mean", "P_mean", type=Number(), help="Noise level mean  [default: preset]")
 @click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
+@click.option("--noise-dist", type=TableChoice(NOISE_DISTRIBUTIONS), default=DEFAULT_NOISE, show_default=True,
+              help="Training noise distribution (edm2.loss.NOISE_DISTRIBUTIONS), placed by --P_mean and --P_std")
+@click.option("--loss-weighting", type=TableChoice(WEIGHTINGS), default=DEFAULT_WEIGHTING, show_default=True,
+              help="Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it")
 @click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
 @click.option("--decay", type=Number(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
 @click.option("--rampup", "rampup_Mimg", type=Number(min=0), help="Learning rate ramp-up in millions of images, "

@@ -19,7 +19,7 @@ from cli.solver import solver_option
 from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
 
 from edm2 import posthoc
-from edm2.data.dataset import DatasetError, ImageFolderDataset
+from edm2.data.dataset import DatasetError
 from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
@@ -27,6 +27,7 @@ from edm2.eval import sweep
 from edm2.eval.validation import ValidationError, ValidationSamples
 from edm2.formats.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.generation import GenerationError, load_guide
+from edm2.loss import LossError, recorded_loss
 from edm2.runtime import distributed, files, locks
 from edm2.sampler import SELF
 
@@ -179,21 +180,24 @@ def _saver(folder: Path, outputs: list[tuple[int, float]]) -> Callable:
 
 
 def network_shape(metadata: dict) -> types.SimpleNamespace:
-    """The stored network's resolution, channels and classes, as attributes (for checks before loading it)."""
+    """The stored network's resolution, channels, classes and sigma_data, as attributes (for checks before loading
+    it)."""
     kwargs = metadata.get("network_kwargs") or {}
-    return types.SimpleNamespace(**{k: kwargs.get(k) for k in ("img_resolution", "img_channels", "label_dim")})
+    return types.SimpleNamespace(**{k: kwargs.get(k) for k in ("img_resolution", "img_channels", "label_dim",
+                                                               "sigma_data")})
 
 
 def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> ValidationSamples:
-    """The validation loss's fixed samples of --data, checked against the run's network and noise distribution."""
-    loss = plan.metadata.get("loss") or {}
-    if not all(isinstance(loss.get(k), (int, float)) for k in ("P_mean", "P_std")):
-        raise click.BadParameter("the snapshots' metadata lacks the training's noise distribution (loss P_mean, "
-                                 "P_std) that --metrics=loss needs", param_hint="--indir")
+    """The validation loss's fixed samples of --data, checked against the run's network, with the loss the snapshots
+    record (their weighting and noise distribution; EDM2's for snapshots from before these were recorded)."""
     shape = network_shape(plan.metadata)
     try:
+        loss = recorded_loss(plan.metadata.get("loss"), shape.sigma_data)
+    except LossError as e:
+        raise click.BadParameter(f"the snapshots' metadata: {e}, which --metrics=loss needs", param_hint="--indir")
+    try:
         dataset = open_data(data_path, use_labels=bool(shape.label_dim))
-        return ValidationSamples(dataset, plan.encoder, shape, num, loss["P_mean"], loss["P_std"], seed)
+        return ValidationSamples(dataset, plan.encoder, shape, num, loss, seed)
     except (DatasetError, ValidationError, EncoderError) as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
 

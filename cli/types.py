@@ -300,3 +300,16 @@ class GridSize(click.ParamType):
         if not all(1 <= n <= self.most for n in size):
             self.fail(f"{value!r}: rows and columns must each be 1 to {self.most}", param, ctx)
         return size
+
+
+class TableChoice(click.Choice):
+    """click.Choice over a table's names (edm2.solvers.SOLVERS, edm2.loss.WEIGHTINGS, ...) as they are when a command
+    line parses its options: a row added to the table is a choice."""
+
+    def __init__(self, table: dict) -> None:
+        self.table, self.case_sensitive = table, True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The table's names."""
+        return tuple(self.table)

@@ -9,6 +9,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import handle_torch_function, has_torch_function
 
 from edm2.errors import EDM2Error
@@ -126,8 +128,20 @@ def cosine_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Modul
     # The release lays qkv channels out as [head, channel, (q,k,v)].
     q, k, v = normalize(qkv(x).reshape(n, num_heads, -1, 3, h * w), dim=2).unbind(3)
     # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
-    y = F.scaled_dot_product_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
+    y = attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
     return proj(y.transpose(2, 3).reshape(n, c, h, w))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(N_c)) v (Eq. 10-11) by scaled-dot-product attention, whatever the layout of q, k, v.
+
+    Forward-mode AD (torch.func.jvp, as consistency-model training takes it) runs on SDPA's math kernel: the fused
+    kernels (the CPU's flash kernel among them) have no forward-mode rule. Without tangents the call is untouched.
+    """
+    if any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 def mpconvs(*nets: object) -> list[MPConv]:

@@ -172,8 +172,10 @@ class UNet(torch.nn.Module):
         return self.out_conv(x, gain=self.out_gain)
 
     def _block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded."""
-        if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()):
+        """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded (but
+        not under forward-mode AD: the replay in the backward pass would run without the tangents)."""
+        tangents = any(forward_ad.unpack_dual(t).tangent is not None for t in (x, emb))
+        if not (self.checkpoint_blocks and self.training and torch.is_grad_enabled()) or tangents:
             return block(x, emb)
         # The replay restores the RNG state: dropout draws the same masks. It writes nothing either: the forced
         # weight normalization happens before the forward pass (edm2.layers.force_weight_normalization).

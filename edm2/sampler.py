@@ -1,6 +1,6 @@
-"""The EDM sampler: noise levels (EDM Eq. 5), Heun's method with churn (or Euler's, or DPM-Solver++(2M) of Lu et al.
-2022), and the guidance blend (paper Eq. 152), optionally limited to an interval of noise levels (Kynkaanniemi et al.,
-NeurIPS 2024)."""
+"""The EDM sampler: noise levels (EDM Eq. 5), churn (EDM Algorithm 2), a solver's steps (edm2.solvers: Heun's method,
+the release's, or another), and the guidance blend (paper Eq. 152), optionally limited to an interval of noise levels
+(Kynkaanniemi et al., NeurIPS 2024)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from edm2.errors import EDM2Error
 from edm2.layers import weights_normalized_once
+from edm2.solvers import SOLVERS, evaluations
 
 
 class SamplerError(EDM2Error):
@@ -27,15 +28,6 @@ def conditional_and_unconditional(net: Callable, x: torch.Tensor, sigma: torch.T
     """(net(x, sigma, labels), net(x, sigma, 0)) from one call on the doubled batch [x, x] with labels [c, 0]."""
     both = net(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, torch.zeros_like(labels)]))
     return both.chunk(2)
-
-
-# The ODE solvers, all on the same noise levels (sigma_steps); heun is the release's.
-SOLVERS = ("heun", "euler", "dpm2m")
-
-
-def evaluations(solver: str, num_steps: int) -> int:
-    """Denoiser evaluations (NFE) of num_steps steps: Heun corrects every step but the last; the others evaluate once."""
-    return 2 * num_steps - 1 if solver == "heun" else num_steps
 
 
 def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) -> torch.Tensor:
@@ -70,9 +62,9 @@ def check_settings(
     check_guidance(guidance, dtype)
     if S_churn < 0 or S_noise < 0:
         raise SamplerError(f"S_churn={S_churn:g} and S_noise={S_noise:g} cannot be negative")
-    # DPM-Solver++(2M) reuses the previous step's denoised image, which churn's fresh noise would make stale.
-    if S_churn > 0 and solver == "dpm2m":
-        raise SamplerError(f"S_churn={S_churn:g}: solver dpm2m is deterministic; churn needs heun or euler")
+    if S_churn > 0 and not SOLVERS[solver].churn:
+        churning = " or ".join(name for name, record in SOLVERS.items() if record.churn)
+        raise SamplerError(f"S_churn={S_churn:g}: solver {solver} is deterministic; churn needs {churning}")
     try:
         t = sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1]
     except OverflowError:  # sigma ** (1 / rho) beyond float64
@@ -157,7 +149,8 @@ def edm_sampler(
     solver: str = "heun",
     callback: Callable[[dict], None] | None = None,
 ) -> torch.Tensor:
-    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t) with solver (SOLVERS).
+    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t) with a solver of
+    edm2.solvers.SOLVERS.
 
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
@@ -177,9 +170,8 @@ def edm_sampler(
     t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
+    step, memory = SOLVERS[solver].step, {}
     with weights_normalized_once(net, gnet):  # every layer's weight normalized once for the whole run
-        if solver == "dpm2m":
-            return _dpm_solver_2m(denoise, x_next, t_steps, guidance_interval, callback)
         for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
             x_cur = x_next
             # Churn (EDM Algorithm 2): raise the noise level to t_hat by adding fresh noise.
@@ -187,45 +179,8 @@ def edm_sampler(
             t_hat = t_cur + gamma * t_cur
             guided = guided_step(t_cur, guidance_interval)
             x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur) if gamma > 0 else x_cur
-            # Euler step along dx/dsigma = (x - D(x; sigma)) / sigma (paper Eq. 153) ...
-            denoised = denoise(x_hat, t_hat, guided)
-            _report(callback, x_hat, i, t_cur, t_hat, denoised)
-            d_cur = (x_hat - denoised) / t_hat
-            x_next = x_hat + (t_next - t_hat) * d_cur
-            # ... corrected by Heun's 2nd-order rule except on the last step, which ends at sigma = 0.
-            if solver == "heun" and i < num_steps - 1:
-                d_prime = (x_next - denoise(x_next, t_next, guided)) / t_next
-                x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
+            x_next, denoised = step(lambda x, t: denoise(x, t, guided), x_hat, t_hat, t_next, memory)
+            if callback is not None:  # step i's start, in k-diffusion's keys
+                callback({"x": x_hat, "i": i, "sigma": t_cur, "sigma_hat": t_hat, "denoised": denoised})
         return x_next
 
-
-def _report(callback: Callable[[dict], None] | None, x: torch.Tensor, i: int, t_cur: float, t_hat: float,
-            denoised: torch.Tensor) -> None:
-    """Call callback, if any, with step i's start in k-diffusion's keys."""
-    if callback is not None:
-        callback({"x": x, "i": i, "sigma": t_cur, "sigma_hat": t_hat, "denoised": denoised})
-
-
-def _dpm_solver_2m(denoise: Callable, x: torch.Tensor, t_steps: list[float], interval: tuple[float, float] | None,
-                   callback: Callable[[dict], None] | None) -> torch.Tensor:
-    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) from x at t_steps[0] along t_steps, with the data prediction
-    x_theta = D (EDM's denoiser: alpha_t = 1, sigma_t = t, so lambda_t = -log t)."""
-    d_prev, h_prev = None, 0.0
-    for i, (t_cur, t_next) in enumerate(zip(t_steps[:-2], t_steps[1:-1])):
-        d_cur = denoise(x, t_cur, guided_step(t_cur, interval))
-        _report(callback, x, i, t_cur, t_cur, d_cur)
-        h = math.log(t_cur / t_next)  # h_i = lambda_{t_i} - lambda_{t_{i-1}}
-        if d_prev is None:
-            d = d_cur  # the first step is DPM-Solver++(1) (their Eq. 10 with one denoised image)
-        else:
-            # D_i = (1 + 1/(2 r_i)) x_theta(t_{i-1}) - 1/(2 r_i) x_theta(t_{i-2}), r_i = h_{i-1} / h_i
-            half_over_r = 0.5 * h / h_prev
-            d = (1 + half_over_r) * d_cur - half_over_r * d_prev
-        # x_{t_i} = (sigma_{t_i} / sigma_{t_{i-1}}) x_{t_{i-1}} - alpha_{t_i} (e^{-h_i} - 1) D_i
-        x = (t_next / t_cur) * x - math.expm1(-h) * d
-        d_prev, h_prev = d_cur, h
-    # The last step ends at sigma = 0, lambda = inf: its factors are 0 and 1, and the solution is the denoised image
-    # (as Euler's last step also gives).
-    denoised = denoise(x, t_steps[-2], guided_step(t_steps[-2], interval))
-    _report(callback, x, len(t_steps) - 2, t_steps[-2], t_steps[-2], denoised)
-    return denoised

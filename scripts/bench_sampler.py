@@ -1,5 +1,5 @@
-"""Benchmark the EDM sampler: images/s at 32 steps without and with guidance and, on CUDA, achieved TFLOP/s and
-model-FLOP utilization; the last line printed is JSON."""
+"""Benchmark the EDM sampler: images/s at 32 steps of a solver (--solver, Heun by default) without and with guidance
+and, on CUDA, achieved TFLOP/s and model-FLOP utilization; the last line printed is JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
+from cli.solver import solver_option
 from edm2.eval import benchmark
 from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
@@ -52,23 +53,24 @@ Examples:
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None, help="NHWC convolutions  [default: on CUDA only]")
 @click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too")
+@solver_option
 def main(size, resolution, img_channels, channels, gnet_channels, classes, batch_size, num_steps, repeats, device,
-         precision, compile_, channels_last, cpu_16bit):
-    """Print images/s for the sampler without and with guidance (2 x 31 + 1 = 63 evaluations per net)."""
+         precision, compile_, channels_last, cpu_16bit, solver):
+    """Print images/s for the sampler without and with guidance (Heun: 2 x 31 + 1 = 63 evaluations per net)."""
     device = torch.device(device)
     net, gnet = networks(size, resolution, img_channels, channels, gnet_channels, classes)
     speed = SamplingSpeed(compile=compile_, channels_last=channels_last, precision=precision, cpu_16bit=cpu_16bit)
-    flops = {1.0: benchmark.sampling_flops_per_image(net, None, num_steps),
-             1.4: benchmark.sampling_flops_per_image(net, gnet, num_steps)}
+    flops = {1.0: benchmark.sampling_flops_per_image(net, None, num_steps, solver),
+             1.4: benchmark.sampling_flops_per_image(net, gnet, num_steps, solver)}
     net, gnet = (speed.apply(n.eval().requires_grad_(False).to(device), device) for n in (net, gnet))
     print(f"device {device}, {net.img_resolution}x{net.img_resolution}x{net.img_channels}, batch {batch_size}, "
           f"{num_steps} steps, computing in {net.compute_dtype(device)}, compile {speed.compiles(device)}, "
           f"channels-last {speed.uses_channels_last(device)}")
     peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
-    result = dict(size=size, batch=batch_size, steps=num_steps, device=str(device), precision=precision,
+    result = dict(size=size, batch=batch_size, steps=num_steps, solver=solver, device=str(device), precision=precision,
                   compile=speed.compiles(device), channels_last=speed.uses_channels_last(device), peak_tflops=peak)
     for key, label, g, w in (("", "no guidance", None, 1.0), ("_guided", "guidance 1.4", gnet, 1.4)):
-        rate = benchmark.sampling_images_per_s(net, g, w, batch_size, num_steps, repeats, device)
+        rate = benchmark.sampling_images_per_s(net, g, w, batch_size, num_steps, repeats, device, solver)
         result.update({f"images_per_s{key}": rate, f"tflops{key}": benchmark.tflops(flops[w], rate),
                        f"mfu{key}": benchmark.mfu(flops[w], rate, peak)})
         mfu = f", MFU {result['mfu' + key]:.1%}" if peak else ""

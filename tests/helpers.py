@@ -475,6 +475,34 @@ def snapshot_contents(outdir: Path, pattern: str, ignore=("run_dir", "workers"))
 
 
 # ---------------------------------------------------------------------------------------------------
+# Outputs measured by hand: the validation loss of a network on a dataset, the PNG files of a folder.
+
+def validation_loss_by_hand(net, data, num, seed, P_mean, P_std, weight=None) -> float:
+    """Eq. 14 per element in float64, written from the paper: images evenly spaced through the dataset, sample i's
+    generator (seed + i) draws ln(sigma) ~ N(P_mean, P_std^2) and then n ~ N(0, I); lambda of Eq. 15 unless
+    weight(sigma, sigma_data) is given."""
+    names = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
+    labels = dict(json.loads((data / "dataset.json").read_text())["labels"])
+    picked = [names[i * len(names) // num] for i in range(num)]
+    pixels = torch.from_numpy(np.stack([np.asarray(PIL.Image.open(data / name)) for name in picked]))
+    y = pixels.permute(0, 3, 1, 2).contiguous().float() / 127.5 - 1
+    draws = [torch.Generator().manual_seed(seed + i) for i in range(num)]
+    sigma = torch.stack([(torch.randn([], generator=g) * P_std + P_mean).exp() for g in draws]).reshape(-1, 1, 1, 1)
+    noise = torch.stack([torch.randn(y.shape[1:], generator=g) for g in draws])
+    onehot = torch.nn.functional.one_hot(torch.tensor([labels[name] for name in picked]), net.label_dim).float()
+    with torch.no_grad():
+        denoised = net(y + sigma * noise, sigma, onehot).double()
+    s = sigma.double().flatten()
+    lam = (s**2 + 0.25) / (s * 0.5) ** 2 if weight is None else weight(s, 0.5)
+    return float((lam * (denoised - y.double()).square().flatten(1).mean(1)).mean())
+
+
+def read_pngs(outdir) -> dict[str, np.ndarray]:
+    """The PNG files under outdir, {relative path: pixels}, in path order."""
+    return {p.relative_to(outdir).as_posix(): np.asarray(PIL.Image.open(p)) for p in sorted(Path(outdir).rglob("*.png"))}
+
+
+# ---------------------------------------------------------------------------------------------------
 # Datasets built by hand, independently of edm2.data.dataset_writer.
 
 def png_file(array: np.ndarray) -> bytes:

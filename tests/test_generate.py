@@ -25,7 +25,7 @@ from edm2.generation import MAX_SEED, generate_images
 from edm2.runtime.files import TMP_SUFFIX, temporary_name
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from tests.helpers import (
-    REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, tiny_precond, tree,
+    REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, read_pngs, tiny_precond, tree,
 )
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]
@@ -55,10 +55,6 @@ def nets(tmp_path_factory):
         dropout = {"training_options": {"label_dropout": 0.1}} if name == "uncond_dropout" else {}
         snapshot.save_network(paths[name], net, {"encoder": StandardRGBEncoder().config(), **dropout})
     return paths
-
-
-def read_pngs(outdir):
-    return {p.relative_to(outdir).as_posix(): np.asarray(PIL.Image.open(p)) for p in sorted(Path(outdir).rglob("*.png"))}
 
 
 def run_cli(args):

@@ -24,32 +24,13 @@ from edm2.plots.sweep import sweep_figure
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, assert_refused, fake_training_run,
-                           pin_detector_file, write_image_dataset)
+                           pin_detector_file, validation_loss_by_hand, write_image_dataset)
 
 NUM = 24  # samples of the loss; one batch of them, as the reference below
 
 
 def sweep(*args):
     return CliRunner().invoke(calculate_metrics.main, ["sweep", *args])
-
-
-def validation_loss_by_hand(net, data, num, seed, P_mean, P_std) -> float:
-    """Eq. 14 per element in float64, written from the paper: images evenly spaced through the dataset, sample i's
-    generator (seed + i) draws ln(sigma) ~ N(P_mean, P_std^2) and then n ~ N(0, I); lambda of Eq. 15."""
-    names = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
-    labels = dict(json.loads((data / "dataset.json").read_text())["labels"])
-    picked = [names[i * len(names) // num] for i in range(num)]
-    pixels = torch.from_numpy(np.stack([np.asarray(PIL.Image.open(data / name)) for name in picked]))
-    y = pixels.permute(0, 3, 1, 2).contiguous().float() / 127.5 - 1
-    draws = [torch.Generator().manual_seed(seed + i) for i in range(num)]
-    sigma = torch.stack([(torch.randn([], generator=g) * P_std + P_mean).exp() for g in draws]).reshape(-1, 1, 1, 1)
-    noise = torch.stack([torch.randn(y.shape[1:], generator=g) for g in draws])
-    onehot = torch.nn.functional.one_hot(torch.tensor([labels[name] for name in picked]), net.label_dim).float()
-    with torch.no_grad():
-        denoised = net(y + sigma * noise, sigma, onehot).double()
-    s = sigma.double().flatten()
-    lam = (s**2 + 0.25) / (s * 0.5) ** 2
-    return float((lam * (denoised - y.double()).square().flatten(1).mean(1)).mean())
 
 
 def test_sweep_loss_and_reconstructions_equal_independent_ones(reference_run, train_data, tmp_path):

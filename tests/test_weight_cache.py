@@ -10,6 +10,7 @@ import torch
 from edm2 import layers
 from edm2.eval.validation import loss_per_sigma, validation_loss
 from edm2.layers import mpconvs, weights_normalized_once
+from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA
 from edm2.runtime.speed import to_channels_last
 from edm2.sampler import edm_sampler
@@ -67,6 +68,7 @@ class FixedSamples:
     """ValidationSamples' interface over the fixed batch X: y, sigma, n and labels of the samples asked for."""
 
     num = len(X)
+    loss = EDM2Loss()
 
     def batch(self, samples, device):
         return X[samples], SIGMA[samples].reshape(-1, 1, 1, 1), X.flip(0)[samples], LABELS[samples]
@@ -77,7 +79,7 @@ def test_the_validation_loss_and_the_loss_per_sigma_normalize_each_weight_once_p
     calls = count_normalizations(monkeypatch)
     validation_loss(net, FixedSamples(), batch_size=1)  # three batches
     assert len(calls) == len(mpconvs(net))
-    loss_per_sigma(net, X, X.flip(0), LABELS, [0.5, 1.0, 2.0])
+    loss_per_sigma(net, X, X.flip(0), LABELS, [0.5, 1.0, 2.0], EDM2Loss())
     assert len(calls) == 2 * len(mpconvs(net))
     assert all(layer.normalized_once is None for layer in mpconvs(net))
 

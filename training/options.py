@@ -13,6 +13,7 @@ from edm2 import families
 from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
 from edm2.families import DEFAULT_FAMILY
+from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
 from edm2.network_args import shown
 from edm2.phema import MAX_STD
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
@@ -30,10 +31,10 @@ DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,
 # where and for how long training runs and how much memory it uses, not what it computes.
 HYPERPARAMETERS = (
     "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
-    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init", "label_dropout",
+    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init", "label_dropout", "loss_weighting", "noise_dist",
 )
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
-ADDED_HYPERPARAMETERS = {"label_dropout": 0.0}
+ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE}
 
 # Eq. 16 draws ln(sigma) = P_mean + P_std * z. torch's normal draws come from uniforms of at most 53 bits, so
 # |z| <= sqrt(-2 ln 2**-53) ~ 8.57 (Box-Muller); within |ln(sigma)| <= 40, sigma**2 and the (sigma * sigma_data)**2
@@ -91,6 +92,8 @@ class TrainingOptions:
     ls: float = 1.0
     seed: int = 0
     label_dropout: float = 0.0  # probability of training an image with the all-zero (unconditional) label
+    loss_weighting: str = DEFAULT_WEIGHTING  # lambda(sigma), a name in edm2.loss.WEIGHTINGS (Eq. 15: edm2)
+    noise_dist: str = DEFAULT_NOISE  # the training noise levels, a name in edm2.loss.NOISE_DISTRIBUTIONS (Eq. 16)
     workers: int = 2
     keep_states: int = 0  # training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter)
     init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
@@ -202,6 +205,8 @@ def _check_recipe(opts: TrainingOptions) -> None:
         _require(_real(getattr(opts, name), 0), name, getattr(opts, name), "a number >= 0")
     _require(_real(opts.P_mean, -math.inf), "P_mean", opts.P_mean, "a finite number")
     check_noise_levels(opts.P_mean, opts.P_std)
+    for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS)):
+        _require(getattr(opts, name) in table, name, getattr(opts, name), f"one of {', '.join(table)}")
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and
              all(_real(std, 0, low_open=True, high=MAX_STD) for std in opts.ema_stds),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")

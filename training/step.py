@@ -40,9 +40,15 @@ class TrainingStep:
     device: torch.device = torch.device("cpu")
 
 
+def recipe_loss(opts: TrainingOptions, sigma_data: float) -> EDM2Loss:
+    """Eq. 21's loss with the options' weighting and noise distribution: what the run trains, its snapshots record
+    and its dashboard measures."""
+    return EDM2Loss(opts.P_mean, opts.P_std, sigma_data, opts.loss_weighting, opts.noise_dist)
+
+
 def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | Callable:
-    """Eq. 21's loss for the options' noise distribution, compiled with the network when the run compiles."""
-    loss_fn = EDM2Loss(opts.P_mean, opts.P_std, sigma_data)
+    """recipe_loss, compiled with the network when the run compiles."""
+    loss_fn = recipe_loss(opts, sigma_data)
     return compile_loss(loss_fn) if opts.compiles(device) else loss_fn
 
 

@@ -15,6 +15,7 @@ import torch
 from edm2.generation import seeded_inputs
 from edm2.networks import Precond, count_macs
 from edm2.sampler import edm_sampler
+from edm2.solvers import evaluations
 
 
 def synchronize(device: torch.device) -> None:
@@ -54,19 +55,15 @@ def mfu(flops_per_image: float, images_per_s: float, peak: float | None) -> floa
     return tflops(flops_per_image, images_per_s) / peak if peak else None
 
 
-def network_evaluations(num_steps: int) -> int:
-    """Denoiser calls per image of edm_sampler: an Euler step and a Heun correction per step but the last."""
-    return 2 * num_steps - 1
-
-
-def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int) -> float:
-    """FLOPs to sample one image: 2 x the MACs of every evaluation of net (and of gnet when guiding)."""
+def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int, solver: str = "heun") -> float:
+    """FLOPs to sample one image: 2 x the MACs of every evaluation of net (and of gnet when guiding), as many as the
+    solver's record says (edm2.solvers.evaluations)."""
     macs = count_macs(net) + (count_macs(gnet) if gnet is not None else 0)
-    return 2.0 * macs * network_evaluations(num_steps)
+    return 2.0 * macs * evaluations(solver, num_steps)
 
 
 def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, batch_size: int, num_steps: int,
-                          repeats: int, device: torch.device) -> float:
+                          repeats: int, device: torch.device, solver: str = "heun") -> float:
     """Best-of-`repeats` images/s of edm_sampler on one batch, including the per-seed noise; an untimed first
     batch warms up kernels, caches and compiled graphs."""
     best = float("inf")
@@ -77,7 +74,8 @@ def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, b
         noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim,
                                                   device=device)
         with torch.no_grad():
-            edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, num_steps=num_steps, randn_like=randn_like)
+            edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, num_steps=num_steps, randn_like=randn_like,
+                        solver=solver)
         synchronize(device)
         if r > 0:
             best = min(best, time.perf_counter() - start)

@@ -1,13 +1,15 @@
 """The validation loss of a denoiser with fixed draws (paper Eq. 13-16), and the halves of Eq. 21 per noise level.
 
-The validation loss is Eq. 14: the denoising error of Eq. 13 weighted by lambda(sigma) (Eq. 15), in
-expectation over the training distribution of noise levels, ln(sigma) ~ N(P_mean, P_std^2) (Eq. 16). It is
-reported per element (Eq. 13's squared norm divided by the number of elements), so a denoiser that returns
-c_skip(sigma) x, as an initialized EDM2 network does, scores exactly 1 on data of variance sigma_data^2.
+The validation loss is Eq. 14: the denoising error of Eq. 13 weighted by lambda(sigma) (Eq. 15 for EDM2's
+weighting), in expectation over the training distribution of noise levels (Eq. 16, ln(sigma) ~ N(P_mean, P_std^2),
+for EDM2's). Both are the network's own training loss (an edm2.loss.EDM2Loss, rebuilt from a snapshot's record by
+edm2.loss.recorded_loss), never defaults. It is reported per element (Eq. 13's squared norm divided by the number
+of elements), so with EDM2's weighting a denoiser that returns c_skip(sigma) x, as an initialized EDM2 network
+does, scores exactly 1 on data of variance sigma_data^2.
 
 The expectation is estimated on fixed samples. Sample i is the dataset image at sample_indices(...)[i]; its
-own generator, seeded with seed + i, draws ln(sigma) (one normal number), then the unit noise n, then, for a
-latent dataset, the encoder's draw of the latent itself. So the estimate depends neither on the batch size
+own generator, seeded with seed + i, draws sigma (for log-normal: one normal number), then the unit noise n, then,
+for a latent dataset, the encoder's draw of the latent itself. So the estimate depends neither on the batch size
 nor on the number of processes, and every network of a sweep is measured on the same draws.
 """
 
@@ -22,7 +24,7 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import Encoder
 from edm2.errors import EDM2Error
 from edm2.layers import weights_normalized_once
-from edm2.loss import EDM2Loss, log_normal_sigma
+from edm2.loss import EDM2Loss
 from edm2.runtime import distributed
 
 
@@ -37,12 +39,12 @@ def sample_indices(num: int, dataset_size: int) -> list[int]:
 
 
 class ValidationSamples:
-    """Fixed samples (y, sigma, n, labels) of a dataset for a network: num of them, seeds seed .. seed+num-1."""
+    """Fixed samples (y, sigma, n, labels) of a dataset for a network: num of them, seeds seed .. seed+num-1, sigma
+    from the network's training loss, whose weighting validation_loss applies."""
 
     def __init__(self, dataset: ImageFolderDataset, encoder: Encoder, net: torch.nn.Module, num: int,
-                 P_mean: float, P_std: float, seed: int = 0):
-        self.dataset, self.encoder, self.num, self.seed = dataset, encoder, num, seed
-        self.P_mean, self.P_std = P_mean, P_std
+                 loss: EDM2Loss, seed: int = 0):
+        self.dataset, self.encoder, self.num, self.seed, self.loss = dataset, encoder, num, seed, loss
         self.label_dim = net.label_dim
         self.indices = sample_indices(num, len(dataset))
         check_fits(dataset, encoder, net.img_channels, net.img_resolution, net.label_dim)
@@ -53,7 +55,7 @@ class ValidationSamples:
         for i in samples:
             image, _ = self.dataset[self.indices[i]]
             generator = torch.Generator().manual_seed(self.seed + i)
-            sigmas.append(log_normal_sigma([], self.P_mean, self.P_std, generator=generator))
+            sigmas.append(self.loss.draw_sigma([], generator=generator))
             channels = self.encoder.out_channels(image.shape[0])
             noises.append(torch.randn([channels, *image.shape[1:]], generator=generator))
             with torch.random.fork_rng(devices=[]):
@@ -85,8 +87,8 @@ def check_fits(dataset: ImageFolderDataset, encoder: Encoder, img_channels: int,
 def validation_loss(net: torch.nn.Module, samples: ValidationSamples, batch_size: int = 64,
                     device: torch.device | str = "cpu") -> float:
     """Eq. 14 per element, the mean over the samples of lambda(sigma) |D(y + sigma n; sigma) - y|^2 / elements,
-    with this rank's share of the samples, summed over ranks in float64."""
-    weight = EDM2Loss(sigma_data=net.sigma_data).weight
+    lambda the weighting of the samples' loss, with this rank's share of the samples, summed over ranks in float64."""
+    weight = samples.loss.weight
     total = torch.zeros([], dtype=torch.float64, device=device)
     batches = distributed.rank_batches(range(samples.num), batch_size, distributed.get_rank(),
                                        distributed.get_world_size(), skip_empty=True)
@@ -105,13 +107,14 @@ def sigma_grid(P_mean: float, P_std: float, num: int = 11, spread: float = 2.5) 
 
 
 def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor | None,
-                   sigmas: Sequence[float]) -> tuple[list[float], list[float]]:
-    """At each sigma, lambda(sigma) L(D; sigma) (Eq. 13 per element, on the batch y with unit noise n) and u(sigma).
+                   sigmas: Sequence[float], loss: EDM2Loss) -> tuple[list[float], list[float]]:
+    """At each sigma, lambda(sigma) L(D; sigma) (Eq. 13 per element, on the batch y with unit noise n; lambda the
+    weighting of the network's training loss) and u(sigma).
 
     At the optimum of Eq. 21 over u, e^u(sigma) equals lambda(sigma) L(D; sigma): the first list is what the
     uncertainty u(sigma) learns to predict.
     """
-    weight = EDM2Loss(sigma_data=net.sigma_data).weight
+    weight = loss.weight
     errors, logvars = [], []
     with weights_normalized_once(net):
         for sigma in sigmas:

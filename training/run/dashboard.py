@@ -27,8 +27,10 @@ import torch
 from edm2.errors import EDM2Error, one_line
 from edm2.eval.magnitudes import block_output_rms, weight_rms
 from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING
 from edm2.runtime import bounded_json, files
 from training.run.run_dir import STATS_FILE
+from training.step import recipe_loss
 
 PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
@@ -161,11 +163,15 @@ class Dashboard:
     def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
                  cur_nimg: int):
         self.run_dir, self.duration = run_dir, opts.duration
-        samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, opts.P_mean, opts.P_std)
+        self.loss = recipe_loss(opts, net.sigma_data)  # the run's own weighting, as its snapshots record it
+        samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, self.loss)
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
+        # Another loss is another measurement; EDM2's is named by its absence, as in the records of earlier versions.
+        names = {k: v for k, v in self.loss.record().items() if k in ("weighting", "noise")}
         self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, ema_std=opts.ema_stds[0], probe=probe,
-                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[])
+                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[],
+                             **({} if names == dict(weighting=DEFAULT_WEIGHTING, noise=DEFAULT_NOISE) else names))
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         earlier = self._earlier_rows(TRAINING_JSON, self.training, ("noise_levels", "resumes"), cur_nimg)
@@ -195,7 +201,7 @@ class Dashboard:
     def update(self, net: torch.nn.Module, nimg: int) -> None:
         """Measure the EMA network at nimg images, record the numbers, and redraw training.png."""
         y, sigma, noise, labels = self.batch
-        errors, logvars = loss_per_sigma(net, y, noise, labels, self.training["sigma"])
+        errors, logvars = loss_per_sigma(net, y, noise, labels, self.training["sigma"], self.loss)
         activations = block_output_rms(net, y + sigma * noise, sigma, labels)
         for key, records, row in (("noise_levels", self.training, dict(weighted_error=errors, u=logvars)),
                                   ("rows", self.magnitudes, dict(activations=activations, weights=weight_rms(net)))):

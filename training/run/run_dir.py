@@ -28,6 +28,7 @@ from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.runtime import bounded_json, files
 from training.run import trackers
 from training.options import TrainingOptions
+from training.step import recipe_loss
 from training.run.run_lock import RunLock
 
 LOG_FILE, STATS_FILE, OPTIONS_FILE = "log.txt", "stats.jsonl", "training_options.json"
@@ -195,7 +196,7 @@ class RunDirectory:
         for ema_net, std in tracks:
             metadata = dict(
                 nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
-                loss=dict(P_mean=opts.P_mean, P_std=opts.P_std), training_options=opts.to_json(), run_id=self.run_id,
+                loss=recipe_loss(opts, ema_net.sigma_data).record(), training_options=opts.to_json(), run_id=self.run_id,
             )
             save_network(snapshot_path(self.path, cur_nimg, std), ema_net, metadata)
         self.has_results = True
