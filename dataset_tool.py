@@ -22,6 +22,7 @@ from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
+from edm2.errors import shown
 from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
@@ -80,7 +81,7 @@ def load_vae(vae: str, batch: int) -> StabilityVAEEncoder:
 
 def report_skip(name: str, reason: str) -> None:
     """convert --on-error=skip: say which image is left out and why."""
-    tqdm.write(f"skipping {name}: cannot read it ({reason})", file=sys.stderr)
+    tqdm.write(f"skipping {shown(name)}: cannot read it ({shown(reason)})", file=sys.stderr)
 
 
 @click.group(cls=Group)
@@ -147,7 +148,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     if images.classes:
         click.echo("labels from the class folders (dataset.json's numbers):")
         for label, folder in enumerate(images.classes):
-            click.echo(f"  {label}: {folder}")
+            click.echo(f"  {label}: {shown(folder)}")
 
 
 def vae_options(command: Callable) -> Callable:

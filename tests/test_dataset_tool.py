@@ -656,3 +656,23 @@ def test_convert_scales_16_bit_grayscale_to_8_bits(tmp_path):
     # v * 255 / 65535 = v / 257, rounded to nearest: 128 -> 0.498, 129 -> 0.502, 32767 -> 127.498, 32768 -> 127.502.
     assert image.shape == (1, 4, 4) and PIL.Image.open(tmp_path / "src" / "a.png").mode == "I;16"
     assert image[0, :2].tolist() == [[0, 0, 1, 127], [128, 254, 255, 255]]
+
+
+def test_names_with_control_characters_are_shown_escaped_and_forge_no_line(tmp_path):
+    # Issue 26, item 8: a class folder named with a newline printed a forged 'Error:' line during convert.
+    forged, bell = "Flags\nError: forged", "smile \U0001f600\r\x1b[2K"
+    source = tmp_path / "source"
+    save_image(source / forged / "a.png", np.zeros((8, 8, 3), np.uint8))
+    save_image(source / bell / "b.png", np.zeros((8, 8, 3), np.uint8))
+    (source / forged / "broken\n.png").write_bytes(b"\x89PNG broken")
+    result = run("convert", "--source", source, "--dest", tmp_path / "out.zip", "--on-error=skip")
+    assert_ok(result)
+    lines = result.output.splitlines()
+    assert not any(line.startswith("Error") for line in lines)
+    assert "skipping Flags\\nError: forged/broken\\n.png: cannot read it" in result.output  # the skip line
+    assert "  0: Flags\\nError: forged" in lines and "  1: smile \U0001f600\\r\\x1b[2K" in lines  # the label list
+    save_image(source / forged / "wide.png", np.zeros((8, 12, 3), np.uint8))  # an error line naming the image
+    refused = run("convert", "--source", source, "--dest", tmp_path / "out2.zip", "--on-error=skip")
+    assert refused.exit_code != 0 and not (tmp_path / "out2.zip").exists()
+    [line] = [line for line in refused.output.splitlines() if line.startswith("Error")]
+    assert line.startswith("Error: Flags\\nError: forged/wide.png is 12x8")

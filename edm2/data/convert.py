@@ -19,7 +19,7 @@ from tqdm import tqdm
 from edm2.data.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.data.dataset_writer import DatasetWriter, png_bytes
-from edm2.errors import one_line
+from edm2.errors import one_line, shown
 
 
 class UnreadableImageError(DatasetError):
@@ -145,15 +145,15 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
         name = names[idx]
         if png is None:
             if on_skip is None:
-                raise UnreadableImageError(f"cannot read image {name} in {source.path} ({shape})")
+                raise UnreadableImageError(f"cannot read image {shown(name)} in {shown(source.path)} ({shown(shape)})")
             on_skip(name, shape)
             continue
         if size is None:
             size = shape
             if size[0] != size[1]:
-                raise ImageSizeError(f"{name} is {size[1]}x{size[0]}, not square; datasets hold square images")
+                raise ImageSizeError(f"{shown(name)} is {size[1]}x{size[0]}, not square; datasets hold square images")
         elif shape != size:
-            raise ImageSizeError(f"{name} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
+            raise ImageSizeError(f"{shown(name)} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
         writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name])
         written += 1
     if size is None:

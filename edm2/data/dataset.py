@@ -19,6 +19,7 @@ import PIL.Image
 import torch
 
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
+from edm2.errors import shown
 from edm2.runtime import bounded_json
 
 IMAGE_SUFFIXES = (".png", ".npy")
@@ -78,7 +79,7 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
         return None
     missing = [name for name in names if name not in labels]
     if missing:
-        raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {missing[0]} "
+        raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {shown(missing[0])} "
                            f"({len(missing)} images unlabeled)")
     values = [labels[name] for name in names]
     wrong = [v for v in values if not is_class(v)]
@@ -179,7 +180,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
 
         first = self._load(self._raw_idx[0])
         if first.ndim != 3 or first.shape[1] != first.shape[2]:
-            raise DatasetError(f"{self.path}: {self._all_fnames[self._raw_idx[0]]} has shape "
+            raise DatasetError(f"{self.path}: {shown(self._all_fnames[self._raw_idx[0]])} has shape "
                                f"{_shape_text(first.shape)}; images must be square CHW")
         self.image_shape = list(first.shape)
         if self._raw:
@@ -195,8 +196,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         for idx in sorted(idx for folder, idx in firsts.items() if folder):
             name, size = self._all_fnames[idx], self._image_size(idx)
             if size != self.image_shape[1:]:
-                raise DatasetError(f"{self.path}: {name} is {_shape_text(size[::-1])} but "
-                                   f"{self._all_fnames[self._raw_idx[0]]} is {_shape_text(self.image_shape[:0:-1])}; "
+                raise DatasetError(f"{self.path}: {shown(name)} is {_shape_text(size[::-1])} but "
+                                   f"{shown(self._all_fnames[self._raw_idx[0]])} is {_shape_text(self.image_shape[:0:-1])}; "
                                    f"mixed sizes")
 
     def _image_size(self, raw_idx: int) -> list[int]:
@@ -207,7 +208,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             with self._files.open(fname) as stream, open_image(stream) as image:
                 return [image.height, image.width]
         except IMAGE_ERRORS as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+            raise DatasetError(f"{self.path}: cannot read {shown(fname)} ({e})") from None
 
     def _load(self, raw_idx: int) -> np.ndarray:
         """Image raw_idx as CHW; its header is checked against the first image's shape before it is decoded."""
@@ -222,9 +223,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
                 self._check_shape(raw_idx, [PIL.Image.getmodebands(mode), pil.height, pil.width])
                 image = np.asarray(pil if mode == pil.mode else pil.convert(mode))
         except IMAGE_ERRORS as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+            raise DatasetError(f"{self.path}: cannot read {shown(fname)} ({e})") from None
         if image.dtype != np.uint8:
-            raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
+            raise DatasetError(f"{self.path}: {shown(fname)} is not an 8-bit image ({image.dtype})")
         return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
 
     def _load_npy(self, raw_idx: int, data: bytes) -> np.ndarray:
@@ -232,16 +233,16 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         fname = self._all_fnames[raw_idx]
         shape, fortran, dtype, offset = npy_header(data)
         if dtype.kind not in "fiu":
-            raise DatasetError(f"{self.path}: {fname} holds {dtype} values; latents are real numbers")
+            raise DatasetError(f"{self.path}: {shown(fname)} holds {dtype} values; latents are real numbers")
         count = math.prod(shape)  # Python integers: a hostile shape cannot overflow
         if count * dtype.itemsize != len(data) - offset:
-            raise DatasetError(f"{self.path}: {fname} declares shape {_shape_text(shape)} of {dtype} "
+            raise DatasetError(f"{self.path}: {shown(fname)} declares shape {_shape_text(shape)} of {dtype} "
                                f"({count * dtype.itemsize} bytes) but holds {len(data) - offset} bytes of values")
         self._check_shape(raw_idx, list(shape))
         values = np.frombuffer(data, dtype, count=count, offset=offset).reshape(shape, order="F" if fortran else "C")
         latents = np.array(values, dtype=np.float32, order="C")
         if not np.isfinite(latents).all():
-            raise DatasetError(f"{self.path}: {fname} holds non-finite values (NaN or infinity)")
+            raise DatasetError(f"{self.path}: {shown(fname)} holds non-finite values (NaN or infinity)")
         return latents
 
     def _check_shape(self, raw_idx: int, shape: list[int]) -> None:
@@ -250,7 +251,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
             return
         hint = convert_hint(self.path) if self._raw else ""
         mixed = "resolutions" if shape[1:] != self.image_shape[1:] else "channel counts (gray and colour)"
-        raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(shape)} "
+        raise DatasetError(f"{self.path}: {shown(self._all_fnames[raw_idx])} has shape {_shape_text(shape)} "
                            f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
 
     def close(self) -> None:
