@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
-from edm2.data.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
-                               open_image_source)
+from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, UnreadableImageError, background_colour,
+                               choose_mode, convert_images, open_image_source, with_alpha)
 from edm2.data.dataset import DatasetError, ImageFolderDataset, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.toy_shapes import SHAPES, toy_image
@@ -79,6 +79,16 @@ def load_vae(vae: str, batch: int) -> StabilityVAEEncoder:
     return encoder
 
 
+def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]:
+    """--background's colour (white by default); refused unless --alpha=composite uses it."""
+    if background is not None and alpha != "composite":
+        raise click.BadParameter(f"is used by --alpha=composite only (--alpha={alpha})", param_hint="'--background'")
+    try:
+        return background_colour(background or "white")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--background'") from None
+
+
 def report_skip(name: str, reason: str) -> None:
     """convert --on-error=skip: say which image is left out and why."""
     tqdm.write(f"skipping {shown(name)}: cannot read it ({shown(reason)})", file=sys.stderr)
@@ -111,8 +121,14 @@ def main() -> None:
               help="Processes reading and cropping images.")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
+@click.option("--alpha", type=click.Choice(ALPHA_MODES), default="drop", show_default=True,
+              help="Transparency: drop it (the colours it hid show, often black), keep it as one more channel "
+                   "(RGBA; LA for grayscale), or composite the images onto --background.")
+@click.option("--background", metavar="white|black|#rrggbb", help="Colour behind transparent pixels for "
+              "--alpha=composite  [default: white]")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
-            max_images: int | None, on_error: str, workers: int, channels: str) -> None:
+            max_images: int | None, on_error: str, workers: int, channels: str, alpha: str,
+            background: str | None) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
@@ -120,12 +136,14 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order (printed
     at the end).
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
-    with any colour image among them all become RGB. Alpha is dropped.
+    with any colour image among them all become RGB. Transparency is dropped unless --alpha says otherwise; the
+    count of images that had transparent pixels is printed.
 
     \b
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
         --resolution=64 --transform=center-crop-dhariwal
     """
+    colour = alpha_background(alpha, background)
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         try:
@@ -135,16 +153,24 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
             try:
-                written = convert_images(images, writer, transform_image, max_images, workers,
-                                         on_skip=report_skip if on_error == "skip" else None, mode=mode)
+                written, transparent = convert_images(images, writer, transform_image, max_images, workers,
+                                                      on_skip=report_skip if on_error == "skip" else None, mode=mode,
+                                                      alpha=alpha, background=colour)
             except UnreadableImageError as e:
                 raise click.ClickException(f"{e}; --on-error=skip leaves such images out") from None
             except ImageSizeError as e:
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
     skipped = len(images.names[:max_images]) - written
-    kind = "grayscale (1 channel)" if mode == "L" else "RGB"
-    click.echo(f"wrote {written} {kind} images to {dest}" + (f" ({skipped} skipped)" if skipped else ""))
+    kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
+    click.echo(f"wrote {written} {kind[with_alpha(mode) if alpha == 'keep' else mode]} images to {shown(dest)}"
+               + (f" ({skipped} skipped)" if skipped else ""))
+    if transparent:
+        click.echo(f"{transparent} of {written} images had transparent pixels: " + {
+            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
+                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
+            "keep": "their alpha is kept as the last channel",
+            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
     if images.classes:
         click.echo("labels from the class folders (dataset.json's numbers):")
         for label, folder in enumerate(images.classes):

@@ -676,3 +676,79 @@ def test_names_with_control_characters_are_shown_escaped_and_forge_no_line(tmp_p
     assert refused.exit_code != 0 and not (tmp_path / "out2.zip").exists()
     [line] = [line for line in refused.output.splitlines() if line.startswith("Error")]
     assert line.startswith("Error: Flags\\nError: forged/wide.png is 12x8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Transparency (issue 26, item 8: 921 of 1,906 emoji came out on black or smeared backgrounds, silently).
+
+def rgba_source(tmp_path):
+    """Three 8x8 images: RGBA with a clear left half hiding black and a half-clear (alpha 128) blue right half, an
+    opaque RGBA, and an RGB one."""
+    source = tmp_path / "emoji"
+    clear = np.zeros((8, 8, 4), np.uint8)
+    clear[:, 4:] = (0, 0, 255, 128)
+    save_image(source / "a.png", clear)
+    save_image(source / "b.png", np.full((8, 8, 4), (10, 200, 30, 255), np.uint8))
+    save_image(source / "c.png", np.full((8, 8, 3), (90, 90, 90), np.uint8))
+    return source
+
+
+def converted(path):
+    return [np.asarray(PIL.Image.open(p)) for p in sorted(path.rglob("img*.png"))]
+
+
+def test_convert_reports_transparency_and_drops_keeps_or_composites_it(tmp_path):
+    source = rgba_source(tmp_path)
+    dropped = run("convert", "--source", source, "--dest", tmp_path / "drop")
+    assert_ok(dropped)
+    assert "1 of 3 images had transparent pixels: their alpha was dropped" in dropped.output
+    assert "wrote 3 RGB images" in dropped.output and converted(tmp_path / "drop")[0][0, 0].tolist() == [0, 0, 0]
+
+    kept = run("convert", "--source", source, "--dest", tmp_path / "keep", "--alpha=keep")
+    assert_ok(kept)
+    assert "wrote 3 RGBA (4 channels) images" in kept.output and "1 of 3 images had transparent pixels" in kept.output
+    first, second, third = converted(tmp_path / "keep")
+    assert first[0, 0].tolist() == [0, 0, 0, 0] and first[0, 7].tolist() == [0, 0, 255, 128]
+    assert second[0, 0].tolist() == [10, 200, 30, 255] and third[0, 0].tolist() == [90, 90, 90, 255]
+    assert ImageFolderDataset(tmp_path / "keep").num_channels == 4
+
+    composite = run("convert", "--source", source, "--dest", tmp_path / "red", "--alpha=composite",
+                    "--background=#ff0000")
+    assert_ok(composite)
+    assert "1 of 3 images had transparent pixels: composited onto #ff0000" in composite.output
+    first, second, _ = converted(tmp_path / "red")
+    assert first[0, 0].tolist() == [255, 0, 0] and second[0, 0].tolist() == [10, 200, 30]
+    # Over an opaque background: out = c a + bg (1 - a), a = 128/255; 8-bit rounding within one level.
+    expected = np.array([0, 0, 255]) * 128 / 255 + np.array([255, 0, 0]) * 127 / 255
+    assert np.abs(first[0, 7] - expected).max() <= 1
+
+
+def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):
+    from edm2.encoders import StandardRGBEncoder
+    from edm2.image_grid import save_png
+    from tests.helpers import TRAIN_ARGS, tiny_precond
+    from training.run.sample_grid import sample_grid
+    import train_edm2
+
+    source = rgba_source(tmp_path)
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "keep.zip", "--alpha=keep"))
+    timed = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={tmp_path / 'keep.zip'}", "--cond=False",
+                                                 "--batch=4", "--workers=0", f"--outdir={tmp_path / 'run'}",
+                                                 "--dry-run", "--time-steps=1"])
+    assert timed.exit_code == 0, timed.output
+    assert json.loads(timed.stdout)["dataset"]["num_channels"] == 4 and "Timed 1 step(s)" in timed.stderr
+    grid = sample_grid(tiny_precond(img_channels=4, label_dim=0), StandardRGBEncoder(), 2, 2, 2, torch.device("cpu"))
+    save_png(tmp_path / "grid.png", grid)
+    with PIL.Image.open(tmp_path / "grid.png") as image:
+        assert image.mode == "RGBA" and image.size == (17, 17)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("args, message", [
+    (["--alpha=composite", "--background=teal"], "'teal' is no colour: use white, black or #rrggbb"),
+    (["--background=black"], "is used by --alpha=composite only (--alpha=drop)"),
+])
+def test_bad_background_is_one_line(tmp_path, args, message):
+    source = rgba_source(tmp_path)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out", *args),
+                   "--background", message)

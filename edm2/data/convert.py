@@ -1,6 +1,6 @@
 """Converting a folder or ZIP of images (any size, any format PIL reads) into a release-format dataset.
 
-Images become RGB PNGs, or one-channel (L) PNGs for grayscale data (choose_mode).
+Images become RGB PNGs, or one-channel (L) PNGs for grayscale data (choose_mode); with alpha kept, RGBA or LA.
 """
 
 from __future__ import annotations
@@ -32,6 +32,24 @@ class ImageSizeError(DatasetError):
 
 # convert --channels: 'auto' picks one channel when every source image is grayscale.
 CHANNEL_MODES = {"auto": None, "1": "L", "3": "RGB"}
+# convert --alpha: what becomes of transparency. drop: the colour channels as stored (what transparent pixels hide
+# shows: often black); keep: one more channel (RGBA, or LA for grayscale); composite: blended onto a colour.
+ALPHA_MODES = ("drop", "keep", "composite")
+BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+
+
+def background_colour(text: str) -> tuple[int, int, int]:
+    """An RGB colour from 'white', 'black' or '#rrggbb'; ValueError otherwise."""
+    if text.lower() in BACKGROUNDS:
+        return BACKGROUNDS[text.lower()]
+    if len(text) == 7 and text[0] == "#" and all(c in "0123456789abcdefABCDEF" for c in text[1:]):
+        return tuple(int(text[i:i + 2], 16) for i in (1, 3, 5))
+    raise ValueError(f"{text!r} is no colour: use white, black or #rrggbb")
+
+
+def with_alpha(mode: str) -> str:
+    """The PIL mode of mode's channels plus alpha (L -> LA, RGB -> RGBA): convert --alpha=keep's output."""
+    return {"L": "LA", "RGB": "RGBA"}[mode]
 
 
 @dataclasses.dataclass
@@ -93,8 +111,19 @@ def choose_mode(source: ImageSource, channels: str, max_images: int | None = Non
     return "L"
 
 
-def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
-    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted).
+def is_transparent(image: PIL.Image.Image) -> bool:
+    """True when some pixel of the image is not opaque: an alpha channel below 255 somewhere, or a palette or
+    colour key (PNG's tRNS) that makes some pixel transparent."""
+    if "A" not in image.getbands() and "transparency" not in image.info:
+        return False
+    return image.convert("RGBA").getchannel("A").getextrema()[0] < 255
+
+
+def read_image(data: bytes, mode: str = "RGB", alpha: str = "drop",
+               background: tuple[int, int, int] = BACKGROUNDS["white"]) -> tuple[np.ndarray, bool]:
+    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette images are converted), and say
+    whether it had transparent pixels (is_transparent); alpha (ALPHA_MODES) says what becomes of them: dropped,
+    kept as one more channel (HWC RGBA or LA), or composited onto the background colour.
 
     16-bit grayscale (PIL's I;16 modes: 16-bit PNG and TIFF, common for scientific images) is scaled to 8 bits as
     round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white. An image declaring
@@ -104,44 +133,55 @@ def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
         if image.mode.startswith("I;16"):
             wide = np.asarray(image).astype(np.uint32)
             image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
-        return np.asarray(image.convert(mode))
+        transparent = is_transparent(image)
+        if alpha == "keep":
+            return np.asarray(image.convert(with_alpha(mode))), transparent
+        if alpha == "composite" and transparent:
+            canvas = PIL.Image.new("RGBA", image.size, (*background, 255))
+            image = PIL.Image.alpha_composite(canvas, image.convert("RGBA"))
+        return np.asarray(image.convert(mode)), transparent
 
 
 class ConvertedImages(torch.utils.data.Dataset):
     """Source images read, transformed and PNG-encoded (in DataLoader workers).
 
-    Items are (png bytes, (height, width)), or (None, reason) for a file that cannot be read.
+    Items are (png bytes, (height, width), had transparent pixels), or (None, reason, False) for a file that cannot
+    be read. alpha and background are read_image's.
     """
 
     def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray],
-                 mode: str = "RGB"):
+                 mode: str = "RGB", alpha: str = "drop", background: tuple[int, int, int] = BACKGROUNDS["white"]):
         self.files, self.names, self.transform, self.mode = files, names, transform, mode
+        self.alpha, self.background = alpha, background
 
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
+    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str, bool]:
         try:
-            image = self.transform(read_image(self.files.read(self.names[idx]), self.mode))
+            image, transparent = read_image(self.files.read(self.names[idx]), self.mode, self.alpha, self.background)
+            image = self.transform(image)
         except (*IMAGE_ERRORS, DatasetError) as e:  # DatasetError: a file beyond FileTree.read's bounds
-            return None, f"{type(e).__name__}: {one_line(e)}"
-        return png_bytes(image), image.shape[:2]
+            return None, f"{type(e).__name__}: {one_line(e)}", False
+        return png_bytes(image), image.shape[:2], transparent
 
 
 def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None = None, workers: int = 0,
-                   on_skip: Callable[[str, str], None] | None = None, mode: str = "RGB") -> int:
-    """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count.
+                   on_skip: Callable[[str, str], None] | None = None, mode: str = "RGB", alpha: str = "drop",
+                   background: tuple[int, int, int] = BACKGROUNDS["white"]) -> tuple[int, int]:
+    """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count, and
+    how many of them had transparent pixels (what alpha, read_image's, did to them the caller reports).
 
     Images are decoded in PIL mode `mode`: RGB, or L for one-channel PNGs (choose_mode).
     An unreadable image raises UnreadableImageError, or with on_skip is reported to on_skip(name, reason)
     and leaves its index unused. The written images must be square and of one size (ImageSizeError).
     """
     names = source.names[:max_images]
-    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode), batch_size=None,
-                                         num_workers=workers)
-    size, written = None, 0
-    for idx, (png, shape) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):
+    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode, alpha, background),
+                                         batch_size=None, num_workers=workers)
+    size, written, transparent = None, 0, 0
+    for idx, (png, shape, had_alpha) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):
         name = names[idx]
         if png is None:
             if on_skip is None:
@@ -156,6 +196,7 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
             raise ImageSizeError(f"{shown(name)} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
         writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name])
         written += 1
+        transparent += bool(had_alpha)
     if size is None:
         raise DatasetError(f"no image of {source.path} could be read")
-    return written
+    return written, transparent
