@@ -14,15 +14,16 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
-from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, UnreadableImageError, background_colour,
-                               choose_mode, convert_images, open_image_source, with_alpha)
+from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
+                               background_colour, choose_mode, convert_images, open_image_source, read_label_map,
+                               with_alpha)
 from edm2.data.dataset import DatasetError, ImageFolderDataset, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, EncoderError, StabilityVAEEncoder
-from edm2.errors import shown
+from edm2.errors import EDM2Error, one_line, shown
 from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
@@ -89,6 +90,18 @@ def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]
         raise click.BadParameter(str(e), param_hint="'--background'") from None
 
 
+def image_source(source: Path, labels_path: Path | None) -> ImageSource:
+    """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
+    try:
+        label_map = None if labels_path is None else read_label_map(labels_path)
+    except (EDM2Error, OSError) as e:
+        raise click.BadParameter(one_line(e), param_hint="'--labels'") from None
+    try:
+        return open_image_source(source, label_map)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="'--source'" if label_map is None else "'--labels'") from None
+
+
 def report_skip(name: str, reason: str) -> None:
     """convert --on-error=skip: say which image is left out and why."""
     tqdm.write(f"skipping {shown(name)}: cannot read it ({shown(reason)})", file=sys.stderr)
@@ -124,17 +137,20 @@ def main() -> None:
 @click.option("--alpha", type=click.Choice(ALPHA_MODES), default="drop", show_default=True,
               help="Transparency: drop it (the colours it hid show, often black), keep it as one more channel "
                    "(RGBA; LA for grayscale), or composite the images onto --background.")
+@click.option("--labels", "labels_path", metavar="JSON|DATASET", type=click.Path(exists=True, path_type=Path),
+              help="Class numbers for the class folders: a JSON map {folder: class}, or the map of a dataset, its "
+                   "dataset.json or a run's training_options.json  [default: sorted folder order from 0]")
 @click.option("--background", metavar="white|black|#rrggbb", help="Colour behind transparent pixels for "
               "--alpha=composite  [default: white]")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
             max_images: int | None, on_error: str, workers: int, channels: str, alpha: str,
-            background: str | None) -> None:
+            labels_path: Path | None, background: str | None) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
-    Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order (printed
-    at the end).
+    Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order or as
+    --labels maps them (printed at the end, and kept in dataset.json's "classes").
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
     with any colour image among them all become RGB. Transparency is dropped unless --alpha says otherwise; the
     count of images that had transparent pixels is printed.
@@ -146,10 +162,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     colour = alpha_background(alpha, background)
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
-        try:
-            images = open_image_source(source)
-        except DatasetError as e:
-            raise click.BadParameter(str(e), param_hint="'--source'") from None
+        images = image_source(source, labels_path)
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
             try:
@@ -172,8 +185,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             "keep": "their alpha is kept as the last channel",
             "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
     if images.classes:
-        click.echo("labels from the class folders (dataset.json's numbers):")
-        for label, folder in enumerate(images.classes):
+        click.echo("classes (dataset.json's numbers and names):")
+        for folder, label in sorted(images.classes.items(), key=lambda item: item[1]):
             click.echo(f"  {label}: {shown(folder)}")
 
 

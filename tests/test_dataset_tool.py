@@ -83,7 +83,8 @@ def test_convert_reads_back_with_labels_in_release_layout(tmp_path, class_folder
     else:
         assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.*")) == sorted(names + ["dataset.json"])
         metadata = json.loads((dest / "dataset.json").read_text())
-    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)]}
+    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)],
+                        "classes": {"cat": 0, "dog": 1, "eel": 2}}
     ds = ImageFolderDataset(dest)
     assert (len(ds), ds.resolution, ds.num_channels, ds.label_dim) == (5, 16, 3, 3)
     for i, (source_name, _, _) in enumerate(SOURCE_FILES):
@@ -752,3 +753,43 @@ def test_bad_background_is_one_line(tmp_path, args, message):
     source = rgba_source(tmp_path)
     assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out", *args),
                    "--background", message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Class numbers kept for fine-tuning on a subset of the classes (issue 26, item 8).
+
+def test_convert_keeps_a_given_label_map_and_records_the_class_names(tmp_path, class_folders):
+    assert_ok(run("convert", "--source", class_folders, "--dest", tmp_path / "all.zip", "--resolution=8",
+                  "--transform=center-crop"))
+    assert ImageFolderDataset(tmp_path / "all.zip").classes == {"cat": 0, "dog": 1, "eel": 2}
+    subset = tmp_path / "subset"
+    subset.mkdir()
+    for folder in ("eel", "dog"):
+        os.symlink(class_folders / folder, subset / folder)
+    # Alone, the two folders would become classes 0 and 1; the original dataset's map keeps them 1 and 2.
+    result = run("convert", "--source", subset, "--dest", tmp_path / "sub.zip", "--resolution=8",
+                 "--transform=center-crop", "--labels", tmp_path / "all.zip")
+    assert_ok(result)
+    assert "  1: dog" in result.output and "  2: eel" in result.output
+    ds = ImageFolderDataset(tmp_path / "sub.zip")
+    assert ds.raw_labels.tolist() == [1, 1, 2] and ds.classes == {"dog": 1, "eel": 2} and ds.label_dim == 3
+    with zipfile.ZipFile(tmp_path / "sub.zip") as archive:  # the release's "labels" as they were, names beside
+        stored = json.loads(archive.read("dataset.json"))
+    assert stored["labels"] == [[image_fname(i), label] for i, label in enumerate([1, 1, 2])]
+    (tmp_path / "map.json").write_text(json.dumps({"eel": 7, "dog": 0}))  # a plain map file
+    assert_ok(run("convert", "--source", subset, "--dest", tmp_path / "map.zip", "--resolution=8",
+                  "--transform=center-crop", "--labels", tmp_path / "map.json"))
+    assert ImageFolderDataset(tmp_path / "map.zip").raw_labels.tolist() == [0, 0, 7]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("label_map, message", [
+    ({"cat": 0, "dog": 1}, "the label map gives no class to the folder eel (1 folder(s) unmapped)"),
+    ({"cat": 0, "dog": 1, "eel": 1}, "gives class 1 two names"),
+    ({"cat": 0, "dog": -1, "eel": 2}, "must map class names to classes"),
+])
+def test_a_label_map_that_does_not_fit_is_one_line(tmp_path, class_folders, label_map, message):
+    (tmp_path / "map.json").write_text(json.dumps(label_map))
+    assert_refused(tmp_path, lambda: run("convert", "--source", class_folders, "--dest", tmp_path / "out.zip",
+                                         "--resolution=8", "--transform=center-crop", "--labels", tmp_path / "map.json"),
+                   "--labels", message)

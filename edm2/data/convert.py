@@ -16,10 +16,12 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.data.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
+from edm2.data.dataset import (CLASSES_KEY, LABELS_FILE, image_fname, parse_classes, read_dataset_json,
+                               source_image_names)
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.data.dataset_writer import DatasetWriter, png_bytes
 from edm2.errors import one_line, shown
+from edm2.runtime import bounded_json
 
 
 class UnreadableImageError(DatasetError):
@@ -56,13 +58,14 @@ def with_alpha(mode: str) -> str:
 class ImageSource:
     """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any.
 
-    classes names the class folders in label order (label i = classes[i]) when the labels come from folders.
+    classes maps class names to labels ({folder: label} when the labels come from folders, dataset.json's
+    CLASSES_KEY when it has one).
     """
 
     files: FileTree
     names: list[str]
     labels: dict[str, int] | None
-    classes: list[str] | None = None
+    classes: dict[str, int] | None = None
 
     @property
     def path(self) -> Path:
@@ -70,26 +73,57 @@ class ImageSource:
         return self.files.path
 
 
-def open_image_source(path: str | os.PathLike) -> ImageSource:
-    """The images of path; classes from its dataset.json if present, else from top-level folder names."""
+def open_image_source(path: str | os.PathLike, label_map: dict[str, int] | None = None) -> ImageSource:
+    """The images of path; classes from its dataset.json if present, else from top-level folder names: numbered in
+    sorted folder order, or as label_map ({folder: class}, read_label_map) gives them."""
     files = FileTree(path)
     names = source_image_names(files.names)
     if not names:
-        raise DatasetError(f"{path} holds no images")
+        raise DatasetError(f"{shown(path)} holds no images")
     if LABELS_FILE in files.names:  # read as every dataset's labels are
-        labels = read_labels(files, names)
-        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)))
-    return ImageSource(files, names, *_folder_labels(names))
+        if label_map is not None:
+            raise DatasetError(f"{shown(path)} has its own {LABELS_FILE}, whose labels it keeps; a label map is for "
+                               "class folders")
+        labels, classes = read_dataset_json(files, names)
+        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)), classes)
+    return ImageSource(files, names, *_folder_labels(names, label_map))
 
 
-def _folder_labels(names: list[str]) -> tuple[dict[str, int] | None, list[str] | None]:
-    """One class per top-level folder (ImageNet's layout), numbered in sorted folder order; none without folders."""
+def _folder_labels(names: list[str], label_map: dict[str, int] | None) -> tuple[dict[str, int] | None,
+                                                                            dict[str, int] | None]:
+    """One class per top-level folder (ImageNet's layout), numbered in sorted folder order or by label_map; none
+    without folders (and without a label_map)."""
     folders = {name: name.split("/")[0] if "/" in name else "" for name in names}
-    classes = sorted(set(folders.values()))
-    if len(classes) < 2:
-        return None, None
-    index = {folder: label for label, folder in enumerate(classes)}
-    return {name: index[folder] for name, folder in folders.items()}, classes
+    found = sorted(set(folders.values()))
+    if label_map is None:
+        if len(found) < 2:
+            return None, None
+        label_map = {folder: label for label, folder in enumerate(found)}
+    missing = [folder for folder in found if folder not in label_map]
+    if missing:
+        what = "images outside class folders" if missing[0] == "" else f"the folder {shown(missing[0])}"
+        raise DatasetError(f"the label map gives no class to {what} ({len(missing)} folder(s) unmapped)")
+    return {name: label_map[folder] for name, folder in folders.items()}, {f: label_map[f] for f in found}
+
+
+def read_label_map(path: str | os.PathLike) -> dict[str, int]:
+    """{class name: class} from a JSON file: a plain map, a dataset.json with CLASSES_KEY, or a run's
+    training_options.json (its dataset's); or from a dataset (folder or ZIP) whose dataset.json has one."""
+    if os.path.isdir(path) or str(path).lower().endswith(".zip"):
+        files = FileTree(path)
+        if LABELS_FILE not in files.names:
+            raise DatasetError(f"{shown(path)} has no {LABELS_FILE}")
+        stored = bounded_json.parse(files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES), f"{path}: {LABELS_FILE}")
+    else:
+        stored = bounded_json.read(path)
+    if isinstance(stored, dict) and isinstance(stored.get("dataset"), dict):
+        stored = stored["dataset"]  # a run's training_options.json
+    if isinstance(stored, dict) and CLASSES_KEY not in stored and "labels" not in stored:
+        stored = {CLASSES_KEY: stored}  # a plain map
+    classes = parse_classes(stored, path)
+    if not classes:
+        raise DatasetError(f"{shown(path)} holds no class names ({CLASSES_KEY}: {{name: class, ...}})")
+    return classes
 
 
 def choose_mode(source: ImageSource, channels: str, max_images: int | None = None) -> str:
@@ -178,6 +212,7 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
     and leaves its index unused. The written images must be square and of one size (ImageSizeError).
     """
     names = source.names[:max_images]
+    writer.classes = source.classes
     images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode, alpha, background),
                                          batch_size=None, num_workers=workers)
     size, written, transparent = None, 0, 0

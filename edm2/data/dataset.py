@@ -31,6 +31,7 @@ DECODED_MODES = {"1": "L", "P": "RGB", "PA": "RGBA", "CMYK": "RGB", "YCbCr": "RG
 # include grayscale ones), and gray repeated to RGB is what metrics do with gray anyway.
 MAX_CLASSES = 1 << 20  # 48x ImageNet-21k's classes; a one-hot label of 2**20 already takes 4 MiB per image
 LABELS_FILE = "dataset.json"
+CLASSES_KEY = "classes"  # dataset.json's {class name: class}, beside the release's "labels", which it leaves as is
 # The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
 RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
 
@@ -63,20 +64,32 @@ def convert_hint(path: str | os.PathLike) -> str:
 
 
 def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
-    """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels.
+    """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels."""
+    return read_dataset_json(files, names)[0]
+
+
+def read_dataset_json(files: FileTree, names: list[str]) -> tuple[list[int] | None, dict[str, int] | None]:
+    """The classes dataset.json gives `names`, in that order, and its class names ({name: class}, CLASSES_KEY);
+    each None where dataset.json has none.
 
     The one reader of dataset.json ({"labels": [[name, class], ...]} or {"labels": null}, the release's
-    format): every name must be listed, with a class (is_class).
+    format, which dataset_tool.py convert extends with CLASSES_KEY): every name must be listed, with a class
+    (is_class).
     """
     if LABELS_FILE not in files.names:
-        return None
+        return None, None
     try:
         text = files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES)
     except (OSError, zipfile.BadZipFile) as e:
         raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
-    labels = parse_labels(text, files.path)
+    try:
+        stored = bounded_json.parse(text, f"{files.path}: {LABELS_FILE}")
+    except bounded_json.JSONFileError:
+        stored = text  # parse_labels names what is wrong with it
+    labels = parse_labels(stored, files.path)
+    classes = parse_classes(stored, files.path)
     if labels is None:
-        return None
+        return None, classes
     missing = [name for name in names if name not in labels]
     if missing:
         raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {shown(missing[0])} "
@@ -86,7 +99,21 @@ def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
     if wrong:
         raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers below "
                            f"{MAX_CLASSES} (classes), found {json.dumps(wrong[0])}")
-    return values
+    return values, classes
+
+
+def parse_classes(stored: object, path: str | os.PathLike) -> dict[str, int] | None:
+    """The {class name: class} map of a parsed dataset.json (or --labels file), None when it has none; each name
+    names one class and each class has one name."""
+    classes = stored.get(CLASSES_KEY) if isinstance(stored, dict) else None
+    if classes is None:
+        return None
+    if not isinstance(classes, dict) or not all(is_class(label) for label in classes.values()):
+        raise DatasetError(f"{path}: {CLASSES_KEY} must map class names to classes (integers in [0, {MAX_CLASSES}))")
+    if len(set(classes.values())) < len(classes):
+        label = next(v for v in classes.values() if list(classes.values()).count(v) > 1)
+        raise DatasetError(f"{path}: {CLASSES_KEY} gives class {label} two names")
+    return classes
 
 
 def is_class(label: object) -> bool:
@@ -94,11 +121,12 @@ def is_class(label: object) -> bool:
     return isinstance(label, int) and not isinstance(label, bool) and 0 <= label < MAX_CLASSES
 
 
-def parse_labels(text: bytes, path: str | os.PathLike) -> dict[str, object] | None:
-    """{name: label} of a dataset.json text, None for null labels; the labels themselves are checked later."""
+def parse_labels(text: bytes | dict, path: str | os.PathLike) -> dict[str, object] | None:
+    """{name: label} of a dataset.json text (or its parsed object), None for null labels; the labels themselves
+    are checked later."""
     source = f"{path}: {LABELS_FILE}"
     try:
-        listed = bounded_json.parse(text, source)["labels"]
+        listed = (text if isinstance(text, dict) else bounded_json.parse(text, source))["labels"]
     except bounded_json.JSONFileError as e:  # malformed, too large, too deep, or a number out of bounds
         reason = str(e).removeprefix(f"{source}: ")
     except KeyError:
@@ -168,7 +196,7 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         pictures = sorted(kinds & readable - {".npy"})
         if ".npy" in kinds and pictures:
             raise DatasetError(f"{self.path}: mixes {', '.join(pictures)} and .npy images; a dataset holds one kind")
-        all_labels = read_labels(self._files, self._all_fnames) if use_labels else None
+        all_labels, self.classes = read_dataset_json(self._files, self._all_fnames) if use_labels else (None, None)
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
         self._raw_idx = np.arange(len(self._all_fnames), dtype=np.int64)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import numpy as np
 import PIL.Image
 
-from edm2.data.dataset import LABELS_FILE
+from edm2.data.dataset import CLASSES_KEY, LABELS_FILE
 from edm2.runtime import files
 
 # A fixed timestamp keeps ZIP bytes identical between runs that write identical files.
@@ -36,10 +36,12 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def labels_json(labels: dict[str, int | None]) -> str:
-    """dataset.json text: every file's class, or null unless every file has one (as the release)."""
+def labels_json(labels: dict[str, int | None], classes: dict[str, int] | None = None) -> str:
+    """dataset.json text: every file's class, or null unless every file has one (as the release); with classes,
+    also the class names ({name: class}, under CLASSES_KEY, which the release's readers ignore)."""
     complete = len(labels) > 0 and all(label is not None for label in labels.values())
-    return json.dumps({"labels": [[name, int(label)] for name, label in labels.items()] if complete else None})
+    stored = {"labels": [[name, int(label)] for name, label in labels.items()] if complete else None}
+    return json.dumps(stored if classes is None or not complete else {**stored, CLASSES_KEY: classes})
 
 
 def is_zip_path(path: str | os.PathLike) -> bool:
@@ -59,6 +61,7 @@ class DatasetWriter:
         self.dest = dest
         self._add_file = add_file
         self.labels: dict[str, int | None] = {}
+        self.classes: dict[str, int] | None = None  # class names, written to dataset.json beside the labels
 
     def add(self, fname: str, data: bytes, label: int | None = None) -> None:
         """Store one image file under its release name with its class (None for unlabeled)."""
@@ -96,7 +99,7 @@ def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
         writer = DatasetWriter(dest, lambda fname, data: _write_file(tmp / fname, data))
         yield writer
         try:
-            (tmp / LABELS_FILE).write_text(labels_json(writer.labels))
+            (tmp / LABELS_FILE).write_text(labels_json(writer.labels, writer.classes))
         except OSError as e:
             raise write_failure(dest, e) from None
         os.replace(tmp, dest)
@@ -115,7 +118,7 @@ def _zip_writer(dest: Path) -> Iterator[DatasetWriter]:
             _abandon(archive)
             raise
         try:
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels))
+            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels, writer.classes))
             archive.close()
         except OSError as e:
             _abandon(archive)
