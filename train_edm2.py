@@ -29,7 +29,7 @@ from training.options import (
     DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, PRECISIONS, RECIPE_FIELDS, TRACKERS, OptionsError, TrainingOptions,
     check_derived, check_label_dropout, rounds_per_step,
 )
-from training.run.preflight import dataset_description
+from training.run.preflight import dataset_description, init_notes
 from training.presets import PRESETS, get_preset
 from training.run.run_dir import RUN_ID_KEY
 from training.run.sample_grid import MAX_GRID_STEPS
@@ -265,6 +265,9 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
+    if init is not None and distributed.launched_rank() == 0:
+        for line in init_notes(read_init(init), dataset.classes, opts):
+            click.echo(line, err=True)
     if dry_run:
         print_dry_run(opts, dataset, encoder, time_steps)
         return

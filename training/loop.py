@@ -117,7 +117,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     sharded = isinstance(state.ema, ShardedPowerFunctionEMA)
     distributed.print0(
-        f"{_start(path, opts.init)} at {state.cur_nimg} images; "
+        f"{_start(path, opts.init)} at {state.cur_nimg} images{_init_recipe(path, opts)}; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
         + (f"; each process keeps 1/{world_size} of the EMA tracks" if sharded else "")
@@ -149,6 +149,15 @@ def _start(path: Path | None, init: str | None) -> str:
     if path:
         return f"Resuming from {path.name}"
     return f"Starting from {init}" if init else "Starting"
+
+
+def _init_recipe(path: Path | None, opts: TrainingOptions) -> str:
+    """For a run starting from an --init snapshot: the label dropout and learning rate it trains with, which are
+    this run's options, not the snapshot's run's."""
+    if path or not opts.init:
+        return ""
+    return (f" (label dropout {opts.label_dropout}, learning rate alpha_ref {opts.lr:.4g} ramped up from image 0 as "
+            "in a new run: not the snapshot's)")
 
 
 def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
