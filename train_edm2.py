@@ -26,8 +26,8 @@ from training.architecture import (
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, PRECISIONS, RECIPE_FIELDS, TRACKERS, OptionsError, TrainingOptions,
-    check_derived, check_label_dropout, rounds_per_step,
+    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, MAX_DEFAULT_GRID_ROWS, PRECISIONS, RECIPE_FIELDS, TRACKERS,
+    OptionsError, TrainingOptions, check_derived, check_label_dropout, default_grid, rounds_per_step,
 )
 from training.run.preflight import dataset_description, init_notes
 from training.presets import PRESETS, get_preset
@@ -212,8 +212,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
 @click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
               help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
                    "[default: none]")
-@click.option("--grid", type=GridSize(), default="x".join(map(str, DEFAULT_GRID)), show_default=True,
-              help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
+@click.option("--grid", type=GridSize(), help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: "
+              f"class r); 0 = none  [default: {'x'.join(map(str, DEFAULT_GRID))}, or a row per class up to "
+              f"{MAX_DEFAULT_GRID_ROWS} classes]")
 @click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
               show_default=True, help="Sampler steps of the sample grid")
 @threads_option
@@ -252,6 +253,8 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     else:
         encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
         overrides.update(from_init)
+    if overrides["grid"] is None:
+        overrides["grid"] = default_grid(dataset.label_dim if cond else 0)
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
         ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,

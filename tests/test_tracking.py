@@ -27,10 +27,11 @@ from edm2.encoders import StabilityVAEEncoder
 from edm2.image_grid import tile
 from training.run import sample_grid, trackers
 from training.run.dashboard import LOSS_MEAN_TAG, snapshot_numbers
-from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS
-from training.run.sample_grid import grid_path
+from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS, default_grid
+from training.run.sample_grid import grid_classes, grid_path
 from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
-from tests.helpers import REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command
+from tests.helpers import (REPO, tiny_precond, TRAIN_ARGS, TRAIN_ENV, assert_refused, train_command,
+                           write_image_dataset)
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -320,3 +321,19 @@ def test_plot_run_tensorboard_with_a_damaged_options_file_is_one_line(reference_
     (run / "training_options.json").write_text("[1, 2]")
     assert_refused(tmp_path, lambda: CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"]),
                    "RUN", f"{run / 'training_options.json'}: a JSON list, not an object")
+
+
+def test_the_default_grid_shows_every_class_and_a_smaller_one_says_which(tmp_path):
+    # Issue 26, item 8: the default 4x8 grid showed 4 of 9 classes with no hint.
+    assert [default_grid(n) for n in (0, 4, 9, 40)] == [(4, 8), (4, 8), (9, 4), (16, 4)]
+    data = write_image_dataset(tmp_path / "six", num=18, classes=6)
+    common = [*TRAIN_ARGS, f"--data={data}", "--duration=16", "--batch=16", "--workers=0", "--grid-steps=1"]
+    dry = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'dry'}", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["grid"] == [6, 5]  # a row per class
+    unconditional = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'u'}", "--cond=False", "-n"])
+    assert json.loads(unconditional.stdout)["grid"] == list(DEFAULT_GRID)
+    smaller = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'run'}", "--grid=4x2"])
+    assert smaller.exit_code == 0, smaller.output
+    assert "The sample grids show classes 0-3 of 6 (one per row); --grid=6xCOLS shows every class." in smaller.output
+    assert grid_classes(9, 9) == grid_classes(4, 0) == ""

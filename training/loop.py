@@ -40,7 +40,7 @@ from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import Outputs
 from training.run.preflight import check_run
 from training.run.run_dir import LOG_FILE, RunDirectory
-from training.run.sample_grid import SampleGrid
+from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss, training_step
@@ -176,5 +176,7 @@ def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder
     trackers = Trackers(opts.loggers, run.path, opts.to_json(), step.state.cur_nimg)
     stack.callback(trackers.close)
     grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
+    if grid and grid_classes(grid.rows, step.state.net.label_dim):
+        print(grid_classes(grid.rows, step.state.net.label_dim), flush=True)
     return dict(trackers=trackers, grid=grid)
 
