@@ -116,11 +116,21 @@ def init_options(init: str, dataset: ImageFolderDataset, encoder: Encoder, given
 
 
 def build_options(preset: str, dataset: ImageFolderDataset, encoder: Encoder, **values) -> TrainingOptions:
-    """The run's options for this data; what their own checks refuse (TrainingOptions.__post_init__) is one line."""
+    """The run's options for this data (--grid's default from its classes); what their own checks refuse
+    (TrainingOptions.__post_init__) is one line."""
+    if values["grid"] is None:
+        values["grid"] = default_grid(dataset.label_dim if values["cond"] else 0)
     try:
         return TrainingOptions.from_preset(preset, dataset_description(dataset), encoder.config(), **values)
     except OptionsError as e:
         raise click.UsageError(str(e)) from None
+
+
+def report_init(opts: TrainingOptions, dataset: ImageFolderDataset) -> None:
+    """On stderr, from the first process only: what a run from an --init snapshot should know (init_notes)."""
+    if opts.init is not None and distributed.launched_rank() == 0:
+        for line in init_notes(read_init(opts.init), dataset.classes, opts):
+            click.echo(line, err=True)
 
 
 def config_params(values: dict, path: str) -> dict:
@@ -253,8 +263,6 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     else:
         encoder, from_init = init_options(init, dataset, encoder, dict(given, channels=overrides["channels"]))
         overrides.update(from_init)
-    if overrides["grid"] is None:
-        overrides["grid"] = default_grid(dataset.label_dim if cond else 0)
     opts = build_options(
         preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
         ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
@@ -268,9 +276,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
         rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
-    if init is not None and distributed.launched_rank() == 0:
-        for line in init_notes(read_init(init), dataset.classes, opts):
-            click.echo(line, err=True)
+    report_init(opts, dataset)
     if dry_run:
         print_dry_run(opts, dataset, encoder, time_steps)
         return
