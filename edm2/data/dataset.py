@@ -165,6 +165,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     image formats beside them, and the first image of every sub-folder has the first image's size; every
     error about them ends with a pointer to `dataset_tool.py convert`.
 
+    classes is dataset.json's {class name: class} (CLASSES_KEY), None when it records none or labels are not used.
+
     With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
     beside .npy), and grayscale images are decoded as RGB too.
     """

@@ -1,5 +1,6 @@
 """What train() checks before it writes anything: the options against the data and encoder it is given, the batch
-against the processes, and an --init snapshot against the data and the options; as train_edm2.py checks them."""
+against the processes, and an --init snapshot against the data and the options; as train_edm2.py checks them. And
+what train_edm2.py tells a run from an --init snapshot (init_notes)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def init_notes(init: InitSnapshot, classes: dict[str, int] | None, opts: Trainin
     uses against those the snapshot's run used and ended with (when the snapshot records them)."""
     name, network_classes = os.path.basename(init.path), init.network_kwargs["label_dim"]
     recorded = read_init_record(init.path)
-    theirs = (recorded.get("dataset") or {}).get("classes") if recorded else None
+    dataset = recorded.get("dataset") if recorded else None  # a file's contents: any JSON
+    theirs = dataset.get("classes") if isinstance(dataset, dict) else None
     notes = []
     if opts.cond and network_classes and classes and isinstance(theirs, dict):
         moved = [f"{shown(c)} is class {theirs[c]} of {name} but {label} of the data" for c, label in classes.items()
@@ -49,7 +51,8 @@ def init_notes(init: InitSnapshot, classes: dict[str, int] | None, opts: Trainin
     options = (recorded or {}).get("training_options")
     was = ""
     if isinstance(options, dict) and _is_number(recorded.get("nimg")) and all(
-            _is_number(options.get(k)) for k in ("batch", "lr", "decay", "rampup_Mimg")):
+            _is_number(options.get(k)) and options[k] >= 0 for k in ("batch", "lr", "decay", "rampup_Mimg")) and (
+            options["batch"] > 0):
         last = learning_rate_schedule(max(recorded["nimg"] - options["batch"], 0), options["batch"], options["lr"],
                                       options["decay"], options["rampup_Mimg"])
         was = (f"; {name}'s run used label dropout {options.get('label_dropout', 0.0)} and ended at learning rate "
