@@ -15,8 +15,9 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
-from edm2.data.convert import (CHANNEL_MODES, ImageSizeError, UnreadableImageError, choose_mode, convert_images,
-                               open_image_source)
+from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
+                               background_colour, choose_mode, convert_images, open_image_source, read_label_map,
+                               with_alpha)
 from edm2.data.dataset import DatasetError, ImageFolderDataset, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
@@ -26,6 +27,7 @@ from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, ENCODINGS, EncoderError, StabilityVAEEncoder, StandardRGBEncoder
+from edm2.errors import EDM2Error, one_line, shown
 from edm2.runtime import distributed, files, locks
 
 DEFAULT_ENCODE_BATCH = 8
@@ -140,9 +142,31 @@ def load_vae(vae: str, batch: int) -> StabilityVAEEncoder:
     return encoder
 
 
+def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]:
+    """--background's colour (white by default); refused unless --alpha=composite uses it."""
+    if background is not None and alpha != "composite":
+        raise click.BadParameter(f"is used by --alpha=composite only (--alpha={alpha})", param_hint="'--background'")
+    try:
+        return background_colour(background or "white")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--background'") from None
+
+
+def image_source(source: Path, labels_path: Path | None) -> ImageSource:
+    """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
+    try:
+        label_map = None if labels_path is None else read_label_map(labels_path)
+    except (EDM2Error, OSError) as e:
+        raise click.BadParameter(one_line(e), param_hint="'--labels'") from None
+    try:
+        return open_image_source(source, label_map)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="'--source'" if label_map is None else "'--labels'") from None
+
+
 def report_skip(name: str, reason: str) -> None:
     """convert --on-error=skip: say which image is left out and why."""
-    tqdm.write(f"skipping {name}: cannot read it ({reason})", file=sys.stderr)
+    tqdm.write(f"skipping {shown(name)}: cannot read it ({shown(reason)})", file=sys.stderr)
 
 
 @click.group(cls=Group)
@@ -178,9 +202,17 @@ def main() -> None:
 @click.option("--encoding", type=click.Choice([name for name, cls in ENCODINGS.items() if cls.stores_pixels]),
               default="pixels", show_default=True, help="What the network sees of the PNGs, recorded in dataset.json "
               "(edm2.encoders.ENCODINGS)")
+@click.option("--alpha", type=click.Choice(ALPHA_MODES), default="drop", show_default=True,
+              help="Transparency: drop it (the colours it hid show, often black), keep it as one more channel "
+                   "(RGBA; LA for grayscale), or composite the images onto --background.")
+@click.option("--labels", "labels_path", metavar="JSON|DATASET", type=click.Path(exists=True, path_type=Path),
+              help="Class numbers for the class folders: a JSON map {folder: class}, or the map of a dataset, its "
+                   "dataset.json or a run's training_options.json  [default: sorted folder order from 0]")
+@click.option("--background", metavar="white|black|#rrggbb", help="Colour behind transparent pixels for "
+              "--alpha=composite  [default: white]")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
             max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str,
-            encoding: str) -> None:
+            encoding: str, alpha: str, labels_path: Path | None, background: str | None) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
 
     Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
@@ -188,10 +220,11 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
-    Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order (printed
-    at the end).
+    Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order or as
+    --labels maps them (printed at the end, and kept in dataset.json's "classes").
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
-    with any colour image among them all become RGB. Alpha is dropped.
+    with any colour image among them all become RGB. Transparency is dropped unless --alpha says otherwise; the
+    count of images that had transparent pixels is printed.
 
     \b
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
@@ -199,37 +232,43 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     """
     if is_shards(dest):
         tar_only(source, resolution, transform)
-        if encoding != "pixels":
-            raise click.BadParameter("a shard dataset records the encoding of its source's samples; convert to a "
-                                     "PNG dataset for another --encoding", param_hint="'--encoding'")
+        if encoding != "pixels" or alpha != "drop" or labels_path is not None:
+            raise click.BadParameter("a shard dataset holds its source's samples and labels as they are; convert to "
+                                     "a PNG dataset for --encoding, --alpha or --labels", param_hint="'--dest'")
         with distributed.session(single_process=True):
             return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size)
     if is_tar_source(source):
         raise click.BadParameter(f"{source}: tar shards convert into shards: --dest=NAME.shards", param_hint="'--dest'")
+    colour = alpha_background(alpha, background)
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
-        try:
-            images = open_image_source(source)
-        except DatasetError as e:
-            raise click.BadParameter(str(e), param_hint="'--source'") from None
+        images = image_source(source, labels_path)
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
             writer.encoding = ENCODINGS[encoding]().dataset_record()
             try:
-                written = convert_images(images, writer, transform_image, max_images, workers,
-                                         on_skip=report_skip if on_error == "skip" else None, mode=mode)
+                written, transparent = convert_images(images, writer, transform_image, max_images, workers,
+                                                      on_skip=report_skip if on_error == "skip" else None, mode=mode,
+                                                      alpha=alpha, background=colour)
             except UnreadableImageError as e:
                 raise click.ClickException(f"{e}; --on-error=skip leaves such images out") from None
             except ImageSizeError as e:
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
     skipped = len(images.names[:max_images]) - written
-    kind = "grayscale (1 channel)" if mode == "L" else "RGB"
-    click.echo(f"wrote {written} {kind} images to {dest}" + (f" ({skipped} skipped)" if skipped else ""))
+    kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
+    click.echo(f"wrote {written} {kind[with_alpha(mode) if alpha == 'keep' else mode]} images to {shown(dest)}"
+               + (f" ({skipped} skipped)" if skipped else ""))
+    if transparent:
+        click.echo(f"{transparent} of {written} images had transparent pixels: " + {
+            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
+                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
+            "keep": "their alpha is kept as the last channel",
+            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
     if images.classes:
-        click.echo("labels from the class folders (dataset.json's numbers):")
-        for label, folder in enumerate(images.classes):
-            click.echo(f"  {label}: {folder}")
+        click.echo("classes (dataset.json's numbers and names):")
+        for folder, label in sorted(images.classes.items(), key=lambda item: item[1]):
+            click.echo(f"  {label}: {shown(folder)}")
 
 
 def vae_options(command: Callable) -> Callable:

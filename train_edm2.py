@@ -33,11 +33,11 @@ from training.architecture import (
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, PRECISIONS, RECIPE_FIELDS, TRACKERS,
-    TRAINING_METRICS, OptionsError, TrainingOptions,
-    check_derived, check_label_dropout, rounds_per_step,
+    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, MAX_DEFAULT_GRID_ROWS, PRECISIONS,
+    RECIPE_FIELDS, TRACKERS, TRAINING_METRICS, OptionsError, TrainingOptions, check_derived, check_label_dropout,
+    default_grid, rounds_per_step,
 )
-from training.run.preflight import dataset_description
+from training.run.preflight import dataset_description, init_notes
 from training.presets import PRESETS, get_preset
 from training.run.run_dir import RUN_ID_KEY
 from training.run.sample_grid import MAX_GRID_STEPS
@@ -196,11 +196,21 @@ def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, en
 
 
 def build_options(preset: str, dataset: ImageData, encoder: Encoder, **values) -> TrainingOptions:
-    """The run's options for this data; what their own checks refuse (TrainingOptions.__post_init__) is one line."""
+    """The run's options for this data (--grid's default from its classes); what their own checks refuse
+    (TrainingOptions.__post_init__) is one line."""
+    if values["grid"] is None:
+        values["grid"] = default_grid(dataset.label_dim if values["cond"] else 0)
     try:
         return TrainingOptions.from_preset(preset, dataset_description(dataset), encoder.config(), **values)
     except OptionsError as e:
         raise click.UsageError(str(e)) from None
+
+
+def report_init(opts: TrainingOptions, dataset: ImageFolderDataset) -> None:
+    """On stderr, from the first process only: what a run from an --init snapshot should know (init_notes)."""
+    if opts.init is not None and distributed.launched_rank() == 0:
+        for line in init_notes(read_init(opts.init), dataset.classes, opts):
+            click.echo(line, err=True)
 
 
 def config_params(values: dict, path: str) -> dict:
@@ -301,8 +311,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
               help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
                    "[default: none]")
-@click.option("--grid", type=GridSize(), default="x".join(map(str, DEFAULT_GRID)), show_default=True,
-              help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
+@click.option("--grid", type=GridSize(), help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: "
+              f"class r); 0 = none  [default: {'x'.join(map(str, DEFAULT_GRID))}, or a row per class up to "
+              f"{MAX_DEFAULT_GRID_ROWS} classes]")
 @click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
               show_default=True, help="Sampler steps of the sample grid")
 @click.option("--metrics", callback=parse_training_metrics, default="", metavar="LIST",
@@ -363,6 +374,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
     note = unrecorded_encoding(dataset, encoder) if init is None else None
+    report_init(opts, dataset)
     if dry_run:
         print_dry_run(opts, dataset, encoder, time_steps, note)
         return

@@ -7,7 +7,7 @@ import re
 import click
 import torch
 
-from edm2.errors import EDM2Error, one_line
+from edm2.errors import EDM2Error, one_line, shown
 
 # What a command can make smaller when memory runs out, in the order a user would try them: its images per
 # batch first, then the network's size (train_edm2.py --channels, toy_example.py train --dim and --layers).
@@ -35,19 +35,23 @@ def memory_hint(command: click.Command) -> str:
 
 class _OneLineErrors:
     """Mixin for click commands: EDM2Error and OSError (a full disk, a read-only folder) become click errors, and
-    running out of memory one line saying which options make the work smaller."""
+    running out of memory one line saying which options make the work smaller; no error's message can hold a second
+    line (a name with a newline in it is shown escaped: edm2.errors.shown)."""
 
     def invoke(self, ctx: click.Context):
         """Run the command, reporting library and file-system errors as `Error: <one line>`."""
         try:
             return super().invoke(ctx)
         except (EDM2Error, OSError) as e:
-            raise click.ClickException(one_line(e)) from None
+            raise click.ClickException(shown(one_line(e))) from None
+        except click.ClickException as e:
+            e.message = shown(e.message)
+            raise
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
             detail = one_line(e) if str(e).strip() else type(e).__name__
-            raise click.ClickException(f"out of memory ({detail}); {memory_hint(ctx.command)}") from None
+            raise click.ClickException(shown(f"out of memory ({detail}); {memory_hint(ctx.command)}")) from None
 
 
 class Command(_OneLineErrors, click.Command):

@@ -214,12 +214,20 @@ def finish(plan: SweepPlan, metrics: list[str], guidances: list[float] | None = 
         finish_guidance(plan, metrics, guidances)
         rows = [row for row in rows if row.get("guidance") == guidances[0]]
     plots.save_png(sweep_figure(rows, metrics), png)
-    best = {metric: {str(nimg // 1000): row["std"] for nimg, row in sweep.best_rows(rows, metric).items()}
-            for metric in metrics}
-    for metric, by_kimg in best.items():
-        click.echo(f"best {metric}: " + ", ".join(f"sigma_rel {std:.3f} at kimg {k}" for k, std in by_kimg.items()))
+    for line in sweep.summary_table(rows, metrics):
+        click.echo(line)
+    best, warnings = {}, {}
+    for metric in metrics:
+        best_rows = sweep.best_rows(rows, metric)
+        best[metric] = {str(nimg // 1000): row["std"] for nimg, row in best_rows.items()}
+        warnings[metric] = {str(nimg // 1000): sweep.best_warnings(rows, row) for nimg, row in best_rows.items()}
+        click.echo(f"best {metric}: "
+                   + ", ".join(f"sigma_rel {std:.3f} at kimg {k}" for k, std in best[metric].items()))
+        for kimg, notes in warnings[metric].items():
+            for note in notes:
+                click.echo(f"  caution, kimg {kimg}: sigma_rel {best[metric][kimg]:.3f} is {note}")
     click.echo(f"Saved {plan.results.path} and {png}")
-    click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best}))
+    click.echo(json.dumps({"results": str(plan.results.path), "plot": str(png), "best": best, "warnings": warnings}))
 
 
 def finish_guidance(plan: SweepPlan, metrics: list[str], guidances: list[float]) -> None:

@@ -25,6 +25,13 @@ def one_line(error: BaseException) -> str:
     return line
 
 
+def shown(name: object) -> str:
+    """A user-supplied name (a file, a folder, a class) as output may show it: every character that is not
+    printable (a newline, a carriage return, an escape sequence) written as its Python escape, so that a name can
+    neither forge a line of output nor hide one; printable text, non-ASCII letters and emoji included, is kept."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(name))
+
+
 class SnapshotError(EDM2Error):
     """A network file is missing, unreadable, not one of ours, or (ReleasePickleError) an unsafe pickle.
 

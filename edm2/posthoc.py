@@ -314,14 +314,20 @@ GOOD_PROFILE_ERROR = 1e-3  # the averaging profile within ~3% (RMS) of the targe
 FAIR_PROFILE_ERROR = 5e-2  # within ~22%: usable, but more snapshots or a nearer tracked length would do better
 
 
+def profile_quality(error: float) -> str:
+    """'good', 'fair' or 'poor': the relative profile error (Eq. 134) against GOOD_ and FAIR_PROFILE_ERROR."""
+    return "good" if error < GOOD_PROFILE_ERROR else "fair" if error < FAIR_PROFILE_ERROR else "poor"
+
+
 def describe_profile_error(error: float) -> str:
     """The relative profile error (Eq. 134) in words: how far the averaging profile is from the target's."""
     error = max(error, 0.0)  # rounding leaves -1e-17 where the target is a tracked length
     rms = math.sqrt(error)  # relative squared L2 distance -> relative RMS distance
-    verdict = (f"as good as a tracked EMA (below {GOOD_PROFILE_ERROR:.0e})" if error < GOOD_PROFILE_ERROR else
-               f"fair (below {GOOD_PROFILE_ERROR:.0e} is as good as a tracked EMA; more snapshots lower it)"
-               if error < FAIR_PROFILE_ERROR else
-               f"poor (above {FAIR_PROFILE_ERROR:.0e}: take more snapshots or a sigma_rel nearer the tracked ones)")
+    verdict = {
+        "good": f"as good as a tracked EMA (below {GOOD_PROFILE_ERROR:.0e})",
+        "fair": f"fair (below {GOOD_PROFILE_ERROR:.0e} is as good as a tracked EMA; more snapshots lower it)",
+        "poor": f"poor (above {FAIR_PROFILE_ERROR:.0e}: take more snapshots or a sigma_rel nearer the tracked ones)",
+    }[profile_quality(error)]
     return f"profile error {error:.1e}: the averaging profile is {rms:.1%} (RMS) from the target's, {verdict}"
 
 

@@ -19,9 +19,10 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.layers import MPConv
 from edm2.plots.run import dashboard_figure, magnitudes_figure
-from training.run.dashboard import PROBE_IMAGES, Dashboard
+from edm2.eval.validation import sigma_grid
+from training.run.dashboard import LOSS_MEAN_TAG, PROBE_IMAGES, Dashboard, snapshot_numbers
 from training.options import TrainingOptions
-from tests.helpers import assert_refused, randomized, tiny_precond
+from tests.helpers import REPO, assert_refused, randomized, tiny_precond
 
 TOY_TINY = dict(P_mean=-0.8, P_std=1.6)  # training/presets.py's toy-tiny row, typed in again
 
@@ -308,3 +309,19 @@ def test_the_dashboard_records_where_the_run_resumed(train_data, tmp_path):
     assert invocation(1024, 2048) == [1024]
     assert invocation(1024, 2048) == [1024]  # resumed from the same state again: one mark
     assert invocation(2048, 3072) == [1024, 2048]
+
+
+def test_the_dashboards_loss_mean_is_named_apart_from_the_sweeps_validation_loss():
+    # Issue 26, item 8: the dashboard's 0.555 and the sweep's 0.375 were both called "validation loss". The
+    # dashboard's is an equal-weight mean over its grid of noise levels (P_mean +- 2.5 P_std in ln sigma); Eq. 14
+    # weights ln sigma by its normal density (Eq. 16), which gives the grid's two outermost levels 1.8% of the
+    # weight where the plain mean gives them 2/11 = 18%.
+    sigma = sigma_grid(-0.8, 1.6)
+    levels = dict(weighted_error=[1.0] * 2 + [0.2] * 7 + [1.0] * 2, u=[0.0] * 11)
+    numbers = snapshot_numbers(sigma, levels, dict(activations={}, weights={}))
+    assert "validation/loss" not in numbers and numbers[LOSS_MEAN_TAG] == pytest.approx(sum(levels["weighted_error"]) / 11)
+    density = np.exp(-0.5 * np.linspace(-2.5, 2.5, 11) ** 2)
+    assert density[[0, -1]].sum() / density.sum() == pytest.approx(0.018, abs=5e-4)
+    readme = (REPO / "README.md").read_text()
+    explained = readme[readme.index("**Three losses, three names.**"):][:900]
+    assert all(name in explained for name in ("`train/loss`", f"`{LOSS_MEAN_TAG}`", "The sweep's `loss`", "Eq. 14"))

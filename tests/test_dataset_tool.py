@@ -84,7 +84,8 @@ def test_convert_reads_back_with_labels_in_release_layout(tmp_path, class_folder
     else:
         assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.*")) == sorted(names + ["dataset.json"])
         metadata = json.loads((dest / "dataset.json").read_text())
-    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)], "encoding": "pixels"}
+    assert metadata == {"labels": [[name, label] for name, label in zip(names, labels)],
+                        "classes": {"cat": 0, "dog": 1, "eel": 2}, "encoding": "pixels"}
     ds = ImageFolderDataset(dest)
     assert (len(ds), ds.resolution, ds.num_channels, ds.label_dim) == (5, 16, 3, 3)
     for i, (source_name, _, _) in enumerate(SOURCE_FILES):
@@ -666,3 +667,139 @@ def test_convert_scales_16_bit_grayscale_to_8_bits(tmp_path):
     # v * 255 / 65535 = v / 257, rounded to nearest: 128 -> 0.498, 129 -> 0.502, 32767 -> 127.498, 32768 -> 127.502.
     assert image.shape == (1, 4, 4) and PIL.Image.open(tmp_path / "src" / "a.png").mode == "I;16"
     assert image[0, :2].tolist() == [[0, 0, 1, 127], [128, 254, 255, 255]]
+
+
+def test_names_with_control_characters_are_shown_escaped_and_forge_no_line(tmp_path):
+    # Issue 26, item 8: a class folder named with a newline printed a forged 'Error:' line during convert.
+    forged, bell = "Flags\nError: forged", "smile \U0001f600\r\x1b[2K"
+    source = tmp_path / "source"
+    save_image(source / forged / "a.png", np.zeros((8, 8, 3), np.uint8))
+    save_image(source / bell / "b.png", np.zeros((8, 8, 3), np.uint8))
+    (source / forged / "broken\n.png").write_bytes(b"\x89PNG broken")
+    result = run("convert", "--source", source, "--dest", tmp_path / "out.zip", "--on-error=skip")
+    assert_ok(result)
+    lines = result.output.splitlines()
+    assert not any(line.startswith("Error") for line in lines)
+    assert "skipping Flags\\nError: forged/broken\\n.png: cannot read it" in result.output  # the skip line
+    assert "  0: Flags\\nError: forged" in lines and "  1: smile \U0001f600\\r\\x1b[2K" in lines  # the label list
+    save_image(source / forged / "wide.png", np.zeros((8, 12, 3), np.uint8))  # an error line naming the image
+    refused = run("convert", "--source", source, "--dest", tmp_path / "out2.zip", "--on-error=skip")
+    assert refused.exit_code != 0 and not (tmp_path / "out2.zip").exists()
+    [line] = [line for line in refused.output.splitlines() if line.startswith("Error")]
+    assert line.startswith("Error: Flags\\nError: forged/wide.png is 12x8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Transparency (issue 26, item 8: 921 of 1,906 emoji came out on black or smeared backgrounds, silently).
+
+def rgba_source(tmp_path):
+    """Three 8x8 images: RGBA with a clear left half hiding black and a half-clear (alpha 128) blue right half, an
+    opaque RGBA, and an RGB one."""
+    source = tmp_path / "emoji"
+    clear = np.zeros((8, 8, 4), np.uint8)
+    clear[:, 4:] = (0, 0, 255, 128)
+    save_image(source / "a.png", clear)
+    save_image(source / "b.png", np.full((8, 8, 4), (10, 200, 30, 255), np.uint8))
+    save_image(source / "c.png", np.full((8, 8, 3), (90, 90, 90), np.uint8))
+    return source
+
+
+def converted(path):
+    return [np.asarray(PIL.Image.open(p)) for p in sorted(path.rglob("img*.png"))]
+
+
+def test_convert_reports_transparency_and_drops_keeps_or_composites_it(tmp_path):
+    source = rgba_source(tmp_path)
+    dropped = run("convert", "--source", source, "--dest", tmp_path / "drop")
+    assert_ok(dropped)
+    assert "1 of 3 images had transparent pixels: their alpha was dropped" in dropped.output
+    assert "wrote 3 RGB images" in dropped.output and converted(tmp_path / "drop")[0][0, 0].tolist() == [0, 0, 0]
+
+    kept = run("convert", "--source", source, "--dest", tmp_path / "keep", "--alpha=keep")
+    assert_ok(kept)
+    assert "wrote 3 RGBA (4 channels) images" in kept.output and "1 of 3 images had transparent pixels" in kept.output
+    first, second, third = converted(tmp_path / "keep")
+    assert first[0, 0].tolist() == [0, 0, 0, 0] and first[0, 7].tolist() == [0, 0, 255, 128]
+    assert second[0, 0].tolist() == [10, 200, 30, 255] and third[0, 0].tolist() == [90, 90, 90, 255]
+    assert ImageFolderDataset(tmp_path / "keep").num_channels == 4
+
+    composite = run("convert", "--source", source, "--dest", tmp_path / "red", "--alpha=composite",
+                    "--background=#ff0000")
+    assert_ok(composite)
+    assert "1 of 3 images had transparent pixels: composited onto #ff0000" in composite.output
+    first, second, _ = converted(tmp_path / "red")
+    assert first[0, 0].tolist() == [255, 0, 0] and second[0, 0].tolist() == [10, 200, 30]
+    # Over an opaque background: out = c a + bg (1 - a), a = 128/255; 8-bit rounding within one level.
+    expected = np.array([0, 0, 255]) * 128 / 255 + np.array([255, 0, 0]) * 127 / 255
+    assert np.abs(first[0, 7] - expected).max() <= 1
+
+
+def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):
+    from edm2.encoders import StandardRGBEncoder
+    from edm2.image_grid import save_png
+    from tests.helpers import TRAIN_ARGS, tiny_precond
+    from training.run.sample_grid import sample_grid
+    import train_edm2
+
+    source = rgba_source(tmp_path)
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "keep.zip", "--alpha=keep"))
+    timed = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={tmp_path / 'keep.zip'}", "--cond=False",
+                                                 "--batch=4", "--workers=0", f"--outdir={tmp_path / 'run'}",
+                                                 "--dry-run", "--time-steps=1"])
+    assert timed.exit_code == 0, timed.output
+    assert json.loads(timed.stdout)["dataset"]["num_channels"] == 4 and "Timed 1 step(s)" in timed.stderr
+    grid = sample_grid(tiny_precond(img_channels=4, label_dim=0), StandardRGBEncoder(), 2, 2, 2, torch.device("cpu"))
+    save_png(tmp_path / "grid.png", grid)
+    with PIL.Image.open(tmp_path / "grid.png") as image:
+        assert image.mode == "RGBA" and image.size == (17, 17)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("args, message", [
+    (["--alpha=composite", "--background=teal"], "'teal' is no colour: use white, black or #rrggbb"),
+    (["--background=black"], "is used by --alpha=composite only (--alpha=drop)"),
+])
+def test_bad_background_is_one_line(tmp_path, args, message):
+    source = rgba_source(tmp_path)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out", *args),
+                   "--background", message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Class numbers kept for fine-tuning on a subset of the classes (issue 26, item 8).
+
+def test_convert_keeps_a_given_label_map_and_records_the_class_names(tmp_path, class_folders):
+    assert_ok(run("convert", "--source", class_folders, "--dest", tmp_path / "all.zip", "--resolution=8",
+                  "--transform=center-crop"))
+    assert ImageFolderDataset(tmp_path / "all.zip").classes == {"cat": 0, "dog": 1, "eel": 2}
+    subset = tmp_path / "subset"
+    subset.mkdir()
+    for folder in ("eel", "dog"):
+        os.symlink(class_folders / folder, subset / folder)
+    # Alone, the two folders would become classes 0 and 1; the original dataset's map keeps them 1 and 2.
+    result = run("convert", "--source", subset, "--dest", tmp_path / "sub.zip", "--resolution=8",
+                 "--transform=center-crop", "--labels", tmp_path / "all.zip")
+    assert_ok(result)
+    assert "  1: dog" in result.output and "  2: eel" in result.output
+    ds = ImageFolderDataset(tmp_path / "sub.zip")
+    assert ds.raw_labels.tolist() == [1, 1, 2] and ds.classes == {"dog": 1, "eel": 2} and ds.label_dim == 3
+    with zipfile.ZipFile(tmp_path / "sub.zip") as archive:  # the release's "labels" as they were, names beside
+        stored = json.loads(archive.read("dataset.json"))
+    assert stored["labels"] == [[image_fname(i), label] for i, label in enumerate([1, 1, 2])]
+    (tmp_path / "map.json").write_text(json.dumps({"eel": 7, "dog": 0}))  # a plain map file
+    assert_ok(run("convert", "--source", subset, "--dest", tmp_path / "map.zip", "--resolution=8",
+                  "--transform=center-crop", "--labels", tmp_path / "map.json"))
+    assert ImageFolderDataset(tmp_path / "map.zip").raw_labels.tolist() == [0, 0, 7]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("label_map, message", [
+    ({"cat": 0, "dog": 1}, "the label map gives no class to the folder eel (1 folder(s) unmapped)"),
+    ({"cat": 0, "dog": 1, "eel": 1}, "gives class 1 two names"),
+    ({"cat": 0, "dog": -1, "eel": 2}, "must map class names to classes"),
+])
+def test_a_label_map_that_does_not_fit_is_one_line(tmp_path, class_folders, label_map, message):
+    (tmp_path / "map.json").write_text(json.dumps(label_map))
+    assert_refused(tmp_path, lambda: run("convert", "--source", class_folders, "--dest", tmp_path / "out.zip",
+                                         "--resolution=8", "--transform=center-crop", "--labels", tmp_path / "map.json"),
+                   "--labels", message)

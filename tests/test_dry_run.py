@@ -2,7 +2,9 @@
 with --time-steps, its speed on stderr, matching what the training itself reports."""
 
 import json
+import os
 import re
+import socket
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from click.testing import CliRunner
 
 import train_edm2
 from tests.helpers import TRAIN_ARGS, assert_refused, tree
+from training.run.run_lock import RunLock
 
 
 def dry_run(*args: str):
@@ -80,3 +83,17 @@ def test_time_steps_that_run_out_of_memory_say_so(train_data, tmp_path, monkeypa
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
         *TRAIN_ARGS, f"--data={train_data}", f"--outdir={run}", "--dry-run", "--time-steps=1", "--batch-gpu=16"]),
         "out of memory", fragment, "give a smaller --batch-gpu, --batch or --channels")
+
+
+def test_dry_run_on_a_run_held_by_a_live_training_names_the_lock_and_its_holder(train_data, reference_run):
+    lock = RunLock(reference_run)  # another open file of training.lock: flock treats it as another process's
+    lock.acquire()
+    try:
+        held = dry_run(f"--data={train_data}", f"--outdir={reference_run}", "--duration=4Ki")
+    finally:
+        lock.release()
+    assert "Would resume from" in held.stderr
+    assert (f"But {reference_run} is in use now: the training process {os.getpid()} on host "
+            f"{socket.gethostname()}" in held.stderr and "holds training.lock" in held.stderr)
+    free = dry_run(f"--data={train_data}", f"--outdir={reference_run}", "--duration=4Ki")
+    assert "in use" not in free.stderr and not (reference_run / "training.lock").exists()

@@ -15,6 +15,7 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from training import architecture
+from training.lr_schedule import learning_rate_schedule
 from training.run import checkpoint
 from tests.helpers import (RELEASE_TINY, TRAIN_ARGS, assert_one_error_line, assert_refused, random_release_tiny_net,
                            randomized, tiny_precond, write_image_dataset, write_release_pickle)
@@ -210,3 +211,45 @@ def test_the_init_snapshots_architecture_is_parsed_once_while_the_file_is_unchan
     init_snapshot(tmp_path / "other.safetensors", model_channels=16).replace(path)
     third = architecture.read_init(str(path))
     assert len(loads) == 2 and third.channels == 16 != first.channels
+
+
+def named_dataset(path, classes: dict, num=8):
+    """write_image_dataset's data with dataset.json's labels renumbered into classes' values, names recorded."""
+    data = write_image_dataset(path, num=num, classes=len(classes))
+    labels = [[name, list(classes.values())[label]] for name, label in json.loads((data / "dataset.json").read_text())["labels"]]
+    (data / "dataset.json").write_text(json.dumps({"labels": labels, "classes": classes}))
+    return data
+
+
+def test_init_says_whether_the_classes_line_up_and_what_it_uses(tmp_path):
+    # Issue 26, item 8: two class folders converted alone became classes 0 and 1 of a 4-class network, silently.
+    full = named_dataset(tmp_path / "full", {"cat": 0, "dog": 1, "eel": 2, "fox": 3})
+    two_steps = ["--duration=32", "--batch=16", "--workers=0", "--snapshot=32"]
+    first = cli(f"--data={full}", f"--outdir={tmp_path / 'run'}", "--label-dropout=0.1", "--lr=0.02", *two_steps)
+    assert first.exit_code == 0, first.output
+    snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
+    recorded = json.loads((tmp_path / "run" / "training_options.json").read_text())["dataset"]["classes"]
+    assert recorded == {"cat": 0, "dog": 1, "eel": 2, "fox": 3}
+
+    renumbered = named_dataset(tmp_path / "renumbered", {"eel": 0, "fox": 1})
+    result = cli(f"--data={renumbered}", f"--outdir={tmp_path / 'ft'}", f"--init={snapshot}", *ONE_STEP)
+    assert result.exit_code == 0, result.output
+    assert (f"Warning: the classes do not line up: eel is class 2 of {snapshot.name} but 0 of the data; fox is "
+            f"class 3 of {snapshot.name} but 1 of the data") in result.stderr
+    # What it uses: this run's label dropout and learning rate (toy-tiny's 0.01), beside the snapshot run's, whose
+    # second step of 16 images trained at Eq. 67's rate of image 16.
+    last = learning_rate_schedule(16, 16, 0.02, 100, 0.0005)
+    assert "--init: this run uses label dropout 0.0 and learning rate alpha_ref 0.01 (Eq. 67 from image 0" in result.stderr
+    assert f"{snapshot.name}'s run used label dropout 0.1 and ended at learning rate {last:.4g}" in result.stderr
+    assert f"Starting from {snapshot} at 0 images (label dropout 0.0, learning rate alpha_ref 0.01 " in result.output
+
+    kept = named_dataset(tmp_path / "kept", {"eel": 2, "fox": 3})  # convert --labels kept the numbers
+    lined_up = cli(f"--data={kept}", f"--outdir={tmp_path / 'ft2'}", f"--init={snapshot}", *ONE_STEP, "--dry-run")
+    assert lined_up.exit_code == 0 and "do not line up" not in lined_up.stderr and "--init: this run" in lined_up.stderr
+
+
+def test_init_from_a_snapshot_without_class_names_says_labels_go_by_number(tmp_path, train_data):
+    init = init_snapshot(tmp_path / "init.safetensors")
+    result = cli(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"--init={init}", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "Note: init.safetensors records no class names, so the data's labels train" in result.stderr

@@ -93,7 +93,8 @@ def test_grayscale_data_trains_one_channel_with_the_architecture_asked_for(walk)
     root, _ = walk
     net, meta = load_network(root / "run" / "network-snapshot-0000000-128-0.100.safetensors")
     assert (net.img_channels, net.img_resolution, net.label_dim) == (1, 12, 3)
-    assert meta["dataset"] == {"resolution": 12, "num_channels": 1, "label_dim": 3}
+    assert meta["dataset"] == {"resolution": 12, "num_channels": 1, "label_dim": 3,
+                               "classes": {"cats": 0, "dogs": 1, "mice": 2}}  # convert records the class names
     kwargs = meta["network_kwargs"]
     assert (kwargs["channel_mult"], kwargs["attn_resolutions"]) == ([1, 2, 2], [3])
     assert sorted(net.unet.enc) == ["12x12_block0", "12x12_conv", "3x3_block0", "3x3_down", "6x6_block0",
@@ -163,7 +164,9 @@ def test_readmes_full_size_commands_fit_96x96_data(tmp_path):
         result = run(train_edm2, *command.format(data=data, root=tmp_path).split(), "--dry-run")
         options = json.loads(result.output[: result.output.rindex("}") + 1])
         assert options["network"] == dict(channel_mult=[1, 2, 3, 4], attn_resolutions=[24, 12])
-        assert options["dataset"] == dict(resolution=96, num_channels=1, label_dim=0 if "cond=False" in command else 2)
+        conditional = "cond=False" not in command  # the class names convert recorded come with the labels
+        assert options["dataset"] == dict(resolution=96, num_channels=1, label_dim=2 if conditional else 0,
+                                          **(dict(classes={"cats": 0, "dogs": 1}) if conditional else {}))
     # The presets' attention at 16 and 8 is no resolution of a 96x96 U-Net: asked for explicitly, it is refused.
     result = CliRunner().invoke(train_edm2.main, [*README_TRAIN[0].format(data=data, root=tmp_path).split(),
                                                   "--attn-resolutions=16,8", "--dry-run"])

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import PIL.Image
@@ -16,9 +17,10 @@ import torch
 from click.testing import CliRunner
 
 import calculate_metrics
+from cli import sweep as cli_sweep
 from edm2 import generation, posthoc
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
-from edm2.eval.sweep import SweepError, SweepResults, run_sweep
+from edm2.eval.sweep import SweepError, SweepResults, best_warnings, run_sweep
 from edm2.formats.snapshot import METADATA_KEY, load_network, read_metadata, save_network
 from edm2.plots.sweep import sweep_figure
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
@@ -336,3 +338,33 @@ def test_a_non_finite_metric_stops_the_sweep_naming_its_snapshots(tmp_path):
     assert str(info.value) == (f"{run} (4 snapshots): the reconstruction of sigma_rel 0.050 at 2048 images has loss "
                                "nan, not a finite number; the sweep stops without a best length")
     assert [row["loss"] for row in json.loads(path.read_text())["rows"]] == [0.5, 0.25]
+
+
+def sweep_rows(losses: dict[float, float], errors: dict[float, float], nimg: int = 2048) -> list[dict]:
+    """Results rows of one training time: {sigma_rel: loss} with {sigma_rel: profile error}."""
+    return [dict(kimg=nimg // 1000, nimg=nimg, std=std, loss=loss, profile_error=errors[std], seconds=0.0)
+            for std, loss in losses.items()]
+
+
+def test_the_summary_shows_profile_errors_and_flags_a_best_at_the_edge_or_poorly_reconstructed(tmp_path, capsys):
+    # Issue 26, item 8: the best was an EMA length at the range's edge whose reconstruction was poor (0.44).
+    stds = [0.01, 0.05, 0.1, 0.25]
+    edge = sweep_rows(dict(zip(stds, [0.375, 0.40, 0.42, 0.45])), dict(zip(stds, [0.44, 2e-3, 1e-9, 0.08])))
+    middle = sweep_rows(dict(zip(stds, [0.5, 0.30, 0.31, 0.45])), dict(zip(stds, [0.44, 2e-3, 1e-9, 0.08])), 4096)
+    results = SweepResults(tmp_path / "ema-sweep.json", {"metrics": ["loss"]})
+    results.rows = edge + middle
+    cli_sweep.finish(SimpleNamespace(dest=tmp_path, results=results), ["loss"])  # as calculate_metrics sweep ends
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["kimg", "sigma_rel", "loss", "profile", "error"]
+    for row, line in zip(edge + middle, lines[1:]):  # every length's profile error, with its verdict
+        quality = {0.44: "poor", 2e-3: "fair", 1e-9: "good", 0.08: "poor"}[row["profile_error"]]
+        assert line.split() == [str(row["kimg"]), f"{row['std']:.3f}", f"{row['loss']:.4f}",
+                                f"{row['profile_error']:.1e}", quality]
+    cautions = [line for line in lines if "caution" in line]
+    assert len(cautions) == 2 and all("kimg 2: sigma_rel 0.010 is" in line for line in cautions)
+    assert "the shortest length swept" in cautions[0] and "poorly reconstructed (profile error 4.4e-01" in cautions[1]
+    summary = json.loads(lines[-1])
+    assert summary["best"]["loss"] == {"2": 0.01, "4": 0.05}
+    assert summary["warnings"]["loss"]["4"] == [] and len(summary["warnings"]["loss"]["2"]) == 2
+    longest = sweep_rows(dict(zip(stds, [0.5, 0.4, 0.3, 0.2])), dict(zip(stds, [0, 0, 0, 0])))
+    assert [w.split(":")[0] for w in best_warnings(longest, longest[-1])] == ["the longest length swept"]

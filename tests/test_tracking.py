@@ -5,6 +5,7 @@ one sample grid per snapshot, the same after a resume, bitwise generate.py's ima
 import glob
 import io
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -26,12 +27,12 @@ from edm2 import generation
 from edm2.encoders import StabilityVAEEncoder
 from edm2.image_grid import tile
 from training.run import sample_grid, trackers
-from training.run.dashboard import snapshot_numbers
-from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS
-from training.run.sample_grid import grid_path
+from training.run.dashboard import LOSS_MEAN_TAG, snapshot_numbers
+from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS, default_grid
+from training.run.sample_grid import grid_classes, grid_path
 from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
 from tests.helpers import (REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, black_png, tiny_precond,
-                           train_command)
+                           train_command, write_image_dataset)
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -130,6 +131,25 @@ def test_tensorboard_holds_the_dashboards_numbers_and_the_grids(tracked_run):
         assert np.array_equal(logged, np.asarray(PIL.Image.open(grid_path(run, event.step))))
 
 
+def readme_tag_patterns() -> list[str]:
+    """The tag names the README's experiment-tracking paragraph lists, as regular expressions: upper-case
+    placeholders (S, BLOCK, LAYER) stand for any text."""
+    text = (REPO / "README.md").read_text()
+    listed = text[text.index("under these tags:"):text.index("training options once as hyperparameters")]
+    names = re.findall(r"`([^`]+)`", listed)
+    assert len(names) >= 8, names
+    return [re.sub(r"\b[A-Z]+\b", ".+", re.escape(name)) for name in names]
+
+
+def test_readme_tag_names_are_the_ones_written(tracked_run):
+    run, _ = tracked_run
+    events = tensorboard_scalars(run)
+    written = [*events.Tags()["scalars"], *events.Tags()["images"]]
+    patterns = readme_tag_patterns()
+    assert [p for p in patterns if not any(re.fullmatch(p, tag) for tag in written)] == []  # none invented
+    assert [tag for tag in written if not any(re.fullmatch(p, tag) for p in patterns)] == []  # none left out
+
+
 def test_wandb_offline_run_holds_the_same_numbers_once(tracked_run):
     run, first_stats = tracked_run
     history = wandb_history(run.parent)
@@ -139,7 +159,7 @@ def test_wandb_offline_run_holds_the_same_numbers_once(tracked_run):
         assert {key: logged[f"train/{key}"] for key in STATUS_KEYS} == {key: row[key] for key in STATUS_KEYS}
     # The resumed invocation trained bit-identically: its losses are the ones W&B holds.
     assert [row["loss"] for row in stats_rows(run)] == [row["train/loss"] for row in status]
-    snapshots = [row for row in history if "validation/loss" in row]
+    snapshots = [row for row in history if LOSS_MEAN_TAG in row]
     assert [row["kimg"] for row in snapshots] == [1.024, 2.048]
     run_id = json.loads((run / trackers.WANDB_FILE).read_text())["id"]
     invocations = sorted(p.name for p in (run.parent / "wandb").glob("offline-run-*"))
@@ -308,7 +328,7 @@ def test_plot_run_tensorboard_writes_a_runs_records_as_events(reference_run, tmp
         assert [(e.step, e.value) for e in events.Scalars(f"train/{key}")] == [
             (row["nimg"], np.float32(row[key])) for row in rows]
     training = json.loads((run / "plots" / "training.json").read_text())
-    assert [e.step for e in events.Scalars("validation/loss")] == [r["nimg"] for r in training["noise_levels"]]
+    assert [e.step for e in events.Scalars(LOSS_MEAN_TAG)] == [r["nimg"] for r in training["noise_levels"]]
     assert [e.step for e in events.Images("samples")] == [1024, 2048]
     again = CliRunner().invoke(plot_run.main, [str(run), "--tensorboard"])  # replaces, never duplicates
     assert again.exit_code == 0, again.output
@@ -382,3 +402,19 @@ def test_plot_run_tensorboard_on_damaged_records_or_a_full_disk_is_one_line_and_
     # The earlier event file is all TensorBoard finds: no partial file hides its events, no temporary is left.
     assert {p.name: p.read_bytes() for p in (run / TENSORBOARD_DIR).iterdir()} == before
     assert len(tensorboard_scalars(run).Scalars("train/loss")) == len(stats_rows(run))
+
+
+def test_the_default_grid_shows_every_class_and_a_smaller_one_says_which(tmp_path):
+    # Issue 26, item 8: the default 4x8 grid showed 4 of 9 classes with no hint.
+    assert [default_grid(n) for n in (0, 4, 9, 40)] == [(4, 8), (4, 8), (9, 4), (16, 4)]
+    data = write_image_dataset(tmp_path / "six", num=18, classes=6)
+    common = [*TRAIN_ARGS, f"--data={data}", "--duration=16", "--batch=16", "--workers=0", "--grid-steps=1"]
+    dry = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'dry'}", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["grid"] == [6, 5]  # a row per class
+    unconditional = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'u'}", "--cond=False", "-n"])
+    assert json.loads(unconditional.stdout)["grid"] == list(DEFAULT_GRID)
+    smaller = CliRunner().invoke(train_edm2.main, [*common, f"--outdir={tmp_path / 'run'}", "--grid=4x2"])
+    assert smaller.exit_code == 0, smaller.output
+    assert "The sample grids show classes 0-3 of 6 (one per row); --grid=6xCOLS shows every class." in smaller.output
+    assert grid_classes(9, 9) == grid_classes(4, 0) == ""

@@ -41,7 +41,7 @@ from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import Outputs
 from training.run.preflight import check_run
 from training.run.run_dir import LOG_FILE, RunDirectory
-from training.run.sample_grid import SampleGrid
+from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState
 from training.step import TrainingStep, training_loss, training_step
@@ -120,7 +120,7 @@ def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder
     dtype = str(state.net.compute_dtype(device)).removeprefix("torch.")
     sharded = isinstance(state.ema, ShardedPowerFunctionEMA)
     distributed.print0(
-        f"{_start(path, opts.init)} at {state.cur_nimg} images; "
+        f"{_start(path, opts.init)} at {state.cur_nimg} images{_init_recipe(path, opts)}; "
         f"{count_parameters(state.net):,} parameters; {world_size} process(es) x {rounds} round(s) x {batch_gpu} "
         f"images; computing in {dtype} on {device.type}{_precision_note(opts, dtype, device)}"
         + (f"; each process keeps 1/{world_size} of the EMA tracks" if sharded else "")
@@ -155,6 +155,15 @@ def _start(path: Path | None, init: str | None) -> str:
     return f"Starting from {init}" if init else "Starting"
 
 
+def _init_recipe(path: Path | None, opts: TrainingOptions) -> str:
+    """For a run starting from an --init snapshot: the label dropout and learning rate it trains with, which are
+    this run's options, not the snapshot's run's."""
+    if path or not opts.init:
+        return ""
+    return (f" (label dropout {opts.label_dropout}, learning rate alpha_ref {opts.lr:.4g} ramped up from image 0 as "
+            "in a new run: not the snapshot's)")
+
+
 def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
                step: TrainingStep) -> Dashboard | None:
     """Rank 0's dashboard (RUN/plots/, redrawn at every snapshot); None on the other ranks."""
@@ -171,6 +180,8 @@ def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder
     trackers = Trackers(opts.loggers, run.path, opts.to_json(), step.state.cur_nimg)
     stack.callback(trackers.close)
     grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
+    if grid and grid_classes(grid.rows, step.state.net.label_dim):
+        print(grid_classes(grid.rows, step.state.net.label_dim), flush=True)
     return dict(trackers=trackers, grid=grid)
 
 

@@ -23,6 +23,7 @@ from training.presets import get_preset
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
 TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
 DEFAULT_GRID = (4, 8)  # rows x columns of each snapshot's sample grid
+MAX_DEFAULT_GRID_ROWS = 16  # the default grid gives every class a row up to this many classes
 DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
 DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,000; the paper's 50,000 come after)
 
@@ -47,6 +48,16 @@ MAX_LN_SIGMA = 40.0
 # holds the U-Net shape options and otherwise comes from the preset or --init.
 DATA_FIELDS = ("dataset", "encoder")
 RECIPE_FIELDS = ("network",)
+
+
+def default_grid(label_dim: int) -> tuple[int, int]:
+    """--grid's default for a network of label_dim classes (0: unconditional): DEFAULT_GRID, or, for more classes
+    than its rows, one row per class (at most MAX_DEFAULT_GRID_ROWS) with about DEFAULT_GRID's image count (at
+    least 4 columns)."""
+    rows, cols = DEFAULT_GRID
+    if label_dim <= rows:
+        return DEFAULT_GRID
+    return min(label_dim, MAX_DEFAULT_GRID_ROWS), max(rows * cols // min(label_dim, MAX_DEFAULT_GRID_ROWS), 4)
 
 
 class OptionsError(EDM2Error):

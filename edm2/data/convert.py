@@ -1,6 +1,6 @@
 """Converting a folder or ZIP of images (any size, any format PIL reads) into a release-format dataset.
 
-Images become RGB PNGs, or one-channel (L) PNGs for grayscale data (choose_mode).
+Images become RGB PNGs, or one-channel (L) PNGs for grayscale data (choose_mode); with alpha kept, RGBA or LA.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.data.dataset import LABELS_FILE, image_fname, read_labels, source_image_names
+from edm2.data.dataset import (CLASSES_KEY, LABELS_FILE, image_fname, parse_classes, read_dataset_json,
+                               source_image_names)
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.data.dataset_writer import DatasetWriter, png_bytes
-from edm2.errors import one_line
+from edm2.errors import one_line, shown
+from edm2.runtime import bounded_json
 
 
 class UnreadableImageError(DatasetError):
@@ -32,19 +34,38 @@ class ImageSizeError(DatasetError):
 
 # convert --channels: 'auto' picks one channel when every source image is grayscale.
 CHANNEL_MODES = {"auto": None, "1": "L", "3": "RGB"}
+# convert --alpha: what becomes of transparency. drop: the colour channels as stored (what transparent pixels hide
+# shows: often black); keep: one more channel (RGBA, or LA for grayscale); composite: blended onto a colour.
+ALPHA_MODES = ("drop", "keep", "composite")
+BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+
+
+def background_colour(text: str) -> tuple[int, int, int]:
+    """An RGB colour from 'white', 'black' or '#rrggbb'; ValueError otherwise."""
+    if text.lower() in BACKGROUNDS:
+        return BACKGROUNDS[text.lower()]
+    if len(text) == 7 and text[0] == "#" and all(c in "0123456789abcdefABCDEF" for c in text[1:]):
+        return tuple(int(text[i:i + 2], 16) for i in (1, 3, 5))
+    raise ValueError(f"{text!r} is no colour: use white, black or #rrggbb")
+
+
+def with_alpha(mode: str) -> str:
+    """The PIL mode of mode's channels plus alpha (L -> LA, RGB -> RGBA): convert --alpha=keep's output."""
+    return {"L": "LA", "RGB": "RGBA"}[mode]
 
 
 @dataclasses.dataclass
 class ImageSource:
     """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any.
 
-    classes names the class folders in label order (label i = classes[i]) when the labels come from folders.
+    classes maps class names to labels ({folder: label} when the labels come from folders, dataset.json's
+    CLASSES_KEY when it has one).
     """
 
     files: FileTree
     names: list[str]
     labels: dict[str, int] | None
-    classes: list[str] | None = None
+    classes: dict[str, int] | None = None
 
     @property
     def path(self) -> Path:
@@ -52,26 +73,57 @@ class ImageSource:
         return self.files.path
 
 
-def open_image_source(path: str | os.PathLike) -> ImageSource:
-    """The images of path; classes from its dataset.json if present, else from top-level folder names."""
+def open_image_source(path: str | os.PathLike, label_map: dict[str, int] | None = None) -> ImageSource:
+    """The images of path; classes from its dataset.json if present, else from top-level folder names: numbered in
+    sorted folder order, or as label_map ({folder: class}, read_label_map) gives them."""
     files = FileTree(path)
     names = source_image_names(files.names)
     if not names:
-        raise DatasetError(f"{path} holds no images")
+        raise DatasetError(f"{shown(path)} holds no images")
     if LABELS_FILE in files.names:  # read as every dataset's labels are
-        labels = read_labels(files, names)
-        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)))
-    return ImageSource(files, names, *_folder_labels(names))
+        if label_map is not None:
+            raise DatasetError(f"{shown(path)} has its own {LABELS_FILE}, whose labels it keeps; a label map is for "
+                               "class folders")
+        labels, classes = read_dataset_json(files, names)
+        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)), classes)
+    return ImageSource(files, names, *_folder_labels(names, label_map))
 
 
-def _folder_labels(names: list[str]) -> tuple[dict[str, int] | None, list[str] | None]:
-    """One class per top-level folder (ImageNet's layout), numbered in sorted folder order; none without folders."""
+def _folder_labels(names: list[str], label_map: dict[str, int] | None) -> tuple[dict[str, int] | None,
+                                                                            dict[str, int] | None]:
+    """One class per top-level folder (ImageNet's layout), numbered in sorted folder order or by label_map; none
+    without folders (and without a label_map)."""
     folders = {name: name.split("/")[0] if "/" in name else "" for name in names}
-    classes = sorted(set(folders.values()))
-    if len(classes) < 2:
-        return None, None
-    index = {folder: label for label, folder in enumerate(classes)}
-    return {name: index[folder] for name, folder in folders.items()}, classes
+    found = sorted(set(folders.values()))
+    if label_map is None:
+        if len(found) < 2:
+            return None, None
+        label_map = {folder: label for label, folder in enumerate(found)}
+    missing = [folder for folder in found if folder not in label_map]
+    if missing:
+        what = "images outside class folders" if missing[0] == "" else f"the folder {shown(missing[0])}"
+        raise DatasetError(f"the label map gives no class to {what} ({len(missing)} folder(s) unmapped)")
+    return {name: label_map[folder] for name, folder in folders.items()}, {f: label_map[f] for f in found}
+
+
+def read_label_map(path: str | os.PathLike) -> dict[str, int]:
+    """{class name: class} from a JSON file: a plain map, a dataset.json with CLASSES_KEY, or a run's
+    training_options.json (its dataset's); or from a dataset (folder or ZIP) whose dataset.json has one."""
+    if os.path.isdir(path) or str(path).lower().endswith(".zip"):
+        files = FileTree(path)
+        if LABELS_FILE not in files.names:
+            raise DatasetError(f"{shown(path)} has no {LABELS_FILE}")
+        stored = bounded_json.parse(files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES), f"{path}: {LABELS_FILE}")
+    else:
+        stored = bounded_json.read(path)
+    if isinstance(stored, dict) and isinstance(stored.get("dataset"), dict):
+        stored = stored["dataset"]  # a run's training_options.json
+    if isinstance(stored, dict) and CLASSES_KEY not in stored and "labels" not in stored:
+        stored = {CLASSES_KEY: stored}  # a plain map
+    classes = parse_classes(stored, path)
+    if not classes:
+        raise DatasetError(f"{shown(path)} holds no class names ({CLASSES_KEY}: {{name: class, ...}})")
+    return classes
 
 
 def choose_mode(source: ImageSource, channels: str, max_images: int | None = None) -> str:
@@ -93,8 +145,19 @@ def choose_mode(source: ImageSource, channels: str, max_images: int | None = Non
     return "L"
 
 
-def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
-    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette and alpha images are converted).
+def is_transparent(image: PIL.Image.Image) -> bool:
+    """True when some pixel of the image is not opaque: an alpha channel below 255 somewhere, or a palette or
+    colour key (PNG's tRNS) that makes some pixel transparent."""
+    if "A" not in image.getbands() and "transparency" not in image.info:
+        return False
+    return image.convert("RGBA").getchannel("A").getextrema()[0] < 255
+
+
+def read_image(data: bytes, mode: str = "RGB", alpha: str = "drop",
+               background: tuple[int, int, int] = BACKGROUNDS["white"]) -> tuple[np.ndarray, bool]:
+    """Decode an image file to uint8 HWC RGB, or HW grayscale for mode L (palette images are converted), and say
+    whether it had transparent pixels (is_transparent); alpha (ALPHA_MODES) says what becomes of them: dropped,
+    kept as one more channel (HWC RGBA or LA), or composited onto the background colour.
 
     16-bit grayscale (PIL's I;16 modes: 16-bit PNG and TIFF, common for scientific images) is scaled to 8 bits as
     round(v * 255 / 65535); PIL's own conversion would clip every value above 255 to white. An image declaring
@@ -104,58 +167,71 @@ def read_image(data: bytes, mode: str = "RGB") -> np.ndarray:
         if image.mode.startswith("I;16"):
             wide = np.asarray(image).astype(np.uint32)
             image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
-        return np.asarray(image.convert(mode))
+        transparent = is_transparent(image)
+        if alpha == "keep":
+            return np.asarray(image.convert(with_alpha(mode))), transparent
+        if alpha == "composite" and transparent:
+            canvas = PIL.Image.new("RGBA", image.size, (*background, 255))
+            image = PIL.Image.alpha_composite(canvas, image.convert("RGBA"))
+        return np.asarray(image.convert(mode)), transparent
 
 
 class ConvertedImages(torch.utils.data.Dataset):
     """Source images read, transformed and PNG-encoded (in DataLoader workers).
 
-    Items are (png bytes, (height, width)), or (None, reason) for a file that cannot be read.
+    Items are (png bytes, (height, width), had transparent pixels), or (None, reason, False) for a file that cannot
+    be read. alpha and background are read_image's.
     """
 
     def __init__(self, files: FileTree, names: list[str], transform: Callable[[np.ndarray], np.ndarray],
-                 mode: str = "RGB"):
+                 mode: str = "RGB", alpha: str = "drop", background: tuple[int, int, int] = BACKGROUNDS["white"]):
         self.files, self.names, self.transform, self.mode = files, names, transform, mode
+        self.alpha, self.background = alpha, background
 
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str]:
+    def __getitem__(self, idx: int) -> tuple[bytes | None, tuple[int, int] | str, bool]:
         try:
-            image = self.transform(read_image(self.files.read(self.names[idx]), self.mode))
+            image, transparent = read_image(self.files.read(self.names[idx]), self.mode, self.alpha, self.background)
+            image = self.transform(image)
         except (*IMAGE_ERRORS, DatasetError) as e:  # DatasetError: a file beyond FileTree.read's bounds
-            return None, f"{type(e).__name__}: {one_line(e)}"
-        return png_bytes(image), image.shape[:2]
+            return None, f"{type(e).__name__}: {one_line(e)}", False
+        return png_bytes(image), image.shape[:2], transparent
 
 
 def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None = None, workers: int = 0,
-                   on_skip: Callable[[str, str], None] | None = None, mode: str = "RGB") -> int:
-    """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count.
+                   on_skip: Callable[[str, str], None] | None = None, mode: str = "RGB", alpha: str = "drop",
+                   background: tuple[int, int, int] = BACKGROUNDS["white"]) -> tuple[int, int]:
+    """Write the first max_images source images, transformed, as image i -> image_fname(i); return the count, and
+    how many of them had transparent pixels (what alpha, read_image's, did to them the caller reports).
 
     Images are decoded in PIL mode `mode`: RGB, or L for one-channel PNGs (choose_mode).
     An unreadable image raises UnreadableImageError, or with on_skip is reported to on_skip(name, reason)
     and leaves its index unused. The written images must be square and of one size (ImageSizeError).
     """
     names = source.names[:max_images]
-    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode), batch_size=None,
-                                         num_workers=workers)
-    size, written = None, 0
-    for idx, (png, shape) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):
+    writer.classes = source.classes
+    images = torch.utils.data.DataLoader(ConvertedImages(source.files, names, transform, mode, alpha, background),
+                                         batch_size=None, num_workers=workers)
+    size, written, transparent = None, 0, 0
+    for idx, (png, shape, had_alpha) in enumerate(tqdm(images, total=len(names), desc="convert", unit="img")):
         name = names[idx]
         if png is None:
             if on_skip is None:
-                raise UnreadableImageError(f"cannot read image {name} in {source.path} ({shape})")
+                raise UnreadableImageError(f"cannot read image {shown(name)} in {shown(source.path)} ({shown(shape)})")
             on_skip(name, shape)
             continue
         if size is None:
             size = shape
             if size[0] != size[1]:
-                raise ImageSizeError(f"{name} is {size[1]}x{size[0]}, not square; datasets hold square images")
+                raise ImageSizeError(f"{shown(name)} is {size[1]}x{size[0]}, not square; datasets hold square images")
         elif shape != size:
-            raise ImageSizeError(f"{name} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
+            raise ImageSizeError(f"{shown(name)} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
         writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name])
         written += 1
+        transparent += bool(had_alpha)
     if size is None:
         raise DatasetError(f"no image of {source.path} could be read")
-    return written
+    return written, transparent

@@ -19,6 +19,7 @@ import PIL.Image
 import torch
 
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
+from edm2.errors import shown
 from edm2.runtime import bounded_json
 
 IMAGE_SUFFIXES = (".png", ".npy")
@@ -30,6 +31,7 @@ DECODED_MODES = {"1": "L", "P": "RGB", "PA": "RGBA", "CMYK": "RGB", "YCbCr": "RG
 # include grayscale ones), and gray repeated to RGB is what metrics do with gray anyway.
 MAX_CLASSES = 1 << 20  # 48x ImageNet-21k's classes; a one-hot label of 2**20 already takes 4 MiB per image
 LABELS_FILE = "dataset.json"
+CLASSES_KEY = "classes"  # dataset.json's {class name: class}, beside the release's "labels", which it leaves as is
 # The release's dataset_tool.py names image i NNNNN/imgIIIIIIII.png (NNNNN = the first 5 of 8 digits).
 RELEASE_NAME = re.compile(r"\d{5}/img(-mean-std-)?\d{8}\.(png|npy)")
 
@@ -62,30 +64,56 @@ def convert_hint(path: str | os.PathLike) -> str:
 
 
 def read_labels(files: FileTree, names: list[str]) -> list[int] | None:
-    """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels.
+    """The classes dataset.json gives `names`, in that order; None without dataset.json or with null labels."""
+    return read_dataset_json(files, names)[0]
+
+
+def read_dataset_json(files: FileTree, names: list[str]) -> tuple[list[int] | None, dict[str, int] | None]:
+    """The classes dataset.json gives `names`, in that order, and its class names ({name: class}, CLASSES_KEY);
+    each None where dataset.json has none.
 
     The one reader of dataset.json ({"labels": [[name, class], ...]} or {"labels": null}, the release's
-    format): every name must be listed, with a class (is_class).
+    format, which dataset_tool.py convert extends with CLASSES_KEY): every name must be listed, with a class
+    (is_class).
     """
     if LABELS_FILE not in files.names:
-        return None
+        return None, None
     try:
         text = files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES)
     except (OSError, zipfile.BadZipFile) as e:
         raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
-    labels = parse_labels(text, files.path)
+    try:
+        stored = bounded_json.parse(text, f"{files.path}: {LABELS_FILE}")
+    except bounded_json.JSONFileError:
+        stored = text  # parse_labels names what is wrong with it
+    labels = parse_labels(stored, files.path)
+    classes = parse_classes(stored, files.path)
     if labels is None:
-        return None
+        return None, classes
     missing = [name for name in names if name not in labels]
     if missing:
-        raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {missing[0]} "
+        raise DatasetError(f"{files.path}: {LABELS_FILE} has no label for {shown(missing[0])} "
                            f"({len(missing)} images unlabeled)")
     values = [labels[name] for name in names]
     wrong = [v for v in values if not is_class(v)]
     if wrong:
         raise DatasetError(f"{files.path}: {LABELS_FILE} labels must be non-negative integers below "
                            f"{MAX_CLASSES} (classes), found {json.dumps(wrong[0])}")
-    return values
+    return values, classes
+
+
+def parse_classes(stored: object, path: str | os.PathLike) -> dict[str, int] | None:
+    """The {class name: class} map of a parsed dataset.json (or --labels file), None when it has none; each name
+    names one class and each class has one name."""
+    classes = stored.get(CLASSES_KEY) if isinstance(stored, dict) else None
+    if classes is None:
+        return None
+    if not isinstance(classes, dict) or not all(is_class(label) for label in classes.values()):
+        raise DatasetError(f"{path}: {CLASSES_KEY} must map class names to classes (integers in [0, {MAX_CLASSES}))")
+    if len(set(classes.values())) < len(classes):
+        label = next(v for v in classes.values() if list(classes.values()).count(v) > 1)
+        raise DatasetError(f"{path}: {CLASSES_KEY} gives class {label} two names")
+    return classes
 
 
 def read_encoding(files: FileTree) -> tuple[object, object]:
@@ -107,11 +135,12 @@ def is_class(label: object) -> bool:
     return isinstance(label, int) and not isinstance(label, bool) and 0 <= label < MAX_CLASSES
 
 
-def parse_labels(text: bytes, path: str | os.PathLike) -> dict[str, object] | None:
-    """{name: label} of a dataset.json text, None for null labels; the labels themselves are checked later."""
+def parse_labels(text: bytes | dict, path: str | os.PathLike) -> dict[str, object] | None:
+    """{name: label} of a dataset.json text (or its parsed object), None for null labels; the labels themselves
+    are checked later."""
     source = f"{path}: {LABELS_FILE}"
     try:
-        listed = bounded_json.parse(text, source)["labels"]
+        listed = (text if isinstance(text, dict) else bounded_json.parse(text, source))["labels"]
     except bounded_json.JSONFileError as e:  # malformed, too large, too deep, or a number out of bounds
         reason = str(e).removeprefix(f"{source}: ")
     except KeyError:
@@ -148,6 +177,7 @@ class ImageData(torch.utils.data.Dataset):
     label_dim: int
     encoding: str | None = None
     encoding_settings: dict
+    classes: dict[str, int] | None = None  # class names ({name: class}) where the dataset records them
 
     @property
     def num_channels(self) -> int:
@@ -174,6 +204,8 @@ class ImageFolderDataset(ImageData):
     dataset_tool.py did not write (is_raw_image_folder) are checked a little more up front: no other
     image formats beside them, and the first image of every sub-folder has the first image's size; every
     error about them ends with a pointer to `dataset_tool.py convert`.
+
+    classes is dataset.json's {class name: class} (CLASSES_KEY), None when it records none or labels are not used.
 
     With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
     beside .npy), and grayscale images are decoded as RGB too.
@@ -206,7 +238,7 @@ class ImageFolderDataset(ImageData):
         pictures = sorted(kinds & readable - {".npy"})
         if ".npy" in kinds and pictures:
             raise DatasetError(f"{self.path}: mixes {', '.join(pictures)} and .npy images; a dataset holds one kind")
-        all_labels = read_labels(self._files, self._all_fnames) if use_labels else None
+        all_labels, self.classes = read_dataset_json(self._files, self._all_fnames) if use_labels else (None, None)
         self.encoding, self.encoding_settings = read_encoding(self._files)
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
@@ -219,7 +251,7 @@ class ImageFolderDataset(ImageData):
 
         first = self._load(self._raw_idx[0])
         if first.ndim != 3 or first.shape[1] != first.shape[2]:
-            raise DatasetError(f"{self.path}: {self._all_fnames[self._raw_idx[0]]} has shape "
+            raise DatasetError(f"{self.path}: {shown(self._all_fnames[self._raw_idx[0]])} has shape "
                                f"{_shape_text(first.shape)}; images must be square CHW")
         self.image_shape = list(first.shape)
         if self._raw:
@@ -235,8 +267,8 @@ class ImageFolderDataset(ImageData):
         for idx in sorted(idx for folder, idx in firsts.items() if folder):
             name, size = self._all_fnames[idx], self._image_size(idx)
             if size != self.image_shape[1:]:
-                raise DatasetError(f"{self.path}: {name} is {_shape_text(size[::-1])} but "
-                                   f"{self._all_fnames[self._raw_idx[0]]} is {_shape_text(self.image_shape[:0:-1])}; "
+                raise DatasetError(f"{self.path}: {shown(name)} is {_shape_text(size[::-1])} but "
+                                   f"{shown(self._all_fnames[self._raw_idx[0]])} is {_shape_text(self.image_shape[:0:-1])}; "
                                    f"mixed sizes")
 
     def _image_size(self, raw_idx: int) -> list[int]:
@@ -247,7 +279,7 @@ class ImageFolderDataset(ImageData):
             with self._files.open(fname) as stream, open_image(stream) as image:
                 return [image.height, image.width]
         except IMAGE_ERRORS as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+            raise DatasetError(f"{self.path}: cannot read {shown(fname)} ({e})") from None
 
     def _load(self, raw_idx: int) -> np.ndarray:
         """Image raw_idx as CHW; its header is checked against the first image's shape before it is decoded."""
@@ -262,9 +294,9 @@ class ImageFolderDataset(ImageData):
                 self._check_shape(raw_idx, [PIL.Image.getmodebands(mode), pil.height, pil.width])
                 image = np.asarray(pil if mode == pil.mode else pil.convert(mode))
         except IMAGE_ERRORS as e:
-            raise DatasetError(f"{self.path}: cannot read {fname} ({e})") from None
+            raise DatasetError(f"{self.path}: cannot read {shown(fname)} ({e})") from None
         if image.dtype != np.uint8:
-            raise DatasetError(f"{self.path}: {fname} is not an 8-bit image ({image.dtype})")
+            raise DatasetError(f"{self.path}: {shown(fname)} is not an 8-bit image ({image.dtype})")
         return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1).copy()  # writable, contiguous CHW
 
     def _load_npy(self, raw_idx: int, data: bytes) -> np.ndarray:
@@ -272,16 +304,16 @@ class ImageFolderDataset(ImageData):
         fname = self._all_fnames[raw_idx]
         shape, fortran, dtype, offset = npy_header(data)
         if dtype.kind not in "fiu":
-            raise DatasetError(f"{self.path}: {fname} holds {dtype} values; latents are real numbers")
+            raise DatasetError(f"{self.path}: {shown(fname)} holds {dtype} values; latents are real numbers")
         count = math.prod(shape)  # Python integers: a hostile shape cannot overflow
         if count * dtype.itemsize != len(data) - offset:
-            raise DatasetError(f"{self.path}: {fname} declares shape {_shape_text(shape)} of {dtype} "
+            raise DatasetError(f"{self.path}: {shown(fname)} declares shape {_shape_text(shape)} of {dtype} "
                                f"({count * dtype.itemsize} bytes) but holds {len(data) - offset} bytes of values")
         self._check_shape(raw_idx, list(shape))
         values = np.frombuffer(data, dtype, count=count, offset=offset).reshape(shape, order="F" if fortran else "C")
         latents = np.array(values, dtype=np.float32, order="C")
         if not np.isfinite(latents).all():
-            raise DatasetError(f"{self.path}: {fname} holds non-finite values (NaN or infinity)")
+            raise DatasetError(f"{self.path}: {shown(fname)} holds non-finite values (NaN or infinity)")
         return latents
 
     def _check_shape(self, raw_idx: int, shape: list[int]) -> None:
@@ -290,7 +322,7 @@ class ImageFolderDataset(ImageData):
             return
         hint = convert_hint(self.path) if self._raw else ""
         mixed = "resolutions" if shape[1:] != self.image_shape[1:] else "channel counts (gray and colour)"
-        raise DatasetError(f"{self.path}: {self._all_fnames[raw_idx]} has shape {_shape_text(shape)} "
+        raise DatasetError(f"{self.path}: {shown(self._all_fnames[raw_idx])} has shape {_shape_text(shape)} "
                            f"but the first image has {_shape_text(self.image_shape)}; mixed {mixed}{hint}")
 
     def close(self) -> None:

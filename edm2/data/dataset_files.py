@@ -18,7 +18,7 @@ from typing import IO
 import numpy as np
 import PIL.Image
 
-from edm2.errors import EDM2Error
+from edm2.errors import EDM2Error, shown
 from edm2.runtime import files
 
 # Bounds on what a file may declare, checked before anything of that size is allocated. 8192x8192 pixels is far
@@ -78,7 +78,7 @@ class FileTree:
             twice = next((name for name, count in collections.Counter(names).items() if count > 1), None)
             if twice is not None:
                 # zipfile reads the last of them under that name; which image the user meant is unknowable.
-                raise DatasetError(f"{self.path}: holds the member {twice} twice; a dataset names each file once")
+                raise DatasetError(f"{self.path}: holds the member {shown(twice)} twice; a dataset names each file once")
         else:
             raise DatasetError(f"{self.path}: no such directory or ZIP file")
         self.names: list[str] = sorted(names)
@@ -99,10 +99,10 @@ class FileTree:
         if self.is_zip:
             info = self._member(name)
             if info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
-                raise DatasetError(f"{self.path}: {name} declares {info.file_size} bytes from {info.compress_size} "
+                raise DatasetError(f"{self.path}: {shown(name)} declares {info.file_size} bytes from {info.compress_size} "
                                    f"compressed, more than deflate's 1032:1; a decompression bomb")
             if info.file_size > limit:
-                raise DatasetError(f"{self.path}: {name} declares {info.file_size} bytes, more than the {limit} "
+                raise DatasetError(f"{self.path}: {shown(name)} declares {info.file_size} bytes, more than the {limit} "
                                    f"a dataset file may hold")
             stream = self._archive().open(info)  # reads no more than the declared size (then checks the CRC)
         else:
@@ -110,7 +110,7 @@ class FileTree:
         with stream:
             data = stream.read(limit + 1)  # a file may grow after listing; never more than limit + 1 bytes
         if len(data) > limit:
-            raise DatasetError(f"{self.path}: {name} holds more than the {limit} bytes a dataset file may hold")
+            raise DatasetError(f"{self.path}: {shown(name)} holds more than the {limit} bytes a dataset file may hold")
         return data
 
     def open(self, name: str) -> IO[bytes]:

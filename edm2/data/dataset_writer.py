@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import numpy as np
 import PIL.Image
 
-from edm2.data.dataset import LABELS_FILE
+from edm2.data.dataset import CLASSES_KEY, LABELS_FILE
 from edm2.runtime import files
 
 # A fixed timestamp keeps ZIP bytes identical between runs that write identical files.
@@ -35,12 +35,16 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def labels_json(labels: dict[str, int | None], encoding: dict | None = None) -> str:
-    """dataset.json text: every file's class, or null unless every file has one (as the release); and what the
-    files hold, {"encoding": name, "encoding_settings": {...}} (edm2.encoders.ENCODINGS), when given."""
+def labels_json(labels: dict[str, int | None], classes: dict[str, int] | None = None,
+                encoding: dict | None = None) -> str:
+    """dataset.json text: every file's class, or null unless every file has one (as the release); with classes,
+    also the class names ({name: class}, under CLASSES_KEY, which the release's readers ignore); and what the files
+    hold, {"encoding": name, "encoding_settings": {...}} (edm2.encoders.ENCODINGS), when given."""
     complete = len(labels) > 0 and all(label is not None for label in labels.values())
-    listed = [[name, int(label)] for name, label in labels.items()] if complete else None
-    return json.dumps({"labels": listed, **(encoding or {})})
+    stored = {"labels": [[name, int(label)] for name, label in labels.items()] if complete else None}
+    if classes is not None and complete:
+        stored[CLASSES_KEY] = classes
+    return json.dumps({**stored, **(encoding or {})})
 
 
 def is_zip_path(path: str | os.PathLike) -> bool:
@@ -60,6 +64,7 @@ class DatasetWriter:
         self.dest = dest
         self._add_file = add_file
         self.labels: dict[str, int | None] = {}
+        self.classes: dict[str, int] | None = None  # class names, written to dataset.json beside the labels
         self.encoding: dict | None = None  # dataset.json's "encoding" and "encoding_settings", set by the caller
 
     def add(self, fname: str, data: bytes, label: int | None = None) -> None:
@@ -99,7 +104,7 @@ def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
         writer = DatasetWriter(dest, lambda fname, data: _write_file(tmp / fname, data))
         yield writer
         try:
-            (tmp / LABELS_FILE).write_text(labels_json(writer.labels, writer.encoding))
+            (tmp / LABELS_FILE).write_text(labels_json(writer.labels, writer.classes, writer.encoding))
         except OSError as e:
             raise write_failure(dest, e) from None
         os.replace(tmp, dest)
@@ -118,7 +123,7 @@ def _zip_writer(dest: Path) -> Iterator[DatasetWriter]:
             _abandon(archive)
             raise
         try:
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels, writer.encoding))
+            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels, writer.classes, writer.encoding))
             archive.close()
         except OSError as e:
             _abandon(archive)

@@ -153,9 +153,7 @@ def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequenc
                                profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started)
                     if results is not None:
                         results.add(row)
-                        report(f"kimg {row['kimg']} sigma_rel {std:.3f}"
-                               + (f" guidance {guidance:g}" if len(guidances) > 1 else "") + ": "
-                               + "  ".join(f"{m} {v:.4f}" for m, v in values.items()))
+                        report(row_text(row, list(values), show_guidance=len(guidances) > 1))
                 del net, metadata  # the pass's network must not outlive it (memory: one input plus `batch`)
 
 
@@ -203,3 +201,39 @@ def table_text(rows: Sequence[dict], metric: str, guidances: Sequence[float]) ->
         cells = (f"{value.get((s, g), math.nan):.4f}{'*' if best[g] == s else ' '}" for g in guidances)
         lines.append(f"{s:>10.3f} " + "".join(f"{cell:>12}" for cell in cells))
     return "\n".join(lines)
+
+
+def row_text(row: dict, metrics: Sequence[str], show_guidance: bool = False) -> str:
+    """One sweep row as a table line: training time, sigma_rel (and guidance), the metrics, and the reconstruction's
+    profile error (Eq. 134) with its verdict (edm2.posthoc.profile_quality)."""
+    error = max(row["profile_error"], 0.0)  # rounding leaves -1e-17 where the length is a tracked one
+    guidance = f" guidance {row['guidance']:g}" if show_guidance else ""
+    return (f"kimg {row['kimg']} sigma_rel {row['std']:.3f}{guidance}: "
+            + "  ".join(f"{m} {row[m]:.4f}" for m in metrics)
+            + f"  profile error {error:.1e} ({posthoc.profile_quality(error)})")
+
+
+def summary_table(rows: Sequence[dict], metrics: Sequence[str]) -> list[str]:
+    """The rows as a table, by training time and sigma_rel: the metrics and each reconstruction's profile error
+    (Eq. 134) with its verdict; a header line first."""
+    lines = ["  kimg  sigma_rel  " + "  ".join(f"{m:>10}" for m in metrics) + "  profile error"]
+    for row in sorted(rows, key=lambda row: (row["nimg"], row["std"])):
+        error = max(row["profile_error"], 0.0)
+        lines.append(f"{row['kimg']:>6}  {row['std']:>9.3f}  " + "  ".join(f"{row[m]:>10.4f}" for m in metrics)
+                     + f"  {error:.1e} {posthoc.profile_quality(error)}")
+    return lines
+
+
+def best_warnings(rows: Sequence[dict], best: dict) -> list[str]:
+    """Why a best row (best_rows') may not be the best length: it lies at an edge of the lengths swept at its
+    training time (the minimum may lie beyond), or its reconstruction is poor (its metric measures a profile far
+    from the target's, Eq. 134)."""
+    stds = [row["std"] for row in rows if row["nimg"] == best["nimg"]]
+    warnings = []
+    if len(stds) > 1 and best["std"] in (min(stds), max(stds)):
+        side, beyond = ("shortest", "shorter") if best["std"] == min(stds) else ("longest", "longer")
+        warnings.append(f"the {side} length swept: the minimum may lie beyond it; sweep {beyond} lengths too")
+    if posthoc.profile_quality(best["profile_error"]) == "poor":
+        warnings.append(f"poorly reconstructed (profile error {best['profile_error']:.1e}, above "
+                        f"{posthoc.FAIR_PROFILE_ERROR:.0e}): take more snapshots or track a length nearer it")
+    return warnings

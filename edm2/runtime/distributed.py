@@ -24,6 +24,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun started it (0 for a plain `python` start), before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 @contextlib.contextmanager
 def session(single_process: bool = False) -> Iterator[None]:
     """Join torchrun's process group for the duration of a command and always leave it again.

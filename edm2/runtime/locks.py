@@ -168,6 +168,24 @@ class DestinationLock:
             self._fd = None
         _HELD.discard(self)
 
+    def holder(self) -> Holder | EDM2Error | None:
+        """Who holds the lock now, without taking it for longer than one try: None when nobody does (or there is no
+        lock file); the holder, or why its lock file names nobody, when somebody does (for --dry-run's report)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            # A shared try, let go at once: it meets a holder's exclusive lock and leaves other lookers alone.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return self._holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
     def _open(self) -> int | None:
         """The lock file, opened (created if missing) in its folder (created if missing); None when the folder
         vanished meanwhile (a holder that had created it removed it on release)."""

@@ -40,6 +40,9 @@ PROBE_IMAGES = 8
 ROW_KEYS = ("noise_levels", "resumes", "rows")  # the record files' lists that grow as the run goes on
 DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
 STATS_KEYS = ("kimg", "loss", "lr", "images_per_s")
+# Not the sweep's validation loss (Eq. 14, ln(sigma) drawn from Eq. 16 on --data's samples): an equal-weight mean over
+# sigma_grid's levels, which reach 2.5 P_std into both tails, of PROBE_IMAGES training images; so it is larger.
+LOSS_MEAN_TAG = "noise_level/loss_mean"
 
 
 class DashboardError(EDM2Error):
@@ -217,10 +220,11 @@ class Dashboard:
 
 
 def snapshot_numbers(sigma: list[float], levels: dict, magnitudes: dict) -> dict[str, float]:
-    """A snapshot's numbers for the trackers from its records: the mean over the noise levels of lambda(sigma)
-    L(D; sigma) ('validation/loss'), that loss and u(sigma) at each level, and the magnitudes."""
+    """A snapshot's numbers for the trackers from its records: the plain mean over the grid's noise levels of
+    lambda(sigma) L(D; sigma) on the probe batch (LOSS_MEAN_TAG), that loss and u(sigma) at each level, and the
+    magnitudes."""
     errors = [float(e) for e in levels["weighted_error"]]
-    numbers = {"validation/loss": sum(errors) / len(errors)}
+    numbers = {LOSS_MEAN_TAG: sum(errors) / len(errors)}
     for s, error, u in zip(sigma, errors, levels["u"]):
         numbers[f"noise_level/loss/sigma={s:.3g}"] = error
         numbers[f"noise_level/u/sigma={s:.3g}"] = float(u)

@@ -11,10 +11,12 @@ import torch
 
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
+from edm2.runtime.locks import Holder
 from training.run import checkpoint
 from training.data_order import data_loader, order_for
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
+from training.run.run_lock import LOCK_FILE, RunLock
 from training.state import TrainingState, init_network
 from training.step import TrainingStep, training_loss, training_step
 
@@ -39,14 +41,22 @@ def newest_state(run_dir: str | os.PathLike) -> tuple[str | None, int]:
 
 
 def start_or_resume(run_dir: str | os.PathLike, duration: int) -> str:
-    """Where a training in run_dir would begin: a new run, or the newest training state found there."""
+    """Where a training in run_dir would begin: a new run, or the newest training state found there; and, when a
+    live training holds the run directory's lock, that a training started now would be refused, and by whom."""
     path, images = newest_state(run_dir)
     if path is None:
-        return f"Would start a new run in {run_dir} (no training state there)."
-    if images >= duration:
-        return f"Would stop at once: {path} already holds {images} >= {duration} images."
-    return (f"Would resume from {path} at {images} of {duration} images (the newest training state; a "
-            "damaged one falls back to the one before).")
+        where = f"Would start a new run in {run_dir} (no training state there)."
+    elif images >= duration:
+        where = f"Would stop at once: {path} already holds {images} >= {duration} images."
+    else:
+        where = (f"Would resume from {path} at {images} of {duration} images (the newest training state; a "
+                 "damaged one falls back to the one before).")
+    holder = RunLock(run_dir).holder()
+    if holder is None:
+        return where
+    named = holder.describe() if isinstance(holder, Holder) else f"another process ({holder})"
+    return (f"{where} But {run_dir} is in use now: {named} holds {LOCK_FILE}; a training started now is refused "
+            "until it ends.")
 
 
 def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, steps: int) -> str:

@@ -35,6 +35,15 @@ def row_class(row: int, label_dim: int) -> int | None:
     return row % label_dim if label_dim else None
 
 
+def grid_classes(rows: int, label_dim: int) -> str:
+    """Which classes a grid of `rows` rows shows, when that is not every class of a label_dim-class network; ''
+    when it is (or the network is unconditional)."""
+    if not label_dim or rows >= label_dim:
+        return ""
+    return (f"The sample grids show classes 0-{rows - 1} of {label_dim} (one per row); --grid={label_dim}xCOLS "
+            "shows every class.")
+
+
 def sample_grid(net: torch.nn.Module, encoder, rows: int, cols: int, steps: int, device: torch.device) -> np.ndarray:
     """The grid of a network as one HWC uint8 image, sampled as one batch on this process alone."""
     classes = [row_class(i // cols, net.label_dim) for i in range(rows * cols)] if net.label_dim else None
