@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import json
 import signal
 
@@ -11,7 +12,7 @@ import torch
 
 from cli.command import Command
 from cli.config import config_option
-from cli.speed import threads_option
+from cli.speed import threads_note, threads_option
 from cli.types import (MAX_BATCH, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList, Number,
                        StdList)
 from edm2.data.dataset import DatasetError, ImageFolderDataset
@@ -141,6 +142,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
     count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
     click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
     click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+    click.echo(threads_note(), err=True)
     if time_steps:
         try:
             click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
@@ -216,6 +218,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: E
               help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none")
 @click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
               show_default=True, help="Sampler steps of the sample grid")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True, max=1e6),
+              help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
+                   "on a CPU its matmul peak, measured once and cached]")
 @threads_option
 def main(config: dict | None, preset: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
@@ -271,6 +276,7 @@ def main(config: dict | None, preset: str, run_dir: str | None, data: str | None
     files.check_writable_dir(opts.run_dir)
     try:
         with distributed.session():
+            distributed.print0(threads_note())
             stopped_by = train(opts, dataset, encoder)
     except DatasetError as e:  # an image the data loader could not use
         raise click.BadParameter(one_line(e), param_hint="--data") from None
