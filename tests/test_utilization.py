@@ -12,8 +12,10 @@ import torch
 
 from edm2.formats.snapshot import load_network
 from edm2.networks import count_macs
+from edm2.plots.run import dashboard_figure
 from edm2.runtime import utilization
 from tests.helpers import REPO, TRAIN_ENV, run_training, train_command
+from training.run.dashboard import read_stats
 
 COMMAND_LINES = sorted(path.name for path in REPO.glob("*.py"))
 
@@ -64,6 +66,9 @@ def test_status_lines_and_stats_give_tflops_and_mfu_over_the_given_peak(train_da
     status = [line for line in result.stdout.splitlines() if line.startswith("kimg ")]
     assert len(status) == len(rows) and all(f"MFU {row['mfu']:.1%}" in line for line, row in zip(status, rows))
     assert f"against {peak:.4g} TFLOP/s per process: --peak-tflops" in result.stdout
+    figure = dashboard_figure({"stats": read_stats(tmp_path / "run")})
+    [speed] = [ax for ax in figure.axes if ax.get_title() == "images/s"]
+    assert [text.get_text() for text in speed.texts] == [f"MFU {rows[-1]['mfu']:.1%}"]
 
 
 @pytest.mark.bad_input
