@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import functools
 import json
 from pathlib import Path

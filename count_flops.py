@@ -6,6 +6,7 @@ or a preset name, built on the meta device without weights) and prints the numbe
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import os
 import re
 

@@ -5,6 +5,7 @@ The work is edm2.posthoc's; this command line finds the inputs, names the output
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import contextlib
 from pathlib import Path
 

@@ -6,6 +6,7 @@ edm2.plots.toy's; this command line checks the options, wires them and reports.
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import dataclasses
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
 import json
 import signal
 
@@ -12,7 +13,7 @@ import numpy as np
 from cli.command import Command
 from cli.config import config_option
 from cli.evaluation import check_features
-from cli.speed import THREADS, threads_option
+from cli.speed import THREADS, threads_note, threads_option
 from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
                        Number, StdList, TableChoice)
 from edm2.data.dataset import DatasetError, ImageData
@@ -235,6 +236,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
     count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
     click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
     click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+    click.echo(threads_note(), err=True)
     if time_steps:  # running out of memory is one line naming --batch-gpu (cli.command)
         click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
     click.echo("Dry run: nothing written.", err=True)
@@ -325,6 +327,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
               help="Images generated (seeds 0..N-1), or loss samples, per metric")
 @click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
               "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True, max=1e6),
+              help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
+                   "on a CPU its matmul peak, measured once and cached]")
 @threads_option
 def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
@@ -383,6 +388,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     files.check_writable_dir(opts.run_dir)
     try:
         with distributed.session():
+            distributed.print0(threads_note())
             stopped_by = train(opts, dataset, encoder)
     except DatasetError as e:  # an image the data loader could not use
         raise click.BadParameter(one_line(e), param_hint="--data") from None

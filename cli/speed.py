@@ -9,6 +9,7 @@ from typing import Callable
 import click
 import torch
 
+from cli import wait_policy
 from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 from edm2.sampler import SELF
@@ -55,6 +56,13 @@ def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None
     ctx.meta[THREADS] = threads
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def threads_note() -> str:
+    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run."""
+    given = click.get_current_context().meta.get(THREADS) is not None
+    why = "--threads" if given else "PyTorch's default: one per core; --threads changes it"
+    return f"CPU threads: {torch.get_num_threads()} per process ({why}); {wait_policy.describe()}."
 
 
 # On a machine shared with other processes, OpenMP threads that spin waiting for each other can make a step

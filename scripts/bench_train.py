@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from edm2.eval import benchmark
 from edm2.runtime import distributed
 from edm2.runtime.speed import PRECISIONS
-from training.run.benchmark import synthetic_step, training_flops_per_image
+from edm2.runtime.utilization import training_flops_per_image
+from training.run.benchmark import synthetic_step
 from training.run.outputs import max_memory_gb
 from training.presets import PRESETS
 from training.step import training_step

@@ -26,7 +26,8 @@ from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed, set_precision
-from training.run.benchmark import preset_network, synthetic_step, training_flops_per_image, with_unit_gains
+from edm2.runtime.utilization import training_flops_per_image
+from training.run.benchmark import preset_network, synthetic_step, with_unit_gains
 from training.step import training_step
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ def plotted_lines(figure) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
 
 def stats_columns(run) -> dict[str, list[float]]:
     rows = [json.loads(line) for line in (run / "stats.jsonl").read_text().splitlines()]
-    return {key: [row[key] for row in rows] for key in ("kimg", "loss", "lr", "images_per_s")}
+    return {key: [row.get(key) for row in rows] for key in ("kimg", "loss", "lr", "images_per_s", "mfu")}
 
 
 def test_training_records_and_draws_the_dashboard(reference_run):
@@ -181,7 +181,7 @@ def test_the_probe_equals_independent_computations(train_data, tmp_path):
     (tmp_path / "stats.jsonl").unlink()
     dashboard.update(net, 2048)
     training = json.loads((tmp_path / "plots" / "training.json").read_text())
-    assert training["stats"] == {"kimg": [], "loss": [], "lr": [], "images_per_s": []}
+    assert training["stats"] == {"kimg": [], "loss": [], "lr": [], "images_per_s": [], "mfu": []}
     assert [row["nimg"] for row in training["noise_levels"]] == [1024, 2048]
 
 

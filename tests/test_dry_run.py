@@ -41,12 +41,14 @@ def test_says_whether_it_would_start_or_resume_and_from_what(train_data, referen
 
 
 def test_time_steps_estimates_speed_and_total_time_and_writes_nothing(train_data, tmp_path):
-    result = dry_run(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--time-steps=2")
+    result = dry_run(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--time-steps=2", "--peak-tflops=0.5")
     line = next(line for line in result.stderr.splitlines() if line.startswith("Timed "))
-    match = re.fullmatch(r"Timed 2 step\(s\) of 32 images on one cpu process after a warm-up step: ([\d.]+) images/s; "
+    match = re.fullmatch(r"Timed 2 step\(s\) of 32 images on one cpu process after a warm-up step: ([\d.]+) images/s, "
+                         r"([\d.e-]+) TFLOP/s, MFU ([\d.]+)% of 0\.5 TFLOP/s \(--peak-tflops\); "
                          r"the 2048 images to go would take about (\d+)h(\d\d)m(\d\d)s\.", line)
     assert match, line
-    rate, (h, m, s) = float(match[1]), map(int, match.groups()[1:])
+    rate, tflops, mfu, (h, m, s) = float(match[1]), float(match[2]), float(match[3]), map(int, match.groups()[3:])
+    assert mfu == pytest.approx(100 * tflops / 0.5, rel=0.01, abs=0.05)  # both printed rounded
     # The estimate is the remaining images at the measured rate: hms() drops the fraction of a second, and the
     # printed rate is rounded to 0.1 (a relative error of at most 0.05 / rate).
     seconds = 2048 / rate

@@ -31,6 +31,7 @@ from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
 from edm2.runtime.speed import precision_dtype
+from edm2.runtime.utilization import peak_tflops
 from training.run.checkpoint import Checkpoints
 from training.run.dashboard import Dashboard
 from training.run.disk import disk_report
@@ -43,7 +44,7 @@ from training.run.preflight import check_run
 from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
-from training.state import TrainingState
+from training.state import TrainingState, training_flops
 from training.step import TrainingStep, training_loss, training_step
 from training.run.trackers import Trackers
 
@@ -182,7 +183,16 @@ def _reporters(run: RunDirectory | None, opts: TrainingOptions, encoder: Encoder
     grid = SampleGrid(run.path, encoder, *opts.grid, opts.grid_steps, step.device) if opts.grid else None
     if grid and grid_classes(grid.rows, step.state.net.label_dim):
         print(grid_classes(grid.rows, step.state.net.label_dim), flush=True)
-    return dict(trackers=trackers, grid=grid)
+    return dict(trackers=trackers, grid=grid, speed=_utilization(opts, step))
+
+
+def _utilization(opts: TrainingOptions, step: TrainingStep) -> tuple[float, float | None]:
+    """(useful FLOPs per training image, one process's peak TFLOP/s) for the status lines' MFU; said once."""
+    flops = training_flops(opts, step.state.net.img_channels)
+    peak, source = peak_tflops(step.device, step.state.net.compute_dtype(step.device), opts.peak_tflops)
+    print(f"MFU counts {flops / 1e9:.4g} GFLOP per training image (3 x 2 x the network's multiply-accumulates) "
+          f"against {'no peak' if peak is None else f'{peak:.4g} TFLOP/s per process'}: {source}", flush=True)
+    return flops, peak
 
 
 def _metrics(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,

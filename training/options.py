@@ -125,6 +125,7 @@ class TrainingOptions:
     metrics_every: int = 0
     metrics_num: int = DEFAULT_METRICS_NUM
     metrics_ref: str | None = None
+    peak_tflops: float | None = None  # one process's peak for the MFU; None: the device's (edm2.runtime.utilization)
 
     def __post_init__(self) -> None:
         """Refuse options that cannot work (OptionsError, NetworkMisfit), part by part."""
@@ -274,6 +275,8 @@ def _check_reports(opts: TrainingOptions) -> None:
         "(rows, cols), or () for none")
     _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
              opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
+    _require(opts.peak_tflops is None or (type(opts.peak_tflops) in (int, float) and 0 < opts.peak_tflops < 1e6),
+             "peak_tflops", opts.peak_tflops, "a number of TFLOP/s in (0, 1e6), or None")
     _check_metrics(opts)
 
 

@@ -12,6 +12,7 @@ from edm2.networks import Precond
 from edm2.phema import PowerFunctionEMA
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA, power_function_ema
 from edm2.runtime.speed import precision_flags, to_channels_last
+from edm2.runtime.utilization import training_flops_per_image
 from training.architecture import init_weights
 from training.data_order import ORDER
 from training.options import TrainingOptions
@@ -75,6 +76,12 @@ def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
         **precision_flags(opts.precision),
         **opts.network,
     )
+
+
+def training_flops(opts: TrainingOptions, img_channels: int) -> float:
+    """Useful FLOPs of one training image of the options' network (MFU's numerator), counted on the meta device."""
+    with torch.device("meta"):
+        return training_flops_per_image(init_network(opts, img_channels))
 
 
 def adam(params, device: torch.device) -> torch.optim.Adam:

@@ -49,6 +49,10 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
         if data.get("resumes"):
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    newest_mfu = [v for v in stats.get("mfu", []) if v is not None][-1:]
+    if newest_mfu:  # the model-FLOP utilisation of the newest status line
+        axes["speed"].text(0.98, 0.04, f"MFU {newest_mfu[0]:.1%}", transform=axes["speed"].transAxes, ha="right",
+                           va="bottom", fontsize=8)
     rows = data.get("noise_levels") or []
     if rows:
         _noise_level_panels(axes["halves"], axes["fit"], data, rows[-1])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
 from training.options import TrainingOptions
 from training.presets import PRESETS
 from training.state import TrainingState
@@ -81,9 +81,3 @@ def with_unit_gains(net: Precond) -> Precond:
             if name.endswith("gain"):
                 param.fill_(1)
     return net
-
-
-def training_flops_per_image(net: Precond) -> float:
-    """FLOPs of one training image: forward plus a backward of twice its cost, 3 x 2 x count_macs (the convention
-    of MFU; activation checkpointing's recomputation is not counted as useful work)."""
-    return 6.0 * count_macs(net)

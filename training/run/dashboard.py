@@ -74,15 +74,24 @@ def stats_rows(run_dir: Path, keys: Sequence[str], required: bool = True) -> lis
     return rows
 
 
-def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float]]:
-    """stats.jsonl as columns (kimg, loss, lr, images_per_s); a torn or foreign line is skipped.
+def read_stats(run_dir: Path, required: bool = True) -> dict[str, list[float | None]]:
+    """stats.jsonl as columns (kimg, loss, lr, images_per_s, and mfu: None where a row has none); a torn or foreign
+    line is skipped.
 
     Unless required, a missing or empty file gives empty columns (a run whose status interval is longer than its
     snapshot interval has none at its first snapshot)."""
     rows = stats_rows(run_dir, STATS_KEYS, required)
     if required and not rows:
         raise DashboardError(f"{run_dir / STATS_FILE} holds no status rows yet")
-    return {key: [float(row[key]) for row in rows] for key in STATS_KEYS}
+    columns = {key: [float(row[key]) for row in rows] for key in STATS_KEYS}
+    # MFU where the row has one (rows written before it, or without a known peak, have none).
+    columns["mfu"] = [float(row["mfu"]) if _is_number(row.get("mfu")) else None for row in rows]
+    return columns
+
+
+def _is_number(value: object) -> bool:
+    """Whether a JSON value is a number (not a bool, a string or null)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def load_records(path: Path) -> dict | None:

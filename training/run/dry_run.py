@@ -12,12 +12,13 @@ import torch
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.locks import Holder
+from edm2.runtime.utilization import peak_tflops, utilization
 from training.run import checkpoint
 from training.data_order import data_loader, order_for
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
 from training.run.run_lock import LOCK_FILE, RunLock
-from training.state import TrainingState, init_network
+from training.state import TrainingState, init_network, training_flops
 from training.step import TrainingStep, training_loss, training_step
 
 if TYPE_CHECKING:
@@ -76,5 +77,9 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     float(loss)
     rate = steps * opts.batch / (time.perf_counter() - started)
     remaining = max(opts.duration - newest_state(opts.run_dir)[1], 0)
+    peak, source = peak_tflops(device, state.net.compute_dtype(device), opts.peak_tflops)
+    speed = utilization(training_flops(opts, state.net.img_channels), rate, peak, 1)
+    mfu = "" if speed["mfu"] is None else f", MFU {speed['mfu']:.1%} of {peak:.4g} TFLOP/s ({source})"
     return (f"Timed {steps} step(s) of {opts.batch} images on one {device.type} process after a warm-up step: "
-            f"{rate:.1f} images/s; the {remaining} images to go would take about {hms(remaining / rate)}.")
+            f"{rate:.1f} images/s, {speed['tflops']:.3g} TFLOP/s{mfu}; the {remaining} images to go would take "
+            f"about {hms(remaining / rate)}.")

@@ -10,6 +10,7 @@ import time
 import torch
 
 from edm2.runtime import distributed
+from edm2.runtime.utilization import utilization
 from training.run.checkpoint import Checkpoints
 from training.run.dashboard import Dashboard, write_metrics
 from training.run.metrics import RunMetrics
@@ -45,8 +46,10 @@ def status_text(row: dict, duration: int) -> str:
     """A stats row as a status line; kimg is padded to the duration's width, so the columns never shift."""
     total = f"{duration / 1000:.1f}"
     eta = hms(max(duration - row["nimg"], 0) / max(row["images_per_s"], 1e-9))
+    speed = f"TFLOP/s {row['tflops']:<8.3g} " if "tflops" in row else ""
+    speed += f"MFU {row['mfu']:<6.1%} " if row.get("mfu") is not None else ""
     return (f"kimg {row['kimg']:>{len(total)}.1f}/{total} loss {row['loss']:<8.4f} lr {row['lr']:<9.3e} "
-            f"img/s {row['images_per_s']:<9.1f} sec/kimg {row['sec_per_kimg']:<8.3f} "
+            f"img/s {row['images_per_s']:<9.1f} sec/kimg {row['sec_per_kimg']:<8.3f} {speed}"
             f"maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} ETA {eta}")
 
 
@@ -62,8 +65,10 @@ class Outputs:
 
     def __init__(self, opts: TrainingOptions, run: RunDirectory | None, checkpoints: Checkpoints, state: TrainingState,
                  device: torch.device, dashboard: Dashboard | None = None, trackers: Trackers | None = None,
-                 grid: SampleGrid | None = None, metrics: RunMetrics | None = None):
+                 grid: SampleGrid | None = None, metrics: RunMetrics | None = None,
+                 speed: tuple[float, float | None] | None = None):
         self.opts, self.run, self.checkpoints, self.state = opts, run, checkpoints, state
+        self.speed = speed  # (useful FLOPs per image, one process's peak TFLOP/s) for the MFU columns
         self.device, self.dashboard = device, dashboard
         self.trackers, self.grid, self.metrics = trackers, grid, metrics
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
@@ -125,13 +130,17 @@ class Outputs:
             images_per_s=images_per_s, sec_per_kimg=1000 / max(images_per_s, 1e-9),
             max_memory_gb=max_memory_gb(self.device), elapsed_s=self.state.elapsed_s, timestamp=time.time(),
         )
+        if self.speed is not None:
+            flops_per_image, peak = self.speed
+            row |= utilization(flops_per_image, images_per_s, peak, distributed.get_world_size())
         if self.run is None:
             return
         print(status_text(row, opts.duration) + (f" (partial interval: {interval} images)" if partial else ""),
               flush=True)
         self.run.append_stats(row)
         if self.trackers:
-            self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS})
+            self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS
+                                              if row.get(key) is not None})
 
     def check_finite(self) -> None:
         """Every rank: stop (NonFiniteError) when any rank's weights, EMA tracks or Adam moments hold NaN or infinity,

@@ -32,7 +32,7 @@ WANDB_FILE = "wandb-run.json"
 WANDB_DIR = "wandb"  # W&B's own files, in the run directory unless $WANDB_DIR says elsewhere
 WANDB_PROJECT = "edm2"  # unless WANDB_PROJECT is set
 # stats.jsonl's columns that every status line logs, under 'train/'.
-STATUS_KEYS = ("loss", "lr", "images_per_s", "sec_per_kimg", "max_memory_gb")
+STATUS_KEYS = ("loss", "lr", "images_per_s", "sec_per_kimg", "tflops", "mfu", "max_memory_gb")
 
 
 class TrackerUnavailable(EDM2Error):

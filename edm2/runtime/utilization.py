@@ -1,0 +1,112 @@
+"""Model-FLOPs utilization (MFU): the training step's useful FLOPs per second over what the device could do.
+
+The useful FLOPs are the network's counted multiply-accumulates (edm2.networks.count_macs) x 2 FLOPs x 3 passes
+(forward, and a backward of twice its cost), the convention of MFU; activation checkpointing's recomputation is
+not useful work. The peak is the device's dense matrix peak in the precision the step computes in: from a table
+for the common GPUs, measured once per machine on a CPU (cached), or given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+
+import torch
+
+from edm2.errors import EDM2Error
+from edm2.networks import Precond, count_macs
+from edm2.runtime import bounded_json, files
+
+# Dense tensor-core peaks in TFLOP/s from the vendors' data sheets: (16-bit, TF32). The first name that occurs in
+# torch.cuda.get_device_name() wins, so the specific names come before the general ones.
+GPU_PEAK_TFLOPS = {
+    "H100 PCIe": (756.0, 378.0),
+    "H100 NVL": (835.0, 417.5),
+    "H100": (989.4, 494.7),  # SXM
+    "H200": (989.4, 494.7),
+    "A100": (312.0, 156.0),
+    "L40S": (362.05, 181.0),
+    "RTX 4090": (165.2, 82.6),  # with float32 accumulation, as PyTorch computes
+}
+CPU_PEAK_FILE = "cpu-matmul-peak.json"
+_MATMUL_SIZE = 2048  # large enough for the BLAS/oneDNN kernels to reach their peak, quick to time (< 1 s)
+
+
+def training_flops_per_image(net: Precond) -> float:
+    """Useful FLOPs of one training image: 3 passes x 2 FLOPs x count_macs (the convention of MFU)."""
+    return 6.0 * count_macs(net)
+
+
+def gpu_peak_tflops(name: str, dtype: torch.dtype) -> float | None:
+    """A listed GPU's dense peak in dtype's tensor-core precision (TF32 for float32), or None when unlisted."""
+    for key, (half, tf32) in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            return tf32 if dtype == torch.float32 else half
+    return None
+
+
+def measure_matmul_tflops(dtype: torch.dtype, repeats: int = 3) -> float:
+    """This process's matmul throughput in dtype on the CPU (its threads as set), the best of `repeats`."""
+    a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
+    b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
+    torch.mm(a, b)  # warm-up: the kernel's first call picks and prepares its implementation
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * _MATMUL_SIZE**3 / best / 1e12
+
+
+def _machine_key(dtype: torch.dtype) -> str:
+    """What a CPU peak depends on: the processor, the thread count, the dtype and PyTorch's kernels."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    parts = [platform.machine(), model or platform.processor(), str(torch.get_num_threads()), str(dtype),
+             torch.__version__]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """The CPU's matmul peak in dtype for this process's thread count: measured now, and the highest measured on this
+    machine kept in $EDM2_CACHE_DIR (a measurement beside other work comes out low; the cache only rises)."""
+    path, key = files.cache_dir() / CPU_PEAK_FILE, _machine_key(dtype)
+    try:
+        cached = bounded_json.read_object(path) or {}
+    except EDM2Error:  # a damaged cache is rewritten
+        cached = {}
+    previous = cached.get(key)
+    measured = measure_matmul_tflops(dtype)
+    if isinstance(previous, (int, float)) and not isinstance(previous, bool) and previous >= measured:
+        return float(previous)
+    try:
+        with files.atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({**cached, key: measured}))
+    except OSError:  # an unwritable cache only loses what this measurement adds
+        pass
+    return measured
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, given: float | None = None) -> tuple[float | None, str]:
+    """One process's peak for a step computing in dtype on device (None for an unlisted GPU), and where it came from
+    (for the start line)."""
+    if given is not None:
+        return given, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_tflops(name, dtype)
+        if peak is None:
+            return None, f"no peak known for {name}: MFU is not reported unless --peak-tflops gives it"
+        return peak, f"the {name} data sheet's dense peak"
+    return cpu_peak_tflops(dtype), f"this CPU's {str(dtype).removeprefix('torch.')} matmul, the best measured here"
+
+
+def utilization(flops_per_image: float, images_per_s: float, peak_per_process: float | None, processes: int) -> dict:
+    """A status row's achieved TFLOP/s (all processes) and MFU (over the peak of all processes; None without one)."""
+    tflops = flops_per_image * images_per_s / 1e12
+    return dict(tflops=tflops, mfu=None if peak_per_process is None else tflops / (peak_per_process * processes))

@@ -1,0 +1,101 @@
+"""Model-FLOPs utilization in every run: the peaks it is measured against, the CPU's measured once per machine, and
+the status lines' TFLOP/s and MFU as count_macs x the measured rate over the given peak; and the OpenMP wait
+policy that keeps a shared CPU's threads from spinning."""
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from edm2.formats.snapshot import load_network
+from edm2.networks import count_macs
+from edm2.plots.run import dashboard_figure
+from edm2.runtime import utilization
+from tests.helpers import REPO, TRAIN_ENV, run_training, train_command
+from training.run.dashboard import read_stats
+
+COMMAND_LINES = sorted(path.name for path in REPO.glob("*.py"))
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4), ("NVIDIA H100 PCIe", torch.float16, 756.0),
+    ("NVIDIA H100 NVL", torch.bfloat16, 835.0), ("NVIDIA H200", torch.bfloat16, 989.4),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, 156.0), ("NVIDIA L40S", torch.bfloat16, 362.05),
+    ("NVIDIA GeForce RTX 4090", torch.float16, 165.2), ("Tesla T4", torch.float16, None),
+])
+def test_gpu_peaks_come_from_the_table_most_specific_name_first(name, dtype, peak):
+    assert utilization.gpu_peak_tflops(name, dtype) == peak
+
+
+def test_the_cpu_peak_keeps_the_best_measurement_per_machine_dtype_and_thread_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
+    rates = iter([0.25, 0.1, 0.5, 0.05, 0.125, 0.3])  # a busy machine measures low: the best so far is kept
+    monkeypatch.setattr(utilization, "measure_matmul_tflops", lambda dtype: next(rates))
+    assert [utilization.cpu_peak_tflops(torch.float32) for _ in range(3)] == [0.25, 0.25, 0.5]
+    assert utilization.cpu_peak_tflops(torch.bfloat16) == 0.05  # another dtype, its own entry
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert utilization.cpu_peak_tflops(torch.float32) == 0.125  # another thread count, its own entry
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / utilization.CPU_PEAK_FILE).write_text("{not json")  # a damaged cache is rewritten
+    assert utilization.cpu_peak_tflops(torch.float32) == 0.3
+    assert json.loads((tmp_path / utilization.CPU_PEAK_FILE).read_text()) == {utilization._machine_key(torch.float32): 0.3}
+
+
+def test_the_measured_matmul_rate_is_a_plausible_cpu_rate():
+    rate = utilization.measure_matmul_tflops(torch.float32, repeats=2)
+    assert 1e-4 < rate < 100  # TFLOP/s: above a crawl on a busy machine, below any CPU's float32 peak
+
+
+def test_status_lines_and_stats_give_tflops_and_mfu_over_the_given_peak(train_data, tmp_path):
+    peak = 0.5
+    result = run_training(train_data, tmp_path / "run", "--workers=0", "--duration=1Ki", f"--peak-tflops={peak}")
+    assert result.returncode == 0, result.stderr
+    snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[-1]
+    flops = 6 * count_macs(load_network(snapshot)[0])  # 3 passes x 2 FLOPs per multiply-accumulate
+    rows = [json.loads(line) for line in (tmp_path / "run" / "stats.jsonl").read_text().splitlines()]
+    assert rows
+    for row in rows:
+        assert row["tflops"] == pytest.approx(flops * row["images_per_s"] / 1e12, rel=1e-9)
+        assert row["mfu"] == pytest.approx(row["tflops"] / peak, rel=1e-9)
+    status = [line for line in result.stdout.splitlines() if line.startswith("kimg ")]
+    assert len(status) == len(rows) and all(f"MFU {row['mfu']:.1%}" in line for line, row in zip(status, rows))
+    assert f"against {peak:.4g} TFLOP/s per process: --peak-tflops" in result.stdout
+    figure = dashboard_figure({"stats": read_stats(tmp_path / "run")})
+    [speed] = [ax for ax in figure.axes if ax.get_title() == "images/s"]
+    assert [text.get_text() for text in speed.texts] == [f"MFU {rows[-1]['mfu']:.1%}"]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e300"])
+def test_an_impossible_peak_is_refused(train_data, tmp_path, value):
+    result = subprocess.run(train_command(train_data, tmp_path / "run", f"--peak-tflops={value}"), cwd=REPO,
+                            env=TRAIN_ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--peak-tflops" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("path", COMMAND_LINES)
+def test_every_command_line_sets_the_wait_policy_before_anything_loads_pytorch(path):
+    body = ast.parse((REPO / path).read_text()).body
+    imports = [node for node in body if isinstance(node, (ast.Import, ast.ImportFrom)) and
+               not (isinstance(node, ast.ImportFrom) and node.module == "__future__")]
+    assert isinstance(imports[0], ast.Import) and [a.name for a in imports[0].names] == ["cli.wait_policy"], path
+
+
+@pytest.mark.parametrize("policy, said", [(None, "OpenMP wait policy PASSIVE (our default"),
+                                          ("ACTIVE", "OpenMP wait policy ACTIVE (OMP_WAIT_POLICY, as set)")])
+def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, policy, said):
+    env = {k: v for k, v in TRAIN_ENV.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": policy} if policy else {})
+    result = subprocess.run(train_command(train_data, tmp_path / "run", "--dry-run", "--threads=1"), cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "CPU threads: 1 per process (--threads)" in result.stderr and said in result.stderr
+    probe = subprocess.run([sys.executable, "-c", "import cli.wait_policy, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == (policy or "PASSIVE")
