@@ -16,7 +16,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import tqdm
 
-from edm2.data.dataset import DatasetError, is_class, parse_labels
+from edm2.data.dataset import DatasetError
+from edm2.data.dataset_json import is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import load_network
 from edm2.runtime import bounded_json, distributed, files

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 import dataset_tool
 import train_edm2
-from edm2.data.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname, read_labels
+from edm2.data.dataset import DatasetError, FileTree, ImageFolderDataset, image_fname, latent_fname
+from edm2.data.dataset_json import read_labels
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error
 from tests.helpers import (TRAIN_ARGS, assert_one_error_line, assert_refused, black_png, png_bomb_zip, png_file,

@@ -16,8 +16,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from edm2.data.dataset import (CLASSES_KEY, LABELS_FILE, image_fname, parse_classes, read_dataset_json,
-                               source_image_names)
+from edm2.data.dataset import image_fname, source_image_names
+from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE, parse_classes, read_dataset_json
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.data.dataset_writer import DatasetWriter, png_bytes
 from edm2.errors import one_line, shown

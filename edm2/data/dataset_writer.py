@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import numpy as np
 import PIL.Image
 
-from edm2.data.dataset import CLASSES_KEY, LABELS_FILE
+from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE
 from edm2.runtime import files
 
 # A fixed timestamp keeps ZIP bytes identical between runs that write identical files.

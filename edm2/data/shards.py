@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edm2.data.dataset import MAX_CLASSES, ImageData
+from edm2.data.dataset import ImageData
+from edm2.data.dataset_json import MAX_CLASSES
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
 from edm2.runtime import bounded_json
 

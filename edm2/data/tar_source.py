@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from edm2.data.convert import read_image
-from edm2.data.dataset import is_class
+from edm2.data.dataset_json import is_class
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, open_image
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")

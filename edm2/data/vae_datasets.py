@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from edm2.data.dataset import LABELS_FILE, DatasetError, ImageFolderDataset, latent_fname
+from edm2.data.dataset import DatasetError, ImageFolderDataset, latent_fname
+from edm2.data.dataset_json import LABELS_FILE
 from edm2.data.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
 from edm2.encoders import StabilityVAEEncoder
 from edm2.errors import one_line

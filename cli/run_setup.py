@@ -1,0 +1,115 @@
+"""train_edm2.py's run from its options: the data (checked for labels), the encoder the data records, and the network
+of --arch and the architecture options or of the --init snapshot, each refused in one line naming its option."""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+from click.core import ParameterSource
+
+from edm2 import families
+from edm2.data.dataset import DatasetError, ImageData
+from edm2.data.sources import open_data
+from edm2.encoders import Encoder, EncoderSettingsError, StabilityVAEEncoder, StandardRGBEncoder, encoder_for_dataset
+from edm2.errors import SnapshotError, one_line
+from edm2.runtime import files
+from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
+                                   differs_from_preset, read_init, unet_options)
+from training.presets import get_preset
+
+
+def open_dataset(data: str, cond: bool) -> ImageData:
+    """The training data, checked for labels when training a class-conditional model."""
+    try:
+        dataset = open_data(data, use_labels=cond)
+    except DatasetError as e:
+        raise click.BadParameter(str(e), param_hint="--data") from None
+    if cond and not dataset.has_labels:
+        raise click.UsageError(f"--cond=True but {data} has no labels (dataset.json); pass --cond=False")
+    return dataset
+
+
+def choose_encoder(dataset: ImageData) -> Encoder:
+    """The encoder of the encoding the dataset records (dataset.json "encoding", edm2.encoders.ENCODINGS); for a
+    dataset written by the release or an earlier version, which records none, the rule they imply (see
+    unrecorded_encoding): StandardRGBEncoder for PNG data of any channel count, StabilityVAEEncoder for 8-channel
+    mean/std latents."""
+    if dataset.encoding is not None:
+        try:
+            return encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
+        except EncoderSettingsError as e:
+            raise click.BadParameter(f"{dataset.path}: {e}", param_hint="--data") from None
+    image, _ = dataset[0]
+    channels = dataset.num_channels
+    if image.dtype == np.uint8:
+        return StandardRGBEncoder()
+    encoder = StabilityVAEEncoder()
+    if channels != 2 * len(encoder.scale):
+        raise click.BadParameter(
+            f"{dataset.path}: .npy latents have {channels} channel(s); expected {2 * len(encoder.scale)} "
+            f"(mean and std of {len(encoder.scale)} VAE channels, `dataset_tool.py encode`)",
+            param_hint="--data",
+        )
+    return encoder
+
+
+def unrecorded_encoding(dataset: ImageData, encoder: Encoder) -> str | None:
+    """The line that says a dataset records no encoding and which one its files imply; None when it records one."""
+    if dataset.encoding is not None:
+        return None
+    return (f"{dataset.path}: dataset.json records no encoding (written by the release or an earlier version); "
+            f"its {'PNG images' if encoder.encoding == 'pixels' else '.npy latents'} are taken as {encoder.encoding}")
+
+
+def network_options(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
+                    given: dict) -> dict:
+    """The network arguments of family --arch: the preset's with --channel-mult, --num-blocks and --attn-resolutions;
+    impossible ones are refused with a line that names the option. The U-Net's attention resolutions are held to
+    its levels when one of these was typed on the command line or they shape it otherwise than the preset: a
+    --config file that holds the preset's own (a run's training_options.json) leaves out those the data does not
+    have, as the preset does."""
+    channels = channels or get_preset(preset).channels
+    source = click.get_current_context().get_parameter_source
+    typed = any(value is not None and source(name) == ParameterSource.COMMANDLINE for name, value in given.items())
+    try:
+        network = unet_options(get_preset(preset).network, given, arch)
+        if arch == families.DEFAULT_FAMILY:
+            check_network_fits_data(dataset.resolution, channels, network,
+                                    explicit=typed or differs_from_preset(network, get_preset(preset).network))
+        else:
+            check_family_fits_data(dataset.resolution, img_channels, dataset.label_dim, channels, network)
+    except NetworkMisfit as e:
+        raise click.UsageError(str(e)) from None
+    return network
+
+
+def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, given: dict,
+                 preset: str | None = None) -> tuple[Encoder, dict]:
+    """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
+    cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
+    than an --arch given naming --arch.
+
+    Data labeled with some of the network's classes trains it with its labels as they are: the dataset's one-hot
+    labels widen to the network's classes."""
+    try:
+        snapshot = read_init(init)
+        check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
+                   label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset)
+    except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
+        raise click.BadParameter(one_line(e), param_hint="--init") from None
+    theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
+    if arch not in (families.DEFAULT_FAMILY, theirs):
+        raise click.BadParameter(f"{init} is a network of family {theirs!r}; leave --arch out to take it",
+                                 param_hint="--arch")
+    dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
+    return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
+
+
+def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, encoder: Encoder,
+                given: dict, channels: int | None) -> tuple[Encoder, dict]:
+    """The run's encoder and the options that say its network: from --arch and the architecture options, or from
+    the --init snapshot."""
+    if init is None:
+        img_channels = encoder.out_channels(dataset.num_channels)
+        return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
+    return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)
