@@ -105,6 +105,24 @@ def build_options(preset: str, dataset: ImageData, encoder: Encoder, **values) -
         raise click.UsageError(str(e)) from None
 
 
+def check_before_the_data(overrides: dict, cond: bool, dry_run: bool, time_steps: int) -> None:
+    """Refuse, before the data is opened, what the options alone show cannot work: a metrics reference, timing
+    without --dry-run, a tracker that is not installed, label dropout without labels."""
+    check_metrics_ref(overrides["metrics"], overrides["metrics_ref"])
+    if time_steps and not dry_run:
+        raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
+                                 param_hint="--time-steps")
+    for name in overrides["loggers"]:
+        try:
+            check_installed(name)
+        except TrackerUnavailable as e:
+            raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
+    try:
+        check_label_dropout(overrides["label_dropout"], cond)
+    except OptionsError as e:
+        raise click.BadParameter(str(e), param_hint="'--label-dropout'") from None
+
+
 def report_init(opts: TrainingOptions, dataset: ImageData) -> None:
     """On stderr, from the first process only: what a run from an --init snapshot should know (init_notes)."""
     if opts.init is not None and distributed.launched_rank() == 0:
@@ -243,19 +261,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
-    check_metrics_ref(overrides["metrics"], overrides["metrics_ref"])
-    if time_steps and not dry_run:
-        raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
-                                 param_hint="--time-steps")
-    for name in overrides["loggers"]:
-        try:
-            check_installed(name)
-        except TrackerUnavailable as e:
-            raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
-    try:
-        check_label_dropout(overrides["label_dropout"], cond)
-    except OptionsError as e:
-        raise click.BadParameter(str(e), param_hint="'--label-dropout'") from None
+    check_before_the_data(overrides, cond, dry_run, time_steps)
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
