@@ -287,13 +287,10 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     if dry_run:
         print_dry_run(opts, dataset, encoder, time_steps, note)
         return
-    if note:
-        click.echo(note, err=True)
     files.check_writable_dir(opts.run_dir)
     try:
         with distributed.session():
-            distributed.print0(threads_note())
-            stopped_by = train(opts, dataset, encoder)
+            stopped_by = train(opts, dataset, encoder, start_notes=[line for line in (note, threads_note()) if line])
     except DatasetError as e:  # an image the data loader could not use
         raise click.BadParameter(one_line(e), param_hint="--data") from None
     if stopped_by == signal.SIGINT:

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.autograd import forward_ad
 
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, cosine_attention, mp_cat, mp_silu, mp_sum, normalize,

@@ -26,6 +26,7 @@ from edm2.encoders import encoder_from_config  # noqa: E402
 from edm2.eval.magnitudes import bucket_magnitudes  # noqa: E402
 from edm2.eval.validation import ValidationSamples  # noqa: E402
 from edm2.formats.snapshot import load_network  # noqa: E402
+from edm2.loss import recorded_loss  # noqa: E402
 from edm2.plots.ladder import PANELS, figure15, growth  # noqa: E402
 from edm2.runtime import files  # noqa: E402
 
@@ -41,7 +42,7 @@ def run_records(folder: Path, data: str, std: float, num: int, seed: int) -> lis
         if batch is None:
             dataset = ImageFolderDataset(data, use_labels=bool(net.label_dim))
             samples = ValidationSamples(dataset, encoder_from_config(meta["encoder"]), net, num,
-                                        meta["loss"]["P_mean"], meta["loss"]["P_std"], seed)
+                                        recorded_loss(meta.get("loss"), net.sigma_data), seed)
             batch = samples.batch(range(num))
         y, sigma, noise, labels = batch
         records.append(dict(kimg=snap.nimg / 1000, **bucket_magnitudes(net.eval(), y + sigma * noise, sigma, labels)))

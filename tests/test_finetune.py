@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
+from cli import run_setup
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
@@ -136,7 +137,7 @@ def test_data_holding_some_of_the_classes_fine_tunes_with_its_labels_as_they_are
     (data / "dataset.json").write_text(json.dumps({"labels": [[name, (2, 8)[label]] for name, label in listed]}))
     init = init_snapshot(tmp_path / "init.safetensors", label_dim=10)
     dataset = ImageFolderDataset(data)
-    train_edm2.init_options(str(init), dataset, StandardRGBEncoder(), {})
+    run_setup.init_options(str(init), "edm2", dataset, StandardRGBEncoder(), {})
     expected = [np.eye(10, dtype=np.float32)[(2, 8)[i % 2]] for i in range(16)]  # one-hot over the net's classes
     assert all(np.array_equal(dataset.get_label(i), expected[i]) for i in range(16))
 

@@ -13,6 +13,7 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.eval.magnitudes import bucket
 from edm2.eval.sweep import round_to_stored
 from edm2.eval.validation import ValidationSamples, validation_loss
+from edm2.loss import recorded_loss
 from edm2.formats.snapshot import read_metadata
 from tests.helpers import assert_refused
 
@@ -47,7 +48,7 @@ def test_each_row_is_one_tensor_moved_and_measured(reference_run, train_data, tm
     tracks = [s.track() for s in inputs]
     first_net = posthoc.combine_per_tensor(tracks, out_nimg, GLOBAL, {})[0]
     samples = ValidationSamples(ImageFolderDataset(str(train_data), use_labels=True), StandardRGBEncoder(),
-                                first_net, NUM, metadata["loss"]["P_mean"], metadata["loss"]["P_std"], 0)
+                                first_net, NUM, recorded_loss(metadata["loss"], first_net.sigma_data), 0)
 
     def loss_of(tensor_stds: dict) -> float:
         net, _ = posthoc.combine_per_tensor(tracks, out_nimg, GLOBAL, tensor_stds)

@@ -14,6 +14,7 @@ import train_edm2
 from edm2.eval import detectors
 from edm2.eval.stats_files import save_stats
 from edm2.formats.snapshot import load_network
+from edm2.loss import recorded_loss
 from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.encoders import StandardRGBEncoder
 from edm2.data.dataset import ImageFolderDataset
@@ -65,7 +66,7 @@ def test_metric_rows_at_the_intervals_once_each_across_a_resume(train_data, tmp_
     # The loss row is the validation loss of the stored snapshot (edm2.eval.validation), seeds 0..3.
     net, meta = load_network(run / "network-snapshot-0000001-0.050.safetensors")
     samples = ValidationSamples(ImageFolderDataset(str(train_data), use_labels=True), StandardRGBEncoder(), net, 4,
-                                meta["loss"]["P_mean"], meta["loss"]["P_std"])
+                                recorded_loss(meta["loss"], net.sigma_data))
     assert rows[1]["metrics"]["loss4"] == validation_loss(net, samples, 32)
     events = EventAccumulator(str(run / TENSORBOARD_DIR), size_guidance={"scalars": 0})
     events.Reload()

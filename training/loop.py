@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -49,18 +49,20 @@ from training.step import TrainingStep, training_loss, training_step
 from training.run.trackers import Trackers
 
 if TYPE_CHECKING:
-    from edm2.data.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageData
     from edm2.encoders import Encoder
 
 
-def train(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder) -> signal.Signals | None:
+def train(opts: TrainingOptions, dataset: ImageData, encoder: Encoder,
+          start_notes: Sequence[str] = ()) -> signal.Signals | None:
     """Train (or resume) the run described by opts; every rank calls this inside distributed.session().
+    start_notes: lines for rank 0 to print once the run directory is its own (a refused start prints only its error).
 
     Returns the signal that stopped this process's run before its duration, or None.
     """
     # Before the run directory: what the command line refuses, a run from Python is refused alike.
     distributed.on_main_rank(lambda: check_run(opts, dataset, encoder, distributed.get_world_size()))
-    notes: list[str] = []
+    notes: list[str] = list(start_notes) if distributed.is_main() else []
     # The console guard comes first: a signal's message must not raise from its handler on a dead console.
     with tee_output(None), StopFlag() as stop, contextlib.ExitStack() as stack:
         # Rank 0 owns the run directory (DestinationInUse if another training holds it); the other ranks share its
@@ -102,7 +104,7 @@ def _loop(step: TrainingStep, outputs: Outputs, stop: StopFlag) -> bool:
         outputs.add_loss(loss_sum, step.rounds)
 
 
-def _resume(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, run: RunDirectory | None,
+def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: RunDirectory | None,
             checkpoints: Checkpoints, stack: contextlib.ExitStack) -> TrainingStep:
     """The run's step parts, its state new or loaded from the newest valid training state, its batches (their loader
     stopped when stack closes)."""
@@ -165,7 +167,7 @@ def _init_recipe(path: Path | None, opts: TrainingOptions) -> str:
             "in a new run: not the snapshot's)")
 
 
-def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
+def _dashboard(run: RunDirectory | None, opts: TrainingOptions, dataset: ImageData, encoder: Encoder,
                step: TrainingStep) -> Dashboard | None:
     """Rank 0's dashboard (RUN/plots/, redrawn at every snapshot); None on the other ranks."""
     if run is None:
@@ -195,7 +197,7 @@ def _utilization(opts: TrainingOptions, step: TrainingStep) -> tuple[float, floa
     return flops, peak
 
 
-def _metrics(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder,
+def _metrics(opts: TrainingOptions, dataset: ImageData, encoder: Encoder,
              device: torch.device) -> RunMetrics | None:
     """Every rank's metrics of the snapshots (train_edm2.py --metrics), or None."""
     return RunMetrics(opts, dataset, encoder, device) if opts.metrics else None

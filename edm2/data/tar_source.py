@@ -130,7 +130,7 @@ class TarSource:
         try:
             with open_image(io.BytesIO(data)):  # refuses a header of too many pixels before decoding
                 pass
-            image = self.transform(read_image(data))
+            image = self.transform(read_image(data)[0])  # tar sources drop alpha, as convert does by default
         except IMAGE_ERRORS as e:
             raise TarSourceError(f"{path}: cannot read the image of sample {sample['__key__']} ({e})") from None
         return image.transpose(2, 0, 1)

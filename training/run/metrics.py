@@ -26,6 +26,7 @@ from edm2.generation import generate_images
 from edm2.runtime import distributed
 from training.options import TrainingOptions
 from training.run.run_dir import snapshot_path
+from training.step import recipe_loss
 
 BATCH = 32  # images per batch and rank
 
@@ -81,6 +82,6 @@ class RunMetrics:
             stats, _ = calculate_stats(batches, self.detectors, self.device, progress=False, keep_features=self.keep)
             values.update(scores.metric_values(stats, self.reference, self.images, self.device))
         if "loss" in opts.metrics:
-            samples = ValidationSamples(self.dataset, self.encoder, net, num, opts.P_mean, opts.P_std)
+            samples = ValidationSamples(self.dataset, self.encoder, net, num, recipe_loss(opts, net.sigma_data))
             values["loss"] = validation_loss(net, samples, BATCH, self.device)
         return {metric_name(metric, num): values[metric] for metric in opts.metrics}
