@@ -125,7 +125,8 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
     files.remove_stale_temporaries(work, owned=True, recursive=True)  # every writer has finished
     (work / ENCODE_MANIFEST).unlink()
     with files.atomic_path(work / LABELS_FILE) as tmp:
-        tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)}, encoding))
+        tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)},
+                               encoding=encoding))
     os.replace(work, dest)
 
 
