@@ -38,13 +38,19 @@ def block_output_rms(net: Precond, x: torch.Tensor, sigma: torch.Tensor,
         return hook
 
     blocks = net.family.blocks(net.unet)
-    hooks = [m.register_forward_hook(record(name)) for name, m in blocks]
+    _forward_hooked(net, [(m, record(name)) for name, m in blocks], x, sigma, labels)
+    return {name: math.sqrt(float(sums[name]) / counts[name]) for name, _ in blocks if name in sums}
+
+
+def _forward_hooked(net: torch.nn.Module, hooked: list, x: torch.Tensor, sigma: torch.Tensor,
+                    labels: torch.Tensor | None) -> None:
+    """One evaluation of net with each (module, forward hook) of hooked registered for it alone."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooked]
     try:
         net(x, sigma, labels)
     finally:
-        for hook in hooks:
-            hook.remove()
-    return {name: math.sqrt(float(sums[name]) / counts[name]) for name, _ in blocks if name in sums}
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -79,12 +85,7 @@ def bucket_magnitudes(net: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor
             squares.setdefault(bucket(name), []).append(out.square().mean(dim=dims).sqrt())
         return hook
 
-    hooks = [m.register_forward_hook(record(name)) for name, m in layers]
-    try:
-        net(x, sigma, labels)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    _forward_hooked(net, [(m, record(name)) for name, m in layers], x, sigma, labels)
     rows: dict[str, list[torch.Tensor]] = {}
     for name, m in layers:
         rows.setdefault(bucket(name), []).append(m.weight.detach().to(torch.float64).flatten(1).square().mean(1).sqrt())
