@@ -23,6 +23,7 @@ from edm2.eval.stats_files import StatsError, load_stats
 from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
+from edm2.phema import MAX_STD
 from edm2.runtime import distributed, files
 from edm2 import families
 from training.architecture import UNET_OPTIONS, read_init
@@ -243,6 +244,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
               help="Images generated (seeds 0..N-1), or loss samples, per metric")
 @click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
               "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
+@click.option("--metrics-ema", type=click.FloatRange(min=0, max=MAX_STD, min_open=True, max_open=True),
+              metavar="SIGMA_REL", help="Measure the post-hoc EMA of this length, reconstructed from the run's snapshots "
+              "so far (as reconstruct_phema.py does)  [default: the first --ema-stds track, as stored]")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True, max=1e6),
               help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
                    "on a CPU its matmul peak, measured once and cached]")

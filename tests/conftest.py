@@ -27,14 +27,32 @@ def compile_cache(tmp_path_factory):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
-@pytest.fixture(autouse=True)
-def test_threads():
-    """Run on TEST_THREADS CPU threads (default 1: tiny tensors are faster without OpenMP synchronization,
-    and torchrun workers default to OMP_NUM_THREADS=1)."""
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """$EDM2_CACHE_DIR (downloads, the CPU's measured matmul peak) in a folder of this session, for subprocesses too:
+    the suite writes nothing to the user's cache and reads nothing from it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDM2_CACHE_DIR", str(tmp_path_factory.mktemp("edm2-cache")))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_threads():
+    """Run everything, module and session fixtures included, on TEST_THREADS CPU threads (default 1: tiny tensors
+    are faster without OpenMP synchronization, and torchrun workers default to OMP_NUM_THREADS=1). A fixture that
+    trained on the machine's default thread count while its test resumed on TEST_THREADS differed from it in the last
+    bits (tests/test_nonfinite.py's good_run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def test_threads(session_threads):
+    """TEST_THREADS again after a test that changed the thread count."""
+    yield
+    torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture

@@ -30,13 +30,7 @@ def training(tmp_path_factory):
     """Train with PostHocEMA saving STDS every SAVE_EVERY steps and TARGET tracked directly alongside;
     returns the folder, the directly tracked parameters at the middle and the end, every step's parameters
     and the model."""
-    # Module fixtures run before conftest's test_threads: one thread here too (OpenMP on tiny tensors is slow).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train(tmp_path_factory.mktemp("ema"))
-    finally:
-        torch.set_num_threads(threads)
+    return train(tmp_path_factory.mktemp("ema"))
 
 
 def train(folder):

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import pytest
-import torch
 from click.testing import CliRunner
 
 import dataset_tool
@@ -48,12 +47,7 @@ def write_gray_folders(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory):
     """Every step of the walk-through, in order; returns the folder and each step's output."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the suite's tests (conftest.test_threads), which start after module fixtures
-    try:
-        yield walk_through(tmp_path_factory.mktemp("own"))
-    finally:
-        torch.set_num_threads(threads)
+    return walk_through(tmp_path_factory.mktemp("own"))
 
 
 def walk_through(root: Path) -> tuple[Path, dict]:

@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import calculate_metrics
 import train_edm2
+from edm2 import posthoc
 from edm2.eval import detectors
 from edm2.eval.stats_files import save_stats
 from edm2.formats.snapshot import load_network
@@ -101,6 +102,27 @@ def test_a_failing_metric_warns_and_training_goes_on(train_data, tmp_path, stand
     assert (tmp_path / "run" / "training-state-0000001.pt").exists()
 
 
+def test_metrics_ema_measures_the_post_hoc_reconstruction_of_the_snapshots_so_far(train_data, tmp_path):
+    # Issue 30, item 1: "or a post-hoc length if asked": at 512 images the row is the loss of the sigma_rel 0.15
+    # network that reconstruct_phema.py builds from the snapshots up to 512 images, not the stored 0.050 track's.
+    run = tmp_path / "run"
+    result = train(train_data, run, "--duration=1Ki", "--snapshot=512", "--metrics=loss", "--metrics-num=4",
+                   "--metrics-ema=0.15")
+    assert result.exit_code == 0, result.output
+    rows = metric_rows(run)
+    assert [(row["nimg"], row["ema_std"]) for row in rows] == [(512, 0.15), (1024, 0.15)]
+    data = ImageFolderDataset(str(train_data), use_labels=True)
+    for row in rows:
+        [(std, net, meta)] = list(posthoc.reconstruct(run, [0.15], kimg=row["nimg"] // 1000))
+        assert (std, meta["nimg"]) == (0.15, row["nimg"])
+        samples = ValidationSamples(data, StandardRGBEncoder(), net, 4, recorded_loss(meta["loss"], net.sigma_data))
+        assert row["metrics"]["loss4"] == validation_loss(net, samples, 32)
+    stored, meta = load_network(run / "network-snapshot-0000000-512-0.050.safetensors")
+    assert meta["nimg"] == 512
+    samples = ValidationSamples(data, StandardRGBEncoder(), stored, 4, recorded_loss(meta["loss"], stored.sigma_data))
+    assert rows[0]["metrics"]["loss4"] != validation_loss(stored, samples, 32)
+
+
 def test_metric_names_carry_the_sample_count():
     assert [run_metrics.metric_name(m, n) for m, n in [("fid", 2000), ("fid", 50000), ("loss", 1500),
                                                         ("precision_dinov2", 2000), ("fd_dinov2", 4)]] == [
@@ -114,6 +136,7 @@ def test_metric_names_carry_the_sample_count():
     (["--metrics=loss", "--metrics-every=768"], ["--metrics-every=768", "a multiple of --snapshot=1024"]),
     (["--metrics=recall", "--metrics-ref=REF"], ["--metrics-ref", "keeps none fid features"]),
     (["--metrics=fd_dinov2", "--metrics-ref=REF"], ["--metrics-ref", "no statistics for fd_dinov2"]),
+    (["--metrics=loss", "--metrics-ema=0.3"], ["--metrics-ema", "0.3"]),
 ])
 def test_bad_metrics_options_are_one_line(train_data, tmp_path, args, fragments):
     save_stats(tmp_path / "ref.npz", {"fid": {"mu": np.zeros(12), "sigma": np.eye(12)}})

@@ -47,9 +47,20 @@ def test_the_cpu_peak_keeps_the_best_measurement_per_machine_dtype_and_thread_co
     assert json.loads((tmp_path / utilization.CPU_PEAK_FILE).read_text()) == {utilization._machine_key(torch.float32): 0.3}
 
 
-def test_the_measured_matmul_rate_is_a_plausible_cpu_rate():
+def test_the_measured_matmul_rate_is_a_plausible_cpu_rate_and_leaves_the_global_random_state():
+    before = torch.get_rng_state()
     rate = utilization.measure_matmul_tflops(torch.float32, repeats=2)
     assert 1e-4 < rate < 100  # TFLOP/s: above a crawl on a busy machine, below any CPU's float32 peak
+    assert torch.equal(torch.get_rng_state(), before)  # a run's start draws nothing from the training's seed
+
+
+@pytest.mark.parametrize("seconds, size", [(1.0, 128), (0.005, 256), (1e-6, 2048)])
+def test_the_timed_matmul_grows_only_while_a_product_is_quick(seconds, size, monkeypatch):
+    # A CPU emulating 16-bit matmuls took 50 s for one 2048 x 2048 product: a slow product stops the growth at once.
+    sizes = []
+    monkeypatch.setattr(utilization, "_time_mm", lambda a, b: sizes.append(a.shape[0]) or seconds * (a.shape[0] / 128) ** 3)
+    rate = utilization.measure_matmul_tflops(torch.float32, repeats=2)  # only the warm-up products are computed
+    assert max(sizes) == size and rate == pytest.approx(2 * 128**3 / seconds / 1e12)
 
 
 def test_status_lines_and_stats_give_tflops_and_mfu_over_the_given_peak(train_data, tmp_path):

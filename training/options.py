@@ -125,6 +125,7 @@ class TrainingOptions:
     metrics_every: int = 0
     metrics_num: int = DEFAULT_METRICS_NUM
     metrics_ref: str | None = None
+    metrics_ema: float | None = None  # a post-hoc sigma_rel (Eq. 129) reconstructed from the run's snapshots; None: the first track
     peak_tflops: float | None = None  # one process's peak for the MFU; None: the device's (edm2.runtime.utilization)
 
     def __post_init__(self) -> None:
@@ -290,6 +291,8 @@ def _check_metrics(opts: TrainingOptions) -> None:
     # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
     _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
              f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")
+    _require(opts.metrics_ema is None or _real(opts.metrics_ema, 0, low_open=True, high=MAX_STD), "metrics_ema",
+             opts.metrics_ema, f"a sigma_rel in (0, {MAX_STD:.4f}), or None")
     images = [name for name in opts.metrics if name != "loss"]
     _require(not images or isinstance(opts.metrics_ref, str) and opts.metrics_ref != "", "metrics_ref",
              opts.metrics_ref, f"reference statistics for --metrics={','.join(images)}")

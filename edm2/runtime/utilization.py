@@ -31,7 +31,11 @@ GPU_PEAK_TFLOPS = {
     "RTX 4090": (165.2, 82.6),  # with float32 accumulation, as PyTorch computes
 }
 CPU_PEAK_FILE = "cpu-matmul-peak.json"
-_MATMUL_SIZE = 2048  # large enough for the BLAS/oneDNN kernels to reach their peak, quick to time (< 1 s)
+# The timed matmul grows from the smallest size, doubling while one product takes under _MATMUL_SECONDS, up to the
+# largest: BLAS/oneDNN reach their peak by about 1024 on a CPU, while a 16-bit matmul that a CPU without 16-bit
+# instructions emulates (about 1 GFLOP/s) stays small, so that a start never waits for minutes.
+_MATMUL_SIZES = (128, 2048)
+_MATMUL_SECONDS = 0.02
 
 
 def training_flops_per_image(net: Precond) -> float:
@@ -48,16 +52,24 @@ def gpu_peak_tflops(name: str, dtype: torch.dtype) -> float | None:
 
 
 def measure_matmul_tflops(dtype: torch.dtype, repeats: int = 3) -> float:
-    """This process's matmul throughput in dtype on the CPU (its threads as set), the best of `repeats`."""
-    a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
-    b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(dtype)
-    torch.mm(a, b)  # warm-up: the kernel's first call picks and prepares its implementation
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * _MATMUL_SIZE**3 / best / 1e12
+    """This process's matmul throughput in dtype on the CPU (its threads as set), the best of `repeats` at the first
+    size (see _MATMUL_SIZES) whose product takes _MATMUL_SECONDS; the global random state is left as it was."""
+    generator = torch.Generator().manual_seed(0)
+    size, largest = _MATMUL_SIZES
+    while True:
+        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        torch.mm(a, b)  # warm-up: the kernel's first call at a size picks and prepares its implementation
+        smallest_s = min(_time_mm(a, b) for _ in range(repeats))
+        if smallest_s >= _MATMUL_SECONDS or size >= largest:
+            return 2 * size**3 / smallest_s / 1e12
+        size *= 2
+
+
+def _time_mm(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Seconds of one CPU matmul a @ b."""
+    started = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - started
 
 
 def _machine_key(dtype: torch.dtype) -> str:

@@ -1,5 +1,6 @@
 """Metrics while training (train_edm2.py --metrics): at every --metrics-every images, every rank loads the snapshot
-just written (the first EMA track, as stored), generates its share of --metrics-num images with the seeds
+just written (the first EMA track, as stored; or, with --metrics-ema, the post-hoc EMA of that length reconstructed
+from the run's snapshots so far, Eq. 129), generates its share of --metrics-num images with the seeds
 0..N-1 (the same at every evaluation), and the metrics of calculate_metrics.py come from one feature pass summed
 over the ranks; 'loss' is the validation loss (Eq. 14) of N fixed samples of the training data.
 
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from edm2 import posthoc
 from edm2.errors import one_line
 from edm2.eval import scores
 from edm2.eval.detectors import load_detector
@@ -25,7 +27,7 @@ from edm2.formats.snapshot import load_network
 from edm2.generation import generate_images
 from edm2.runtime import distributed
 from training.options import TrainingOptions
-from training.run.run_dir import snapshot_path
+from training.run.run_dir import SNAPSHOT_PREFIX, snapshot_path
 from training.step import recipe_loss
 
 BATCH = 32  # images per batch and rank
@@ -64,13 +66,28 @@ class RunMetrics:
             distributed.print0(f"Warning: the metrics at {cur_nimg} images failed ({type(e).__name__}: "
                                f"{one_line(e)}); training goes on.")
             return None
-        return dict(kimg=cur_nimg / 1000, nimg=cur_nimg, ema_std=self.opts.ema_stds[0],
-                    seconds=time.monotonic() - started, metrics=values)
+        return dict(kimg=cur_nimg / 1000, nimg=cur_nimg, ema_std=self.ema_std, seconds=time.monotonic() - started,
+                    metrics=values)
+
+    @property
+    def ema_std(self) -> float:
+        """The sigma_rel measured: --metrics-ema's post-hoc length, else the first track's."""
+        return self.opts.ema_stds[0] if self.opts.metrics_ema is None else self.opts.metrics_ema
+
+    def network(self, cur_nimg: int) -> torch.nn.Module:
+        """The network measured at cur_nimg: the first track's snapshot, or the post-hoc EMA reconstructed from this
+        run's snapshots up to cur_nimg."""
+        opts = self.opts
+        if opts.metrics_ema is None:
+            return load_network(snapshot_path(opts.run_dir, cur_nimg, opts.ema_stds[0]))[0]
+        snapshots = [s for s in posthoc.list_snapshots(opts.run_dir, SNAPSHOT_PREFIX) if 0 < s.nimg <= cur_nimg]
+        _, net, _ = next(posthoc.combine([s.track() for s in snapshots], cur_nimg, [opts.metrics_ema]))
+        return net
 
     def _values(self, cur_nimg: int) -> dict[str, float]:
-        """{metric_name: value} of the stored snapshot, in --metrics' order."""
+        """{metric_name: value} of the measured network, in --metrics' order."""
         opts, num = self.opts, self.opts.metrics_num
-        net = load_network(snapshot_path(opts.run_dir, cur_nimg, opts.ema_stds[0]))[0].to(self.device)
+        net = self.network(cur_nimg).to(self.device)
         values = {}
         if self.images:
             self.encoder.init(self.device)  # a latent network's images are decoded by its VAE
