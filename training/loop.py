@@ -30,7 +30,7 @@ import torch
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
-from edm2.runtime.speed import precision_dtype
+from edm2.runtime.speed import cpu_16bit_units, precision_dtype
 from edm2.runtime.utilization import peak_tflops
 from training.run.checkpoint import Checkpoints
 from training.run.dashboard import Dashboard
@@ -145,10 +145,18 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
 
 
 def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> str:
-    """Why the computing dtype is not --precision's, when it is not: the CPU computes in float32 by default."""
+    """Why the computing dtype is not --precision's, when it is not (the CPU computes in float32 by default), and on a
+    CPU whether it has the 16-bit matrix instructions that would make --cpu-16bit pay (edm2.runtime.speed)."""
+    units = cpu_16bit_units() if device.type == "cpu" else None
     if dtype == str(precision_dtype(opts.precision)).removeprefix("torch."):
-        return ""
-    return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too)"
+        if device.type != "cpu" or dtype == "float32":
+            return ""
+        return "" if units else (" (this CPU has no 16-bit matrix instructions: it emulates them, several times "
+                                 "slower than float32; leave out --cpu-16bit)")
+    why = f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too"
+    if units and opts.precision == "bf16":
+        return why + f": this CPU has {units}, which computes bfloat16 faster than float32)"
+    return why + ")"
 
 
 def _start(path: Path | None, init: str | None) -> str:

@@ -1,0 +1,169 @@
+"""Training step and sampling side by side with the release (a checkout of NVlabs/edm2) in one process, on the CPU.
+
+For each toy network (toy-tiny, toy-small) at --resolution, it times, alternately so that both sides see the same
+machine: the release's float32 training step (its EDM2Loss, backward, Adam, its PowerFunctionEMA update), ours in
+float32 and in bfloat16 (--cpu-16bit), and 32-step Heun sampling with the release's edm_sampler and ours. It prints
+images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16 matmul
+peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulates); the last line is JSON.
+
+    git clone https://github.com/NVlabs/edm2 ../edm2-release
+    python scripts/bench_release.py --release=../edm2-release --threads=2
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
+from edm2.runtime.speed import SamplingSpeed  # noqa: E402
+from edm2.sampler import edm_sampler  # noqa: E402
+from edm2.runtime.utilization import measure_matmul_tflops, training_flops_per_image  # noqa: E402
+from training.presets import PRESETS  # noqa: E402
+from training.run.benchmark import synthetic_step  # noqa: E402
+from training.step import training_step  # noqa: E402
+
+LABELS = 6  # the toy presets' classes
+
+
+def release_module(release: Path, relative: str, name: str):
+    """A module of the release checkout loaded under its own name (the release's training/ would shadow ours);
+    its imports of dnnlib and torch_utils resolve in the checkout."""
+    if str(release) not in sys.path:
+        sys.path.append(str(release))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, release / relative)
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # its persistence decorator looks itself up there
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def release_network(networks, preset: str, resolution: int) -> torch.nn.Module:
+    """The release's Precond with the preset's U-Net (channels, levels, blocks, attention) for RGB data."""
+    recipe = PRESETS[preset]
+    unet = {k: list(v) if isinstance(v, tuple) else v for k, v in recipe.network.items()}
+    torch.manual_seed(0)
+    return networks.Precond(resolution, 3, LABELS, use_fp16=False, model_channels=recipe.channels, **unet).train()
+
+
+def release_step(net: torch.nn.Module, loss_fn, ema, batch: int, resolution: int) -> Callable[[], None]:
+    """One training step as the release's loop takes it: loss, backward, Adam, EMA."""
+    images = torch.randn(batch, 3, resolution, resolution)
+    labels = torch.eye(LABELS)[torch.arange(batch) % LABELS]
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4, betas=(0.9, 0.99), eps=1e-8)
+    nimg = [0]
+
+    def step() -> None:
+        loss = loss_fn(net=net, images=images, labels=labels)
+        loss.sum().mul(1 / batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        nimg[0] += batch
+        ema.update(cur_nimg=nimg[0], batch_size=batch)
+    return step
+
+
+def images_per_s(step: Callable[[], None], batch: int, steps: int) -> float:
+    """Images per second of `steps` calls after one warm-up call."""
+    step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return batch * steps / (time.perf_counter() - started)
+
+
+def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """The best of `rounds` measurements of each, taken in turn (A B C, A B C, ...) so drift hits every side."""
+    best = dict.fromkeys(measures, 0.0)
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            best[name] = max(best[name], measure())
+    return best
+
+
+def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int) -> dict:
+    """images/s of the release's float32 step and of ours in float32 and bfloat16."""
+    networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
+    loop = release_module(release, "training/training_loop.py", "release_training_loop")
+    phema = release_module(release, "training/phema.py", "release_phema")
+    net = release_network(networks, preset, resolution)
+    recipe = PRESETS[preset]
+    theirs = release_step(net, loop.EDM2Loss(P_mean=recipe.P_mean, P_std=recipe.P_std), phema.PowerFunctionEMA(net),
+                          batch, resolution)
+    ours = {precision: synthetic_step(preset, batch, torch.device("cpu"), resolution=resolution,
+                                      precision=precision, cpu_16bit=precision == "bf16")
+            for precision in ("fp32", "bf16")}
+    flops = training_flops_per_image(ours["fp32"].state.net)
+    rates = best_of(rounds, {
+        "release fp32": lambda: images_per_s(theirs, batch, steps),
+        **{f"ours {p}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps))
+           for p, s in ours.items()},
+    })
+    return dict(rates=rates, flops_per_image=flops)
+
+
+def sampling_rates(release: Path, preset: str, resolution: int, batch: int, rounds: int) -> dict:
+    """images/s of 32-step Heun sampling, the release's edm_sampler and ours (float32 and bfloat16)."""
+    networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
+    generate = release_module(release, "generate_images.py", "release_generate_images")
+    theirs = release_network(networks, preset, resolution).eval().requires_grad_(False)
+    net = synthetic_step(preset, 1, torch.device("cpu"), resolution=resolution).state.net.eval()
+    ours = {p: SamplingSpeed(precision=p, cpu_16bit=p == "bf16").apply(copy.deepcopy(net), torch.device("cpu"))
+            for p in ("fp32", "bf16")}
+    noise = torch.randn(batch, 3, resolution, resolution)
+    labels = torch.eye(LABELS)[torch.arange(batch) % LABELS]
+
+    def ours_at(precision: str) -> Callable[[], None]:
+        return lambda: edm_sampler(ours[precision], noise, labels, num_steps=32)
+
+    return dict(rates=best_of(rounds, {
+        "release fp32": lambda: images_per_s(lambda: generate.edm_sampler(theirs, noise, labels, num_steps=32), batch,
+                                             1),
+        "ours fp32": lambda: images_per_s(ours_at("fp32"), batch, 1),
+        "ours bf16": lambda: images_per_s(ours_at("bf16"), batch, 1),
+    }))
+
+
+@click.command()
+@click.option("--release", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
+              help="A checkout of NVlabs/edm2")
+@click.option("--presets", default="toy-tiny,toy-small", show_default=True, help="Networks to measure")
+@click.option("--resolution", type=click.IntRange(min=8), default=32, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=4, show_default=True, help="Timed steps per round")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="Rounds; the best counts")
+@click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
+def main(release: Path, presets: str, resolution: int, batch: int, steps: int, rounds: int,
+         threads: int | None) -> None:
+    """Time the release and this project side by side on this CPU."""
+    if threads:
+        torch.set_num_threads(threads)
+    peaks = {p: measure_matmul_tflops(dtype) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    click.echo(f"{torch.get_num_threads()} threads; matmul peak fp32 {peaks['fp32'] * 1e3:.1f} GFLOP/s, "
+               f"bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s")
+    report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, presets={})
+    for preset in presets.split(","):
+        train = training_rates(release, preset, resolution, batch, steps, rounds)
+        sample = sampling_rates(release, preset, resolution, batch, rounds)
+        report["presets"][preset] = dict(training=train, sampling=sample)
+        base = train["rates"]["release fp32"]
+        for name, rate in train["rates"].items():
+            tflops = rate * train["flops_per_image"] / 1e12
+            click.echo(f"{preset} {resolution}px train  {name:13s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
+                       f"{tflops / peaks['fp32']:6.1%} of fp32 peak  {tflops / peaks['bf16']:6.1%} of bf16 peak")
+        for name, rate in sample["rates"].items():
+            click.echo(f"{preset} {resolution}px sample {name:13s} {rate:8.2f} img/s  "
+                       f"{rate / sample['rates']['release fp32']:5.2f}x")
+    click.echo(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
