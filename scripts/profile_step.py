@@ -1,0 +1,121 @@
+"""Where a training step's time goes, by torch.profiler: the step's phases (data, weight normalization, forward,
+backward: the rest of the step, Adam, EMA) and, within them, the kinds of operator (convolutions, attention, normalization, elementwise,
+casts, optimizer and EMA updates). Prints one table per precision; the last line is JSON.
+
+    python scripts/profile_step.py --preset=toy-small --resolution=32 --threads=2
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import click
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
+import training.step  # noqa: E402
+from training.run.benchmark import synthetic_step  # noqa: E402
+
+PHASES = ("data", "weight normalization", "forward", "backward", "Adam", "EMA")
+# Operator kinds by name: the first whose fragment occurs in the aten operator's name wins.
+KINDS = (
+    ("convolution", ("convolution", "conv2d", "mkldnn_conv")),
+    ("attention", ("scaled_dot_product", "_efficient_attention", "_flash_attention", "bmm", "softmax", "baddbmm")),
+    ("matmul", ("mm", "addmm", "matmul", "linear")),
+    ("normalization", ("norm", "rsqrt", "sqrt")),
+    ("casts and copies", ("_to_copy", "copy_", "::to", "contiguous", "clone")),
+    ("optimizer and EMA (foreach)", ("_foreach",)),
+    ("elementwise", ("mul", "add", "sub", "div", "silu", "sigmoid", "exp", "log", "cos", "sin", "lerp", "where",
+                     "clamp", "pow", "neg", "cat", "mean", "sum", "fill_", "zero_", "randn", "normal_", "empty")),
+)
+
+
+def kind_of(name: str) -> str:
+    """The operator kind of an aten operator's name (KINDS), 'other' for the rest."""
+    return next((kind for kind, fragments in KINDS if any(f in name for f in fragments)), "other")
+
+
+@contextlib.contextmanager
+def phases_recorded():
+    """Wrap the step's phases in record_function ranges named by PHASES, for the profiler."""
+    module = training.step
+    originals = {name: getattr(module, name) for name in ("force_weight_normalization", "optimizer_step")}
+
+    def labelled(label: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    module.force_weight_normalization = labelled("weight normalization", originals["force_weight_normalization"])
+    module.optimizer_step = labelled("Adam", originals["optimizer_step"])
+    try:
+        yield labelled
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+def profile_steps(preset: str, batch: int, resolution: int, precision: str, steps: int) -> dict:
+    """Self CPU time (ms per step) of each phase and of each operator kind."""
+    step = synthetic_step(preset, batch, torch.device("cpu"), resolution=resolution, precision=precision,
+                          cpu_16bit=precision != "fp32")
+    with phases_recorded() as labelled:
+        batches, ema_update = step.batches, step.state.ema.update
+        step.state.ema.update = labelled("EMA", ema_update)
+        step = dataclasses.replace(step, batches=iter(labelled("data", lambda: next(batches)), None),
+                                   loss_fn=labelled("forward", step.loss_fn))
+        whole = labelled("step", lambda: float(training.step.training_step(step)))
+        whole()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                whole()
+    events = prof.key_averages()
+    totals = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in (*PHASES, "step")}
+    # The backward pass runs in the autograd engine, outside the ranges: the rest of the step.
+    phases = {name: totals.get(name, 0.0) for name in PHASES if name != "backward"}
+    phases["backward"] = totals["step"] - sum(phases.values())
+    kinds: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.key.startswith("aten::"):
+            kinds[kind_of(e.key)] += e.self_cpu_time_total / 1e3 / steps
+    return dict(phases=phases, kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
+
+
+@click.command()
+@click.option("--preset", default="toy-small", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--resolution", type=click.IntRange(min=8), default=32, show_default=True)
+@click.option("--precisions", default="fp32,bf16", show_default=True, help="Precisions to profile (bf16: --cpu-16bit)")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
+def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, threads: int | None) -> None:
+    """Profile the training step on the CPU."""
+    if threads:
+        torch.set_num_threads(threads)
+    report = {}
+    for precision in precisions.split(","):
+        result = report[precision] = profile_steps(preset, batch, resolution, precision, steps)
+        total = sum(result["phases"].values())  # the whole step
+        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}, {torch.get_num_threads()} threads: "
+                   f"{total:.1f} ms per step")
+        click.echo("| phase | ms/step | share |\n|---|---:|---:|")
+        for name in PHASES:
+            ms = result["phases"].get(name, 0.0)
+            click.echo(f"| {name} | {ms:.1f} | {ms / total:.0%} |")
+        ops = sum(result["kinds"].values())
+        click.echo("| operator kind (self time) | ms/step | share |\n|---|---:|---:|")
+        for kind, ms in result["kinds"].items():
+            click.echo(f"| {kind} | {ms:.1f} | {ms / ops:.0%} |")
+    click.echo(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
