@@ -10,12 +10,10 @@ import click
 from edm2 import phema, sampler
 from edm2.formats.snapshot import MAX_NIMG, std_tag
 from edm2.generation import MAX_SEED, SeedRanges
+from training.sections import Count, Images, Real
 
 # Bounds of the integer options that several commands share.
-MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
-MAX_WORKERS = 1024  # data-loading processes per GPU
 MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.formats.snapshot.MAX_NIMG)
-MAX_IMAGES = 10**8  # images to read, write or generate: dataset file names number them with 8 digits
 MAX_RESOLUTION = 8192  # image sizes: 16 times ImageNet-512's, 200 MB per RGB image
 MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.generation.MAX_SEED)
 
@@ -313,3 +311,14 @@ class TableChoice(click.Choice):
     def choices(self) -> tuple[str, ...]:
         """The table's names."""
         return tuple(self.table)
+
+
+def bound_type(bound: Count | Real) -> click.ParamType:
+    """The option type that takes the values a bound of the training options admits (training.sections): an
+    ImageCount, an Integer or a Number."""
+    if isinstance(bound, Images):
+        return ImageCount(min=bound.low)
+    if isinstance(bound, Count):
+        return Integer(bound.low, bound.high)
+    return Number(min=None if math.isinf(bound.low) else bound.low, max=None if math.isinf(bound.high) else bound.high,
+                  min_open=bound.low_open, max_open=bound.high_open)

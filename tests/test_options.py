@@ -63,10 +63,10 @@ def test_a_presets_attention_that_other_data_lacks_is_left_out_as_on_the_command
 # field -> a value the options refuse, and the start of the message (the option as train_edm2.py spells it).
 BAD_VALUES = {
     "precision": ("fp8", "--precision='fp8': expected one of fp32, fp16, bf16"),
-    "duration": (0, "--duration=0: expected an integer >= 1"),
-    "batch": (True, "--batch=True: expected an integer >= 1"),
-    "batch_gpu": (-1, "--batch-gpu=-1: expected an integer >= 0"),
-    "snapshot": (-1, "--snapshot=-1: expected an integer >= 0"),
+    "duration": (0, "--duration=0: expected an image count from 1 to 2**53 - 1"),
+    "batch": (True, "--batch=True: expected an integer from 1 to 1048576"),
+    "batch_gpu": (-1, "--batch-gpu=-1: expected an integer from 0 to 1048576"),
+    "snapshot": (-1, "--snapshot=-1: expected an image count from 0 to 2**53 - 1"),
     "lr": (0.0, "--lr=0.0: expected a number > 0"),
     "P_std": (math.nan, "--P_std=nan: expected a number > 0"),
     "rampup_Mimg": (-0.5, "--rampup=-0.5: expected a number >= 0"),
