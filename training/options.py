@@ -22,13 +22,14 @@ from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset
 from training.presets import get_preset
-from training.sections import (NETWORK, PATHS, RECIPE, REPORTING, SECTIONS, SPEED, Count, Images, Real, bounds, option,
-                               out_of_bounds, section_fields)
+from training.sections import (NETWORK, PATHS, RECIPE, REPORTING, SECTIONS, SPEED, Count, GridShape, Images, Real,
+                               bounds, option, out_of_bounds, section_fields)
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
 TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
 DEFAULT_GRID = (4, 8)  # rows x columns of each snapshot's sample grid
 MAX_DEFAULT_GRID_ROWS = 16  # the default grid gives every class a row up to this many classes
+MAX_GRID_SIDE = 64  # rows or columns of a sample grid
 DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
 MAX_GRID_STEPS = 1000  # a bound on --grid-steps: more would make every snapshot a long wait
 MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
@@ -126,7 +127,7 @@ class TrainingOptions:
     ema_shard: bool = option(SPEED, default=False)
     # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.
     loggers: tuple[str, ...] = option(REPORTING, default=())
-    grid: tuple[int, ...] = option(REPORTING, default=DEFAULT_GRID)  # (rows, cols), () for none
+    grid: tuple[int, ...] = option(REPORTING, GridShape(1, MAX_GRID_SIDE), default=DEFAULT_GRID)  # () for none
     grid_steps: int = option(REPORTING, Count(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS)
     # Metrics of the snapshots while training (training/run/metrics.py): which, every how many images (0: at every
     # snapshot), of how many generated images or loss samples, against which reference statistics.
@@ -269,11 +270,8 @@ def _check_speed(opts: TrainingOptions) -> None:
 
 
 def _check_reporting(opts: TrainingOptions) -> None:
-    """What rank 0 reports: the trackers, the sample grid, the metrics while training (known names, an interval
+    """What rank 0 reports: the trackers, the metrics while training (known names, an interval
     that falls on snapshots, a reference for those of images)."""
-    _require(isinstance(opts.grid, tuple) and (opts.grid == () or (
-        len(opts.grid) == 2 and all(type(n) is int and n >= 1 for n in opts.grid))), "grid", opts.grid,
-        "(rows, cols), or () for none")
     _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
              opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
     _require(isinstance(opts.metrics, tuple) and all(name in TRAINING_METRICS for name in opts.metrics), "metrics",

@@ -66,13 +66,35 @@ class Real:
 
     def expected(self) -> str:
         """What the bound admits, as a message says it."""
-        if math.isinf(self.high):
-            return "a finite number" if math.isinf(self.low) else f"a number {'>' if self.low_open else '>='} " \
-                                                                  f"{self.low:g}"
-        return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if math.isfinite(self.high):
+            return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}" \
+                   f"{')' if self.high_open else ']'}"
+        if math.isfinite(self.low):
+            return f"a number {'>' if self.low_open else '>='} {self.low:g}"
+        return "a finite number"
 
 
-def option(section: str, bound: Count | Real | None = None, *, optional: bool = False, **field) -> dataclasses.Field:
+@dataclasses.dataclass(frozen=True)
+class GridShape:
+    """The shape of an image grid: (rows, cols), each an integer from low to high, or () for none."""
+
+    low: int
+    high: int
+
+    def admits(self, value: object) -> bool:
+        """Whether value is () or a pair within the bound."""
+        return isinstance(value, tuple) and (value == () or len(value) == 2 and all(
+            type(n) is int and self.low <= n <= self.high for n in value))
+
+    def expected(self) -> str:
+        """What the bound admits, as a message says it."""
+        return f"(rows, cols) of {self.low} to {self.high} each, or () for none"
+
+
+Bound = Count | Real | GridShape
+
+
+def option(section: str, bound: Bound | None = None, *, optional: bool = False, **field) -> dataclasses.Field:
     """A field of the options: its section, the bound of its values (None too, where optional), and
     dataclasses.field's arguments (default=...)."""
     return dataclasses.field(metadata=dict(section=section, bound=bound, optional=optional), **field)
@@ -83,7 +105,7 @@ def section_fields(cls: type, section: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("section") == section)
 
 
-def bounds(cls: type) -> dict[str, Count | Real]:
+def bounds(cls: type) -> dict[str, Bound]:
     """Each bounded field's name and bound."""
     return {f.name: f.metadata["bound"] for f in dataclasses.fields(cls) if f.metadata.get("bound") is not None}
 
@@ -91,10 +113,8 @@ def bounds(cls: type) -> dict[str, Count | Real]:
 def out_of_bounds(opts: object, section: str) -> tuple[str, str] | None:
     """The first field of the section whose value its bound refuses, and what it expects; None if there is none."""
     for f in dataclasses.fields(opts):
-        bound, value = f.metadata.get("bound"), getattr(opts, f.name)
-        if f.metadata.get("section") != section or bound is None or bound.admits(value):
+        bound, value, optional = f.metadata.get("bound"), getattr(opts, f.name), f.metadata.get("optional")
+        if f.metadata.get("section") != section or bound is None or bound.admits(value) or optional and value is None:
             continue
-        if f.metadata["optional"] and value is None:
-            continue
-        return f.name, bound.expected() + (", or None" if f.metadata["optional"] else "")
+        return f.name, bound.expected() + (", or None" if optional else "")
     return None
