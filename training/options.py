@@ -198,8 +198,8 @@ _OPTION_NAMES = {"run_dir": "outdir", "rampup_Mimg": "rampup", "loggers": "logge
 
 def _refuse(field: str, value: object, expected: str) -> OptionsError:
     """OptionsError naming the field's option as the command line spells it (the field, where no option sets it)."""
-    option = _OPTION_NAMES.get(field, field.replace("_", "-"))
-    name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{option}"
+    flag = _OPTION_NAMES.get(field, field.replace("_", "-"))
+    name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{flag}"
     return OptionsError(f"{name}={shown(value)}: expected {expected}")
 
 
