@@ -17,7 +17,7 @@ from cli.command import Group
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
-from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Guidance, Integer, SigmaInterval
+from cli.types import MAX_SEED_OPTION, Guidance, Integer, SigmaInterval
 from edm2.encoders import Encoder, EncoderError
 from edm2.eval import scores
 from edm2.eval.detectors import DetectorError, load_detector
@@ -29,6 +29,7 @@ from edm2.generation import MAX_SEED, generate_images
 from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.networks import Precond
 from edm2.runtime import distributed, files, locks
+from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
 from edm2.runtime.speed import SamplingSpeed
 
 # Detector weights option per metric, so a bad file or URL is reported against the option that named it.

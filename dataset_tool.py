@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.datasets import claimed_dest, convert_shards, encode_shards, is_shards, load_vae, open_dataset, tar_only
-from cli.types import MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, Integer, Resolution
+from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
                                with_alpha)
@@ -27,6 +27,7 @@ from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, ENCODINGS, StandardRGBEncoder
 from edm2.errors import EDM2Error, one_line, shown
 from edm2.runtime import distributed
+from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
 
 DEFAULT_ENCODE_BATCH = 8
 MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels

@@ -18,7 +18,7 @@ from cli.command import Command
 from cli.config import config_option
 from cli.solver import solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
-from cli.types import MAX_BATCH, Guidance, Integer, Number, SeedList, SigmaInterval
+from cli.types import Guidance, Integer, Number, SeedList, SigmaInterval
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line
 from edm2.formats.snapshot import load_generator
@@ -27,6 +27,7 @@ from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges
 from edm2.image_grid import save_png, tile
 from edm2.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.runtime import distributed, files, locks
+from edm2.runtime.limits import MAX_BATCH
 from edm2.sampler import SELF, SamplerError, check_settings
 
 T = TypeVar("T")

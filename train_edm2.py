@@ -13,8 +13,7 @@ from cli.config import config_option
 from cli.evaluation import check_features
 from cli.run_setup import choose_encoder, open_dataset, run_network, unrecorded_encoding
 from cli.speed import THREADS, threads_note, threads_option
-from cli.types import (MAX_BATCH, MAX_IMAGES, MAX_SEED_OPTION, MAX_WORKERS, GridSize, ImageCount, Integer, IntList,
-                       Number, StdList, TableChoice)
+from cli.types import Integer, IntList, StdList, TableChoice, bound_type
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.encoders import Encoder
 from edm2.errors import one_line
@@ -22,26 +21,22 @@ from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
 from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
-from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS, MAX_MULT, MAX_RESOLUTION
-from edm2.phema import MAX_STD
+from edm2.network_args import MAX_BLOCKS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
 from edm2 import families
 from training.architecture import UNET_OPTIONS, read_init
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, MAX_DEFAULT_GRID_ROWS, PRECISIONS,
+    BOUNDS, DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, MAX_DEFAULT_GRID_ROWS, PRECISIONS,
     RECIPE_FIELDS, TRACKERS, TRAINING_METRICS, OptionsError, TrainingOptions, check_derived, check_label_dropout,
     default_grid, rounds_per_step,
 )
 from training.run.preflight import dataset_description, init_notes
 from training.presets import PRESETS, get_preset
 from training.run.run_dir import RUN_ID_KEY
-from training.run.sample_grid import MAX_GRID_STEPS
 from training.run.signals import die_by
 from training.run.trackers import TrackerUnavailable, check_installed
-
-MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 
 EXAMPLES = """
 \b
@@ -62,6 +57,11 @@ Examples:
   python train_edm2.py --preset=edm2-img512-s --data=datasets/other-sd.zip --duration=64Mi \\
       --init=https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/edm2-img512-s-2147483-0.130.pkl
 """
+
+
+def field_type(name: str) -> click.ParamType:
+    """The option type of a TrainingOptions field, made from the bound the field declares (training.sections)."""
+    return bound_type(BOUNDS[name])
 
 
 def parse_training_metrics(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -171,38 +171,41 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
               help="Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)  "
                    "[default: the preset's, e.g. datasets/img512-sd.zip]")
 @click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
-@click.option("--duration", type=ImageCount(min=1), help="Training duration in images  [default: preset]")
-@click.option("--batch", type=Integer(1, MAX_BATCH), help="Total batch size  [default: preset]")
-@click.option("--channels", type=Integer(1, MAX_CHANNELS), help="Channel multiplier  [default: preset]")
-@click.option("--dropout", type=Number(0, 1, max_open=True), help="Dropout probability  [default: preset]")
-@click.option("--label-dropout", type=Number(0, 1, max_open=True), default=0, show_default=True,
+@click.option("--duration", type=field_type("duration"), help="Training duration in images  [default: preset]")
+@click.option("--batch", type=field_type("batch"), help="Total batch size  [default: preset]")
+@click.option("--channels", type=field_type("channels"), help="Channel multiplier  [default: preset]")
+@click.option("--dropout", type=field_type("dropout"), help="Dropout probability  [default: preset]")
+@click.option("--label-dropout", type=field_type("label_dropout"), default=0, show_default=True,
               help="Probability of training an image with the all-zero label, so that the network can guide itself "
                    "(generate.py --gnet=self); needs --cond=True")
-@click.option("--P_mean", "P_mean", type=Number(), help="Noise level mean  [default: preset]")
-@click.option("--P_std", "P_std", type=Number(min=0, min_open=True), help="Noise level std  [default: preset]")
+@click.option("--P_mean", "P_mean", type=field_type("P_mean"), help="Noise level mean  [default: preset]")
+@click.option("--P_std", "P_std", type=field_type("P_std"), help="Noise level std  [default: preset]")
 @click.option("--noise-dist", type=TableChoice(NOISE_DISTRIBUTIONS), default=DEFAULT_NOISE, show_default=True,
               help="Training noise distribution (edm2.loss.NOISE_DISTRIBUTIONS), placed by --P_mean and --P_std")
 @click.option("--loss-weighting", type=TableChoice(WEIGHTINGS), default=DEFAULT_WEIGHTING, show_default=True,
               help="Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it")
-@click.option("--lr", type=Number(min=0, min_open=True), help="Learning rate alpha_ref  [default: preset]")
-@click.option("--decay", type=Number(min=0), help="Learning rate decay t_ref in iterations, 0 = none  [default: preset]")
-@click.option("--rampup", "rampup_Mimg", type=Number(min=0), help="Learning rate ramp-up in millions of images, "
-              "0 = none  [default: preset]")
+@click.option("--lr", type=field_type("lr"), help="Learning rate alpha_ref  [default: preset]")
+@click.option("--decay", type=field_type("decay"), help="Learning rate decay t_ref in iterations, 0 = none  "
+              "[default: preset]")
+@click.option("--rampup", "rampup_Mimg", type=field_type("rampup_Mimg"), help="Learning rate ramp-up in millions of "
+              "images, 0 = none  [default: preset]")
 @click.option("--ema-stds", type=StdList(), help="EMA lengths sigma_rel to track, one snapshot each, e.g. 0.05,0.1  "
               "[default: preset]")
-@click.option("--batch-gpu", type=Integer(0, MAX_BATCH), default=0, show_default=True,
+@click.option("--batch-gpu", type=field_type("batch_gpu"), default=0, show_default=True,
               help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
               help="U-Net activations on CUDA (on the CPU float32 unless --cpu-16bit)")
-@click.option("--ls", type=Number(min=0, min_open=True), default=1, show_default=True, help="Loss scaling")
-@click.option("--status", type=ImageCount(), help="Status line interval, 0 = none  [default: preset]")
-@click.option("--snapshot", type=ImageCount(), help="Snapshot interval, 0 = only at the end  [default: preset]")
-@click.option("--checkpoint", type=ImageCount(), help="Training-state interval, 0 = only at the end  [default: preset]")
-@click.option("--keep-states", type=Integer(0, MAX_KEPT_STATES), default=0, show_default=True,
+@click.option("--ls", type=field_type("ls"), default=1, show_default=True, help="Loss scaling")
+@click.option("--status", type=field_type("status"), help="Status line interval, 0 = none  [default: preset]")
+@click.option("--snapshot", type=field_type("snapshot"), help="Snapshot interval, 0 = only at the end  [default: preset]")
+@click.option("--checkpoint", type=field_type("checkpoint"), help="Training-state interval, 0 = only at the end  "
+              "[default: preset]")
+@click.option("--keep-states", type=field_type("keep_states"), default=0, show_default=True,
               help="Keep this many newest training states, deleting older ones once a newer one reads back whole; "
                    "0 = all")
-@click.option("--seed", type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True, help="Random seed")
-@click.option("--workers", type=Integer(0, MAX_WORKERS), default=2, show_default=True, help="Data loader processes per GPU")
+@click.option("--seed", type=field_type("seed"), default=0, show_default=True, help="Random seed")
+@click.option("--workers", type=field_type("workers"), default=2, show_default=True,
+              help="Data loader processes per GPU")
 @click.option("--compile/--no-compile", "compile", default=None,
               help="torch.compile the network and loss  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None,
@@ -230,24 +233,24 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
               help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
                    "[default: none]")
-@click.option("--grid", type=GridSize(), help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: "
+@click.option("--grid", type=field_type("grid"), help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: "
               f"class r); 0 = none  [default: {'x'.join(map(str, DEFAULT_GRID))}, or a row per class up to "
               f"{MAX_DEFAULT_GRID_ROWS} classes]")
-@click.option("--grid-steps", type=Integer(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
+@click.option("--grid-steps", type=field_type("grid_steps"), default=DEFAULT_GRID_STEPS,
               show_default=True, help="Sampler steps of the sample grid")
 @click.option("--metrics", callback=parse_training_metrics, default="", metavar="LIST",
               help="Measure the snapshots while training: calculate_metrics.py's metrics (fid, fd_dinov2, kid, "
                    "precision, ...) and loss (the validation loss), logged as e.g. fid2k  [default: none]")
-@click.option("--metrics-every", type=ImageCount(), default=0, show_default=True,
+@click.option("--metrics-every", type=field_type("metrics_every"), default=0, show_default=True,
               help="Metrics interval in images, a multiple of --snapshot; 0 = at every snapshot")
-@click.option("--metrics-num", type=Integer(2, MAX_IMAGES), default=DEFAULT_METRICS_NUM, show_default=True,
+@click.option("--metrics-num", type=field_type("metrics_num"), default=DEFAULT_METRICS_NUM, show_default=True,
               help="Images generated (seeds 0..N-1), or loss samples, per metric")
 @click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
               "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
-@click.option("--metrics-ema", type=click.FloatRange(min=0, max=MAX_STD, min_open=True, max_open=True),
+@click.option("--metrics-ema", type=field_type("metrics_ema"),
               metavar="SIGMA_REL", help="Measure the post-hoc EMA of this length, reconstructed from the run's snapshots "
               "so far (as reconstruct_phema.py does)  [default: the first --ema-stds track, as stored]")
-@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True, max=1e6),
+@click.option("--peak-tflops", type=field_type("peak_tflops"),
               help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
                    "on a CPU its matmul peak, measured once and cached]")
 @threads_option

@@ -11,6 +11,7 @@ import torch
 
 from cli import wait_policy
 from edm2.networks import Precond
+from edm2.runtime.limits import MAX_THREADS
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 from edm2.sampler import SELF
 
@@ -68,7 +69,7 @@ def threads_note() -> str:
 # On a machine shared with other processes, OpenMP threads that spin waiting for each other can make a step
 # several times slower (bfloat16 on 2 busy cores: 8x slower with two threads than with one).
 threads_option = click.option(
-    "--threads", type=click.IntRange(min=1, max=1024), expose_value=False, callback=_set_threads,
+    "--threads", type=click.IntRange(min=1, max=MAX_THREADS), expose_value=False, callback=_set_threads,
     help="CPU threads per process for PyTorch (OpenMP)  [default: PyTorch's, one per core]; 1 is often fastest "
          "on a machine busy with other work",
 )

@@ -16,7 +16,7 @@ import torch
 
 from cli.evaluation import GuidanceList
 from cli.solver import solver_option
-from cli.types import MAX_IMAGES, MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
+from cli.types import MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
 
 from edm2 import posthoc
 from edm2.data.dataset import DatasetError
@@ -29,6 +29,7 @@ from edm2.formats.snapshot import load_network, read_metadata, save_network, sna
 from edm2.generation import GenerationError, load_guide
 from edm2.loss import LossError, recorded_loss
 from edm2.runtime import distributed, files, locks
+from edm2.runtime.limits import MAX_IMAGES
 from edm2.sampler import SELF
 
 

@@ -10,12 +10,10 @@ import click
 from edm2 import phema, sampler
 from edm2.formats.snapshot import MAX_NIMG, std_tag
 from edm2.generation import MAX_SEED, SeedRanges
+from training.sections import Bound, Count, GridShape, Images
 
 # Bounds of the integer options that several commands share.
-MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
-MAX_WORKERS = 1024  # data-loading processes per GPU
 MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.formats.snapshot.MAX_NIMG)
-MAX_IMAGES = 10**8  # images to read, write or generate: dataset file names number them with 8 digits
 MAX_RESOLUTION = 8192  # image sizes: 16 times ImageNet-512's, 200 MB per RGB image
 MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.generation.MAX_SEED)
 
@@ -277,17 +275,17 @@ class Resolution(click.ParamType):
 
 
 class GridSize(click.ParamType):
-    """'ROWSxCOLS' (each 1..`most`), or '0' for none: the shape of an image grid, as (rows, cols) or ().
+    """'ROWSxCOLS' (each least..most), or '0' for none: the shape of an image grid, as (rows, cols) or ().
 
     training_options.json holds it as a list, which --config hands over as 'ROWS,COLS' ('' for none)."""
 
     name = "ROWSxCOLS"
 
-    def __init__(self, most: int = 64):
-        self.most = most
+    def __init__(self, least: int, most: int):
+        self.least, self.most = least, most
 
     def convert(self, value, param, ctx) -> tuple[int, ...]:
-        """Parse value into (rows, cols), or () for '0'; refuse other text and sizes outside 1..most."""
+        """Parse value into (rows, cols), or () for '0'; refuse other text and sizes outside least..most."""
         if isinstance(value, tuple):
             return value
         text = str(value).strip()
@@ -297,8 +295,8 @@ class GridSize(click.ParamType):
         if match is None:
             self.fail(f"{value!r} is not ROWSxCOLS like 4x8, or 0 for none", param, ctx)
         size = int(match.group(1)), int(match.group(2))
-        if not all(1 <= n <= self.most for n in size):
-            self.fail(f"{value!r}: rows and columns must each be 1 to {self.most}", param, ctx)
+        if not all(self.least <= n <= self.most for n in size):
+            self.fail(f"{value!r}: rows and columns must each be {self.least} to {self.most}", param, ctx)
         return size
 
 
@@ -313,3 +311,16 @@ class TableChoice(click.Choice):
     def choices(self) -> tuple[str, ...]:
         """The table's names."""
         return tuple(self.table)
+
+
+def bound_type(bound: Bound) -> click.ParamType:
+    """The option type that takes the values a bound of the training options admits (training.sections): a
+    GridSize, an ImageCount, an Integer or a Number."""
+    if isinstance(bound, GridShape):
+        return GridSize(bound.low, bound.high)
+    if isinstance(bound, Images):
+        return ImageCount(min=bound.low)
+    if isinstance(bound, Count):
+        return Integer(bound.low, bound.high)
+    return Number(min=None if math.isinf(bound.low) else bound.low, max=None if math.isinf(bound.high) else bound.high,
+                  min_open=bound.low_open, max_open=bound.high_open)

@@ -1,4 +1,5 @@
-"""The options of a training run, and the hyperparameters among them that a resumed run must keep."""
+"""The options of a training run in their sections, and the hyperparameters among them that a resumed run must keep:
+the recipe and the network."""
 
 from __future__ import annotations
 
@@ -13,27 +14,27 @@ from edm2 import families
 from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
 from edm2.families import DEFAULT_FAMILY
+from edm2.generation import MAX_SEED
 from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
-from edm2.network_args import shown
+from edm2.network_args import MAX_CHANNELS, shown
 from edm2.phema import MAX_STD
+from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset
 from training.presets import get_preset
+from training.sections import (NETWORK, PATHS, RECIPE, REPORTING, SECTIONS, SPEED, Count, GridShape, Images, Real,
+                               bounds, option, out_of_bounds, section_fields)
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
 TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
 DEFAULT_GRID = (4, 8)  # rows x columns of each snapshot's sample grid
 MAX_DEFAULT_GRID_ROWS = 16  # the default grid gives every class a row up to this many classes
+MAX_GRID_SIDE = 64  # rows or columns of a sample grid
 DEFAULT_GRID_STEPS = 8  # sampler steps: a preview at under 2% of toy-small's training time (scripts/bench_track.py)
+MAX_GRID_STEPS = 1000  # a bound on --grid-steps: more would make every snapshot a long wait
+MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count of them
 DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,000; the paper's 50,000 come after)
 
-# Options that define the trained model; a resumed run must keep them. The others (data path,
-# duration, intervals, batch_gpu, workers, run_dir, the speed options) may change between invocations: they affect
-# where and for how long training runs and how much memory it uses, not what it computes.
-HYPERPARAMETERS = (
-    "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg",
-    "ema_stds", "network", "precision", "ls", "seed", "dataset", "init", "label_dropout", "loss_weighting", "noise_dist",
-)
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
 ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE}
 
@@ -72,69 +73,83 @@ class OptionsMismatch(OptionsError):
 class TrainingOptions:
     """Everything a run needs; image counts are in images, decay (t_ref of Eq. 67) in iterations.
 
-    Options check themselves when built (__post_init__), in parts: the recipe, the network, the speed settings, the
-    intervals and reports, the paths. So options built in Python are refused as the command line refuses them, with
-    the same message where the command line has the check; what needs the data itself or the --init snapshot,
+    Each field names its section and the bound of its values (training.sections.option). The options check
+    themselves when built (__post_init__), section by section: each field against its bound, then the section's
+    rules across fields. So options built in Python are refused as the command line refuses them, with the same
+    message where the command line has the check; what needs the data itself or the --init snapshot,
     training.run.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
     """
 
-    preset: str
-    dataset: dict  # resolution, num_channels, label_dim of the training data
-    encoder: dict  # encoder.config()
-    duration: int
-    batch: int
-    channels: int
-    dropout: float
-    P_mean: float
-    P_std: float
-    lr: float  # alpha_ref of Eq. 67
-    decay: float
-    rampup_Mimg: float
-    ema_stds: tuple[float, ...]
-    network: dict  # further Precond arguments of the preset
-    status: int
-    snapshot: int
-    checkpoint: int
-    run_dir: str
-    data: str
-    cond: bool = True
-    batch_gpu: int = 0  # per rank and round; 0 = batch // world_size
-    precision: str = "fp16"
-    ls: float = 1.0
-    seed: int = 0
-    label_dropout: float = 0.0  # probability of training an image with the all-zero (unconditional) label
-    loss_weighting: str = DEFAULT_WEIGHTING  # lambda(sigma), a name in edm2.loss.WEIGHTINGS (Eq. 15: edm2)
-    noise_dist: str = DEFAULT_NOISE  # the training noise levels, a name in edm2.loss.NOISE_DISTRIBUTIONS (Eq. 16)
-    workers: int = 2
-    keep_states: int = 0  # training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter)
-    init: str | None = None  # the snapshot whose weights start the network and EMA tracks (path or URL)
+    preset: str = option(RECIPE)
+    dataset: dict = option(NETWORK)  # resolution, num_channels, label_dim of the training data
+    encoder: dict = option(PATHS)  # encoder.config(): read from the data again, as its path is
+    duration: int = option(REPORTING, Images(1))
+    batch: int = option(RECIPE, Count(1, MAX_BATCH))
+    channels: int = option(NETWORK, Count(1, MAX_CHANNELS))
+    dropout: float = option(RECIPE, Real(0, 1, high_open=True))
+    P_mean: float = option(RECIPE, Real())
+    P_std: float = option(RECIPE, Real(0, low_open=True))
+    lr: float = option(RECIPE, Real(0, low_open=True))  # alpha_ref of Eq. 67
+    decay: float = option(RECIPE, Real(0))
+    rampup_Mimg: float = option(RECIPE, Real(0))
+    ema_stds: tuple[float, ...] = option(RECIPE)
+    network: dict = option(NETWORK)  # further Precond arguments of the preset
+    status: int = option(REPORTING, Images(0))
+    snapshot: int = option(REPORTING, Images(0))
+    checkpoint: int = option(REPORTING, Images(0))
+    run_dir: str = option(PATHS)
+    data: str = option(PATHS)
+    cond: bool = option(NETWORK, default=True)
+    batch_gpu: int = option(SPEED, Count(0, MAX_BATCH), default=0)  # per rank and round; 0 = batch // world_size
+    precision: str = option(RECIPE, default="fp16")
+    ls: float = option(RECIPE, Real(0, low_open=True), default=1.0)
+    seed: int = option(RECIPE, Count(0, MAX_SEED - 1), default=0)
+    # The probability of training an image with the all-zero (unconditional) label.
+    label_dropout: float = option(RECIPE, Real(0, 1, high_open=True), default=0.0)
+    # lambda(sigma), a name in edm2.loss.WEIGHTINGS (Eq. 15: edm2)
+    loss_weighting: str = option(RECIPE, default=DEFAULT_WEIGHTING)
+    # The training noise levels, a name in edm2.loss.NOISE_DISTRIBUTIONS (Eq. 16)
+    noise_dist: str = option(RECIPE, default=DEFAULT_NOISE)
+    workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2)
+    # Training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter).
+    keep_states: int = option(REPORTING, Count(0, MAX_KEPT_STATES), default=0)
+    # The snapshot whose weights start the network and EMA tracks (path or URL).
+    init: str | None = option(RECIPE, default=None)
     # How fast, not what: a resumed run may change these (edm2/runtime/speed.py). None: the device's default.
-    compile: bool | None = None  # torch.compile of the network and the loss
-    channels_last: bool | None = None  # NHWC convolution weights and activations
-    checkpoint_activations: bool = False  # recompute each U-Net block's activations in the backward pass
-    cpu_16bit: bool = False  # compute in `precision` on the CPU too (float32 there otherwise)
-    threads: int | None = None  # --threads: PyTorch's CPU threads per process; None: PyTorch's default
-    ema_shard: bool = False  # where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema)
+    compile: bool | None = option(SPEED, default=None)  # torch.compile of the network and the loss
+    channels_last: bool | None = option(SPEED, default=None)  # NHWC convolution weights and activations
+    # Recompute each U-Net block's activations in the backward pass.
+    checkpoint_activations: bool = option(SPEED, default=False)
+    cpu_16bit: bool = option(SPEED, default=False)  # compute in `precision` on the CPU too (float32 there otherwise)
+    # --threads: PyTorch's CPU threads per process; None: PyTorch's default.
+    threads: int | None = option(SPEED, Count(1, MAX_THREADS), optional=True, default=None)
+    # Where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema).
+    ema_shard: bool = option(SPEED, default=False)
     # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.
-    loggers: tuple[str, ...] = ()
-    grid: tuple[int, ...] = DEFAULT_GRID  # (rows, cols), () for none
-    grid_steps: int = DEFAULT_GRID_STEPS
+    loggers: tuple[str, ...] = option(REPORTING, default=())
+    grid: tuple[int, ...] = option(REPORTING, GridShape(1, MAX_GRID_SIDE), default=DEFAULT_GRID)  # () for none
+    grid_steps: int = option(REPORTING, Count(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS)
     # Metrics of the snapshots while training (training/run/metrics.py): which, every how many images (0: at every
     # snapshot), of how many generated images or loss samples, against which reference statistics.
-    metrics: tuple[str, ...] = ()
-    metrics_every: int = 0
-    metrics_num: int = DEFAULT_METRICS_NUM
-    metrics_ref: str | None = None
-    metrics_ema: float | None = None  # a post-hoc sigma_rel (Eq. 129) reconstructed from the run's snapshots; None: the first track
-    peak_tflops: float | None = None  # one process's peak for the MFU; None: the device's (edm2.runtime.utilization)
+    metrics: tuple[str, ...] = option(REPORTING, default=())
+    metrics_every: int = option(REPORTING, Images(0), default=0)
+    metrics_num: int = option(REPORTING, Count(2, MAX_IMAGES), default=DEFAULT_METRICS_NUM)
+    metrics_ref: str | None = option(REPORTING, default=None)
+    # A post-hoc sigma_rel (Eq. 129) reconstructed from the run's snapshots; None: the first track.
+    metrics_ema: float | None = option(REPORTING, Real(0, MAX_STD, low_open=True, high_open=True), optional=True,
+                                       default=None)
+    # One process's peak TFLOP/s for the MFU; None: the device's (edm2.runtime.utilization).
+    peak_tflops: float | None = option(REPORTING, Real(0, 1e6, low_open=True), optional=True, default=None)
 
     def __post_init__(self) -> None:
-        """Refuse options that cannot work (OptionsError, NetworkMisfit), part by part."""
-        _check_recipe(self)
-        _check_network(self)
-        _check_speed(self)
-        _check_reports(self)
-        _check_paths(self)
+        """Refuse options that cannot work (OptionsError, NetworkMisfit), section by section: the bounds of its
+        fields, then its rules."""
+        for section in SECTIONS:
+            refused = out_of_bounds(self, section)
+            if refused is not None:
+                name, expected = refused
+                raise _refuse(name, getattr(self, name), expected)
+            _RULES[section](self)
 
     @classmethod
     def from_preset(cls, preset: str, dataset: dict, encoder: dict, **overrides) -> TrainingOptions:
@@ -167,6 +182,12 @@ class TrainingOptions:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainingOptions)}
+# The options that define the trained model, the recipe and the network: a resumed run must keep them. The others
+# (the speed, reporting and paths sections) may change between invocations: they affect where and for how long
+# training runs and how much memory it uses, not what it computes.
+HYPERPARAMETERS = (*section_fields(TrainingOptions, RECIPE), *section_fields(TrainingOptions, NETWORK))
+# The bound of each bounded field: the options check it, and train_edm2.py's option types are made from it.
+BOUNDS = bounds(TrainingOptions)
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainingOptions) if f.type == "float"}
 
 
@@ -175,26 +196,17 @@ _OPTION_NAMES = {"run_dir": "outdir", "rampup_Mimg": "rampup", "loggers": "logge
                  "P_std": "P_std"}
 
 
+def _refuse(field: str, value: object, expected: str) -> OptionsError:
+    """OptionsError naming the field's option as the command line spells it (the field, where no option sets it)."""
+    flag = _OPTION_NAMES.get(field, field.replace("_", "-"))
+    name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{flag}"
+    return OptionsError(f"{name}={shown(value)}: expected {expected}")
+
+
 def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    """Raise OptionsError naming the field's option as the command line spells it (the field, where no option sets
-    it), unless ok."""
+    """Raise _refuse(...) unless ok."""
     if not ok:
-        option = _OPTION_NAMES.get(field, field.replace("_", "-"))
-        name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{option}"
-        raise OptionsError(f"{name}={shown(value)}: expected {expected}")
-
-
-def _counts(opts: TrainingOptions, names: tuple[str, ...], low: int) -> None:
-    """Each of these fields an integer (bool is none) of at least low."""
-    for name in names:
-        value = getattr(opts, name)
-        _require(type(value) is int and value >= low, name, value, f"an integer >= {low}")
-
-
-def _real(value: object, low: float, low_open: bool = False, high: float = math.inf) -> bool:
-    """Whether value is a finite int or float in [low, high) ((low, high) with low_open)."""
-    return (type(value) is int or (type(value) is float and math.isfinite(value))) and low <= value < high \
-        and not (low_open and value == low)
+        raise _refuse(field, value, expected)
 
 
 def check_label_dropout(label_dropout: float, cond: bool) -> None:
@@ -205,25 +217,17 @@ def check_label_dropout(label_dropout: float, cond: bool) -> None:
 
 
 def _check_recipe(opts: TrainingOptions) -> None:
-    """What is trained: the preset, the batch and Eq. 67's learning rate, the noise levels, the loss, the EMA."""
+    """What is trained: the preset, the noise levels, the loss, the EMA lengths, the precision, the --init
+    snapshot."""
     get_preset(opts.preset)
-    _counts(opts, ("batch",), 1)
-    _counts(opts, ("seed",), 0)
-    _require(type(opts.cond) is bool, "cond", opts.cond, "True or False")
-    for name in ("dropout", "label_dropout"):
-        _require(_real(getattr(opts, name), 0, high=1), name, getattr(opts, name), "a number in [0, 1)")
-    for name in ("P_std", "lr", "ls"):
-        _require(_real(getattr(opts, name), 0, low_open=True), name, getattr(opts, name), "a number > 0")
-    for name in ("decay", "rampup_Mimg"):
-        _require(_real(getattr(opts, name), 0), name, getattr(opts, name), "a number >= 0")
-    _require(_real(opts.P_mean, -math.inf), "P_mean", opts.P_mean, "a finite number")
     check_noise_levels(opts.P_mean, opts.P_std)
     for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS)):
         _require(getattr(opts, name) in table, name, getattr(opts, name), f"one of {', '.join(table)}")
-    _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and
-             all(_real(std, 0, low_open=True, high=MAX_STD) for std in opts.ema_stds),
+    ema_std = Real(0, MAX_STD, low_open=True, high_open=True)
+    _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
-    check_label_dropout(opts.label_dropout, opts.cond)
+    _require(opts.precision in PRECISIONS, "precision", opts.precision, f"one of {', '.join(PRECISIONS)}")
+    _require(opts.init is None or isinstance(opts.init, str) and opts.init != "", "init", opts.init, "a path")
 
 
 def check_noise_levels(P_mean: float, P_std: float) -> None:
@@ -238,9 +242,11 @@ def check_noise_levels(P_mean: float, P_std: float) -> None:
 
 
 def _check_network(opts: TrainingOptions) -> None:
-    """The U-Net's width and shape against the data's resolution, as train_edm2.py checks them; with --init the
-    snapshot's architecture is checked against the data when training starts (training.run.preflight)."""
-    _counts(opts, ("channels",), 1)
+    """The network trained: labels (label dropout needs them), the U-Net's width and shape against the data's
+    resolution, as train_edm2.py checks them; with --init the snapshot's architecture is checked against the data
+    when training starts (training.run.preflight)."""
+    _require(type(opts.cond) is bool, "cond", opts.cond, "True or False")
+    check_label_dropout(opts.label_dropout, opts.cond)
     _require(isinstance(opts.dataset, dict), "dataset", opts.dataset, "an object")
     _require(isinstance(opts.network, dict), "network", opts.network, "an object")
     # Options that are only compared (hyperparameters) may leave out the data; preflight refuses such options.
@@ -256,54 +262,38 @@ def _check_network(opts: TrainingOptions) -> None:
 
 
 def _check_speed(opts: TrainingOptions) -> None:
-    """How fast, not what: the precision, compilation, memory format, activation checkpoints, the batch per round."""
-    _require(opts.precision in PRECISIONS, "precision", opts.precision, f"one of {', '.join(PRECISIONS)}")
+    """How fast, not what: compilation, memory format, activation checkpoints, 16-bit CPU, the sharded EMA."""
     for name in ("compile", "channels_last"):
         _require(getattr(opts, name) in (None, True, False), name, getattr(opts, name), "True, False or None")
-    for name in ("checkpoint_activations", "cpu_16bit"):
+    for name in ("checkpoint_activations", "cpu_16bit", "ema_shard"):
         _require(type(getattr(opts, name)) is bool, name, getattr(opts, name), "True or False")
-    _counts(opts, ("batch_gpu", "workers"), 0)
-    _require(opts.threads is None or type(opts.threads) is int and opts.threads >= 1, "threads", opts.threads,
-             "an integer >= 1, or None")
 
 
-def _check_reports(opts: TrainingOptions) -> None:
-    """The duration and the intervals of status lines, snapshots and training states; what rank 0 reports."""
-    _counts(opts, ("duration", "grid_steps"), 1)
-    _counts(opts, ("status", "snapshot", "checkpoint", "keep_states"), 0)
-    _require(isinstance(opts.grid, tuple) and (opts.grid == () or (
-        len(opts.grid) == 2 and all(type(n) is int and n >= 1 for n in opts.grid))), "grid", opts.grid,
-        "(rows, cols), or () for none")
+def _check_reporting(opts: TrainingOptions) -> None:
+    """What rank 0 reports: the trackers, the metrics while training (known names, an interval
+    that falls on snapshots, a reference for those of images)."""
     _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
              opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
-    _require(opts.peak_tflops is None or (type(opts.peak_tflops) in (int, float) and 0 < opts.peak_tflops < 1e6),
-             "peak_tflops", opts.peak_tflops, "a number of TFLOP/s in (0, 1e6), or None")
-    _check_metrics(opts)
-
-
-def _check_metrics(opts: TrainingOptions) -> None:
-    """The metrics while training: known names, an interval that falls on snapshots, a reference for those of
-    images."""
     _require(isinstance(opts.metrics, tuple) and all(name in TRAINING_METRICS for name in opts.metrics), "metrics",
              opts.metrics, f"a tuple of {', '.join(TRAINING_METRICS)}")
-    _counts(opts, ("metrics_every",), 0)
-    _counts(opts, ("metrics_num",), 2)
     # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
     _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
              f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")
-    _require(opts.metrics_ema is None or _real(opts.metrics_ema, 0, low_open=True, high=MAX_STD), "metrics_ema",
-             opts.metrics_ema, f"a sigma_rel in (0, {MAX_STD:.4f}), or None")
     images = [name for name in opts.metrics if name != "loss"]
     _require(not images or isinstance(opts.metrics_ref, str) and opts.metrics_ref != "", "metrics_ref",
              opts.metrics_ref, f"reference statistics for --metrics={','.join(images)}")
 
 
 def _check_paths(opts: TrainingOptions) -> None:
-    """The run directory, the data and the --init snapshot: non-empty paths (or URLs)."""
-    for name in ("run_dir", "data", "init"):
-        value = getattr(opts, name)
-        _require((value is None and name == "init") or (isinstance(value, str) and value != ""), name, value,
+    """The run directory and the data: non-empty paths (or URLs)."""
+    for name in ("run_dir", "data"):
+        _require(isinstance(getattr(opts, name), str) and getattr(opts, name) != "", name, getattr(opts, name),
                  "a path")
+
+
+# Each section's rules across its fields, run once its fields are within their bounds.
+_RULES = {RECIPE: _check_recipe, NETWORK: _check_network, SPEED: _check_speed, REPORTING: _check_reporting,
+          PATHS: _check_paths}
 
 
 def rounds_per_step(batch: int, batch_gpu: int, world_size: int) -> tuple[int, int]:

@@ -22,7 +22,6 @@ from edm2.runtime import files
 from edm2.runtime.speed import SamplingSpeed
 
 SAMPLES_DIR = "samples"
-MAX_GRID_STEPS = 1000  # a bound on --grid-steps: more would make every snapshot a long wait
 
 
 def grid_path(run_dir: Path, nimg: int) -> Path:

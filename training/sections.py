@@ -1,0 +1,120 @@
+"""The sections of a run's options and the bounds of their fields, each declared once, on the field.
+
+Every field of training.options.TrainingOptions names its section (recipe, network, speed, reporting, paths) and,
+where it has one, the bound of its values. The options check the bounds when built, and train_edm2.py's option
+types are made from the same bounds (cli.types.bound_type), so no number is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from edm2.formats.snapshot import MAX_NIMG
+
+# What is trained and the network it is trained as: together what a resumed run must keep.
+RECIPE, NETWORK = "recipe", "network"
+# How fast, what is reported and for how long, and where: a resumed run may change these.
+SPEED, REPORTING, PATHS = "speed", "reporting", "paths"
+SECTIONS = (RECIPE, NETWORK, SPEED, REPORTING, PATHS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """An integer (bool is none) from low to high."""
+
+    low: int
+    high: int
+
+    def admits(self, value: object) -> bool:
+        """Whether value lies within the bound."""
+        return type(value) is int and self.low <= value <= self.high
+
+    def expected(self) -> str:
+        """What the bound admits, as a message says it."""
+        return f"an integer from {self.low} to {self.high}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Images(Count):
+    """An image count from low to below 2**53 (edm2.formats.snapshot.MAX_NIMG); the command line takes 8Mi too."""
+
+    high: int = MAX_NIMG - 1
+
+    def expected(self) -> str:
+        """What the bound admits, as a message says it."""
+        return f"an image count from {self.low} to 2**53 - 1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Real:
+    """A finite number (an int or a float) from low to high; either end may be open, or infinite."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: object) -> bool:
+        """Whether value lies within the bound (NaN and infinities never do)."""
+        # An int compares exactly, however long; converting one of 400 digits to float would raise OverflowError.
+        if not (type(value) is int or (type(value) is float and math.isfinite(value))):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def expected(self) -> str:
+        """What the bound admits, as a message says it."""
+        if math.isfinite(self.high):
+            return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}" \
+                   f"{')' if self.high_open else ']'}"
+        if math.isfinite(self.low):
+            return f"a number {'>' if self.low_open else '>='} {self.low:g}"
+        return "a finite number"
+
+
+@dataclasses.dataclass(frozen=True)
+class GridShape:
+    """The shape of an image grid: (rows, cols), each an integer from low to high, or () for none."""
+
+    low: int
+    high: int
+
+    def admits(self, value: object) -> bool:
+        """Whether value is () or a pair within the bound."""
+        return isinstance(value, tuple) and (value == () or len(value) == 2 and all(
+            type(n) is int and self.low <= n <= self.high for n in value))
+
+    def expected(self) -> str:
+        """What the bound admits, as a message says it."""
+        return f"(rows, cols) of {self.low} to {self.high} each, or () for none"
+
+
+Bound = Count | Real | GridShape
+
+
+def option(section: str, bound: Bound | None = None, *, optional: bool = False, **field) -> dataclasses.Field:
+    """A field of the options: its section, the bound of its values (None too, where optional), and
+    dataclasses.field's arguments (default=...)."""
+    return dataclasses.field(metadata=dict(section=section, bound=bound, optional=optional), **field)
+
+
+def section_fields(cls: type, section: str) -> tuple[str, ...]:
+    """The names of a dataclass's fields in one section, in their order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("section") == section)
+
+
+def bounds(cls: type) -> dict[str, Bound]:
+    """Each bounded field's name and bound."""
+    return {f.name: f.metadata["bound"] for f in dataclasses.fields(cls) if f.metadata.get("bound") is not None}
+
+
+def out_of_bounds(opts: object, section: str) -> tuple[str, str] | None:
+    """The first field of the section whose value its bound refuses, and what it expects; None if there is none."""
+    for f in dataclasses.fields(opts):
+        bound, value, optional = f.metadata.get("bound"), getattr(opts, f.name), f.metadata.get("optional")
+        if f.metadata.get("section") != section or bound is None or bound.admits(value) or optional and value is None:
+            continue
+        return f.name, bound.expected() + (", or None" if optional else "")
+    return None
