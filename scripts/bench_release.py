@@ -3,7 +3,7 @@
 For each toy network (toy-tiny, toy-small) at --resolution, it times, alternately so that both sides see the same
 machine: the release's float32 training step (its EDM2Loss, backward, Adam, its PowerFunctionEMA update), ours in
 float32 and in bfloat16 (--cpu-16bit), and 32-step Heun sampling with the release's edm_sampler and ours. It prints
-images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16 matmul
+images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16
 peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulates); the last line is JSON.
 
     git clone https://github.com/NVlabs/edm2 ../edm2-release
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
-from edm2.runtime.utilization import measure_matmul_tflops, training_flops_per_image  # noqa: E402
+from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_image  # noqa: E402
 from training.presets import PRESETS  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
 from training.step import training_step  # noqa: E402
@@ -146,9 +146,9 @@ def main(release: Path, presets: str, resolution: int, batch: int, steps: int, r
     """Time the release and this project side by side on this CPU."""
     if threads:
         torch.set_num_threads(threads)
-    peaks = {p: measure_matmul_tflops(dtype) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    click.echo(f"{torch.get_num_threads()} threads; matmul peak fp32 {peaks['fp32'] * 1e3:.1f} GFLOP/s, "
-               f"bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s")
+    peaks = {p: measure_cpu_tflops(dtype) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    click.echo(f"{torch.get_num_threads()} threads; peak (matmul or 3x3 convolution) fp32 "
+               f"{peaks['fp32'] * 1e3:.1f} GFLOP/s, bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s")
     report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, presets={})
     for preset in presets.split(","):
         train = training_rates(release, preset, resolution, batch, steps, rounds)

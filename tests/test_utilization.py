@@ -34,7 +34,7 @@ def test_gpu_peaks_come_from_the_table_most_specific_name_first(name, dtype, pea
 def test_the_cpu_peak_keeps_the_best_measurement_per_machine_dtype_and_thread_count(monkeypatch, tmp_path):
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
     rates = iter([0.25, 0.1, 0.5, 0.05, 0.125, 0.3])  # a busy machine measures low: the best so far is kept
-    monkeypatch.setattr(utilization, "measure_matmul_tflops", lambda dtype: next(rates))
+    monkeypatch.setattr(utilization, "measure_cpu_tflops", lambda dtype: next(rates))
     assert [utilization.cpu_peak_tflops(torch.float32) for _ in range(3)] == [0.25, 0.25, 0.5]
     assert utilization.cpu_peak_tflops(torch.bfloat16) == 0.05  # another dtype, its own entry
     threads = torch.get_num_threads()
@@ -48,20 +48,42 @@ def test_the_cpu_peak_keeps_the_best_measurement_per_machine_dtype_and_thread_co
     assert json.loads((tmp_path / utilization.CPU_PEAK_FILE).read_text()) == {utilization._machine_key(torch.float32): 0.3}
 
 
-def test_the_measured_matmul_rate_is_a_plausible_cpu_rate_and_leaves_the_global_random_state():
+def test_the_measured_peak_is_a_plausible_cpu_rate_and_leaves_the_global_random_state():
     before = torch.get_rng_state()
-    rate = utilization.measure_matmul_tflops(torch.float32, repeats=2)
+    rate = utilization.measure_cpu_tflops(torch.float32, repeats=2)
     assert 1e-4 < rate < 100  # TFLOP/s: above a crawl on a busy machine, below any CPU's float32 peak
     assert torch.equal(torch.get_rng_state(), before)  # a run's start draws nothing from the training's seed
 
 
 @pytest.mark.parametrize("seconds, size", [(1.0, 128), (0.005, 256), (1e-6, 2048)])
-def test_the_timed_matmul_grows_only_while_a_product_is_quick(seconds, size, monkeypatch):
-    # A CPU emulating 16-bit matmuls took 50 s for one 2048 x 2048 product: a slow product stops the growth at once.
+def test_a_timed_kernel_grows_only_while_a_call_is_quick(seconds, size, monkeypatch):
+    # A CPU emulating 16-bit matmuls took 50 s for one 2048 x 2048 product: a slow call stops the growth at once.
     sizes = []
-    monkeypatch.setattr(utilization, "_time_mm", lambda a, b: sizes.append(a.shape[0]) or seconds * (a.shape[0] / 128) ** 3)
-    rate = utilization.measure_matmul_tflops(torch.float32, repeats=2)  # only the warm-up products are computed
-    assert max(sizes) == size and rate == pytest.approx(2 * 128**3 / seconds / 1e12)
+
+    def kernel(n, dtype, generator):
+        return (lambda: sizes.append(n)), float(n**3)
+
+    monkeypatch.setattr(utilization, "_time", lambda call: call() or seconds * (sizes[-1] / 128) ** 3)
+    rate = utilization._grown_rate(kernel, torch.float32, 2, torch.Generator())
+    assert max(sizes) == size and rate == pytest.approx(128**3 / seconds / 1e12)
+
+
+def test_the_peak_is_the_faster_of_the_matmul_and_the_convolution(monkeypatch):
+    # On an AVX2 CPU oneDNN's emulated bfloat16 convolution ran ~100x the bfloat16 matmul: a matmul-only peak gave an
+    # MFU above 1000%.
+    for conv, mm in [(2.0, 0.5), (0.25, 1.0)]:
+        rates = {utilization._convolution: conv, utilization._matmul: mm}
+        monkeypatch.setattr(utilization, "_grown_rate", lambda kernel, *args: rates[kernel])
+        assert utilization.measure_cpu_tflops(torch.bfloat16) == max(conv, mm)
+
+
+def test_the_kernels_count_their_flops():
+    generator = torch.Generator().manual_seed(0)
+    call, flops = utilization._matmul(128, torch.float64, generator)
+    assert call().shape == (128, 128) and flops == 2 * 128**3
+    call, flops = utilization._convolution(128, torch.float64, generator)
+    out = call()  # 32 channels on 32 x 32 pixels: one multiply-add per input channel and tap, per output element
+    assert out.shape == (1, 32, 32, 32) and flops == 2 * out.numel() * 32 * 9
 
 
 def test_status_lines_and_stats_give_tflops_and_mfu_over_the_given_peak(train_data, tmp_path):
