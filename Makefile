@@ -4,8 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-# Test processes (pytest-xdist, each taking whole files): one per core of a two-core CI machine; TEST_WORKERS=0
-# runs in this process.
+# Test processes (pytest-xdist): one per core of a two-core CI machine; TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 
 .PHONY: install test demo clean
@@ -19,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # The whole workflow on toy data in a few minutes on a CPU; outputs go to demo-out/.
 demo: install

@@ -14,9 +14,8 @@ from tests.helpers import (
 TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
 
 
-# The slowest test files, slowest first: the Makefile's pytest-xdist processes (--dist loadfile: a file's tests run in
-# one process, its module fixtures built once) take files in collection order, so starting with these lets both
-# finish together instead of one waiting on a minute-long file collected last.
+# The slowest test files, slowest first: the Makefile's pytest-xdist processes take tests in collection order, so
+# starting with these lets both finish together instead of one waiting on a minute-long test collected last.
 SLOW_FILES = ("test_train_faults.py", "test_train_cli.py", "test_nonfinite.py", "test_speed_compile.py",
               "test_tracking.py", "test_disk.py", "test_readme.py", "test_slurm.py", "test_utilization.py")
 
