@@ -199,10 +199,15 @@ def select_inputs(snapshots: Sequence[Snapshot], kimg: int | None = None) -> tup
             times = sorted({s.nimg // 1000 for s in snapshots})
             raise NoSuchTimeError(f"no snapshot at kimg {kimg}; snapshots exist at kimg {times[0]}..{times[-1]}")
         out_nimg = matches[0]
-    inputs = [s for s in snapshots if 0 < s.nimg <= out_nimg]
+    inputs = taken_up_to(snapshots, out_nimg)
     if not inputs:
         raise NoSuchTimeError("no snapshot with a positive image count at or before that time")
     return inputs, out_nimg
+
+
+def taken_up_to(snapshots: Sequence[Snapshot], nimg: int) -> list[Snapshot]:
+    """The snapshots a reconstruction at nimg images averages: those taken after 0 and up to nimg."""
+    return [s for s in snapshots if 0 < s.nimg <= nimg]
 
 
 def header_architecture(path: Path) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,6 @@ import copy
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +23,7 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
+from edm2.eval.benchmark import seconds_per_call, tflops  # noqa: E402
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
 from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_image  # noqa: E402
@@ -32,6 +32,7 @@ from training.run.benchmark import synthetic_step  # noqa: E402
 from training.step import training_step  # noqa: E402
 
 LABELS = 6  # the toy presets' classes
+CPU = torch.device("cpu")
 
 
 def release_module(release: Path, relative: str, name: str):
@@ -73,11 +74,7 @@ def release_step(net: torch.nn.Module, loss_fn, ema, batch: int, resolution: int
 
 def images_per_s(step: Callable[[], None], batch: int, steps: int) -> float:
     """Images per second of `steps` calls after one warm-up call."""
-    step()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return batch * steps / (time.perf_counter() - started)
+    return batch / seconds_per_call(step, steps, warmup=1, device=CPU)
 
 
 def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, float]:
@@ -98,7 +95,7 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
     recipe = PRESETS[preset]
     theirs = release_step(net, loop.EDM2Loss(P_mean=recipe.P_mean, P_std=recipe.P_std), phema.PowerFunctionEMA(net),
                           batch, resolution)
-    ours = {precision: synthetic_step(preset, batch, torch.device("cpu"), resolution=resolution,
+    ours = {precision: synthetic_step(preset, batch, CPU, resolution=resolution,
                                       precision=precision, cpu_16bit=precision == "bf16")
             for precision in ("fp32", "bf16")}
     flops = training_flops_per_image(ours["fp32"].state.net)
@@ -115,8 +112,8 @@ def sampling_rates(release: Path, preset: str, resolution: int, batch: int, roun
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     generate = release_module(release, "generate_images.py", "release_generate_images")
     theirs = release_network(networks, preset, resolution).eval().requires_grad_(False)
-    net = synthetic_step(preset, 1, torch.device("cpu"), resolution=resolution).state.net.eval()
-    ours = {p: SamplingSpeed(precision=p, cpu_16bit=p == "bf16").apply(copy.deepcopy(net), torch.device("cpu"))
+    net = synthetic_step(preset, 1, CPU, resolution=resolution).state.net.eval()
+    ours = {p: SamplingSpeed(precision=p, cpu_16bit=p == "bf16").apply(copy.deepcopy(net), CPU)
             for p in ("fp32", "bf16")}
     noise = torch.randn(batch, 3, resolution, resolution)
     labels = torch.eye(LABELS)[torch.arange(batch) % LABELS]
@@ -156,9 +153,9 @@ def main(release: Path, presets: str, resolution: int, batch: int, steps: int, r
         report["presets"][preset] = dict(training=train, sampling=sample)
         base = train["rates"]["release fp32"]
         for name, rate in train["rates"].items():
-            tflops = rate * train["flops_per_image"] / 1e12
+            achieved = tflops(train["flops_per_image"], rate)
             click.echo(f"{preset} {resolution}px train  {name:13s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
-                       f"{tflops / peaks['fp32']:6.1%} of fp32 peak  {tflops / peaks['bf16']:6.1%} of bf16 peak")
+                       f"{achieved / peaks['fp32']:6.1%} of fp32 peak  {achieved / peaks['bf16']:6.1%} of bf16 peak")
         for name, rate in sample["rates"].items():
             click.echo(f"{preset} {resolution}px sample {name:13s} {rate:8.2f} img/s  "
                        f"{rate / sample['rates']['release fp32']:5.2f}x")

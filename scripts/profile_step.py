@@ -1,6 +1,6 @@
 """Where a training step's time goes, by torch.profiler: the step's phases (data, weight normalization, forward,
-backward: the rest of the step, Adam, EMA) and, within them, the kinds of operator (convolutions, attention, normalization, elementwise,
-casts, optimizer and EMA updates). Prints one table per precision; the last line is JSON.
+backward: the rest of the step, Adam, EMA) and, within them, the kinds of operator (convolutions, attention,
+normalization, elementwise, casts, optimizer and EMA updates). Prints one table per precision; the last line is JSON.
 
     python scripts/profile_step.py --preset=toy-small --resolution=32 --threads=2
 """

@@ -148,15 +148,14 @@ def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> 
     """Why the computing dtype is not --precision's, when it is not (the CPU computes in float32 by default), and on a
     CPU whether it has the 16-bit matrix instructions that would make --cpu-16bit pay (edm2.runtime.speed)."""
     units = cpu_16bit_units() if device.type == "cpu" else None
-    if dtype == str(precision_dtype(opts.precision)).removeprefix("torch."):
-        if device.type != "cpu" or dtype == "float32":
-            return ""
-        return "" if units else (" (this CPU has no 16-bit matrix instructions: it emulates them, several times "
-                                 "slower than float32; leave out --cpu-16bit)")
-    why = f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too"
-    if units and opts.precision == "bf16":
-        return why + f": this CPU has {units}, which computes bfloat16 faster than float32)"
-    return why + ")"
+    if dtype != str(precision_dtype(opts.precision)).removeprefix("torch."):
+        faster = f": this CPU has {units}, which computes bfloat16 faster than float32" \
+            if units and opts.precision == "bf16" else ""
+        return f" (--precision={opts.precision} applies on CUDA; --cpu-16bit uses it on the {device.type} too{faster})"
+    if device.type == "cpu" and dtype != "float32" and not units:
+        return " (this CPU has no 16-bit matrix instructions: it emulates them, several times slower than float32; " \
+               "leave out --cpu-16bit)"
+    return ""
 
 
 def _start(path: Path | None, init: str | None) -> str:

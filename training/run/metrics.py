@@ -80,7 +80,7 @@ class RunMetrics:
         opts = self.opts
         if opts.metrics_ema is None:
             return load_network(snapshot_path(opts.run_dir, cur_nimg, opts.ema_stds[0]))[0]
-        snapshots = [s for s in posthoc.list_snapshots(opts.run_dir, SNAPSHOT_PREFIX) if 0 < s.nimg <= cur_nimg]
+        snapshots = posthoc.taken_up_to(posthoc.list_snapshots(opts.run_dir, SNAPSHOT_PREFIX), cur_nimg)
         _, net, _ = next(posthoc.combine([s.track() for s in snapshots], cur_nimg, [opts.metrics_ema]))
         return net
 
