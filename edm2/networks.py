@@ -227,9 +227,11 @@ class Precond(torch.nn.Module):
         self.logvar_linear = MPConv(logvar_channels, 1, [])
 
     def compute_dtype(self, device: torch.device, force_fp32: bool = False) -> torch.dtype:
-        """The U-Net's activation dtype: 16-bit on CUDA (or with cpu_16bit) when enabled, else base_dtype()."""
-        if force_fp32 or (device.type != "cuda" and not self.cpu_16bit):
-            return self.base_dtype()
+        """The U-Net's activation dtype: 16-bit on CUDA (or with cpu_16bit) when enabled, else base_dtype(); a float64
+        network, a reference computation, computes in float64 on every device."""
+        base = self.base_dtype()
+        if force_fp32 or base == torch.float64 or (device.type != "cuda" and not self.cpu_16bit):
+            return base
         if self.use_bf16:
             return torch.bfloat16
         return torch.float16 if self.use_fp16 else self.base_dtype()

@@ -180,6 +180,11 @@ def test_compute_dtype_per_device():
     assert net.compute_dtype(torch.device("cuda"), force_fp32=True) == torch.float32
     assert tiny_net(use_bf16=True).compute_dtype(torch.device("cuda")) == torch.bfloat16
     assert tiny_net(use_fp16=False).compute_dtype(torch.device("cuda")) == torch.float32
+    # A float64 copy is a reference computation: float64 on CUDA too, whatever its 16-bit flags (the GPU check's
+    # float64 reference once ran in float16 there).
+    for flags in (dict(use_fp16=True), dict(use_bf16=True)):
+        net = tiny_net(**flags).double()
+        assert net.compute_dtype(torch.device("cuda")) == net.compute_dtype(torch.device("cpu")) == torch.float64
 
 
 def test_unknown_block_flavor_is_an_architecture_error():
