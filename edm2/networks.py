@@ -19,6 +19,11 @@ from edm2.layers import (ArchitectureError, MPConv, MPFourier, cosine_attention,
 class Block(torch.nn.Module):
     """Encoder or decoder block: residual branch, optional cosine self-attention (Figure 21)."""
 
+    # CONFIG G's magnitude-preserving fixed-function layers (Appendix B.7: Eq. 81, Eq. 88); CONFIG F's block
+    # (edm2.architectures.config_f) has the plain ones.
+    silu = staticmethod(mp_silu)
+    add = staticmethod(mp_sum)
+
     def __init__(
         self,
         in_channels: int,
@@ -62,19 +67,19 @@ class Block(torch.nn.Module):
                 x = self.conv_skip(x)
             x = normalize(x, dim=1)  # pixel norm on the encoder's main path (Eq. 30)
 
-        y = self.conv_res0(mp_silu(x))
+        y = self.conv_res0(self.silu(x))
         c = self.emb_linear(emb, gain=self.emb_gain) + 1
-        y = mp_silu(y * c.unsqueeze(2).unsqueeze(3).to(y.dtype))
+        y = self.silu(y * c.unsqueeze(2).unsqueeze(3).to(y.dtype))
         if self.training and self.dropout:
             y = F.dropout(y, p=self.dropout)
         y = self.conv_res1(y)
 
         if self.flavor == "dec" and self.conv_skip is not None:
             x = self.conv_skip(x)
-        x = mp_sum(x, y, t=self.res_balance)
+        x = self.add(x, y, t=self.res_balance)
 
         if self.num_heads:
-            x = mp_sum(x, self._attention(x), t=self.attn_balance)
+            x = self.add(x, self._attention(x), t=self.attn_balance)
         if self.clip_act is not None:
             x = x.clip_(-self.clip_act, self.clip_act)
         return x
@@ -90,6 +95,11 @@ _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for n
 
 class UNet(torch.nn.Module):
     """The magnitude-preserving U-Net of config G (Figure 22)."""
+
+    # The block, and the skips' concatenation (Eq. 103), of CONFIG G; CONFIG F (edm2.architectures.config_f) has
+    # its own block and a plain concatenation.
+    block_type = Block
+    cat = staticmethod(mp_cat)
 
     def __init__(
         self,
@@ -129,10 +139,10 @@ class UNet(torch.nn.Module):
                 cin, cout = cout, channels
                 self.enc[f"{res}x{res}_conv"] = MPConv(cin, cout, [3, 3])
             else:
-                self.enc[f"{res}x{res}_down"] = Block(cout, cout, cemb, "enc", "down", **block_kwargs)
+                self.enc[f"{res}x{res}_down"] = self.block_type(cout, cout, cemb, "enc", "down", **block_kwargs)
             for idx in range(num_blocks):
                 cin, cout = cout, channels
-                self.enc[f"{res}x{res}_block{idx}"] = Block(
+                self.enc[f"{res}x{res}_block{idx}"] = self.block_type(
                     cin, cout, cemb, "enc", attention=res in attn_resolutions, **block_kwargs
                 )
 
@@ -141,26 +151,29 @@ class UNet(torch.nn.Module):
         for level, channels in reversed(list(enumerate(cblock))):
             res = img_resolution >> level
             if level == len(cblock) - 1:
-                self.dec[f"{res}x{res}_in0"] = Block(cout, cout, cemb, "dec", attention=True, **block_kwargs)
-                self.dec[f"{res}x{res}_in1"] = Block(cout, cout, cemb, "dec", **block_kwargs)
+                self.dec[f"{res}x{res}_in0"] = self.block_type(cout, cout, cemb, "dec", attention=True, **block_kwargs)
+                self.dec[f"{res}x{res}_in1"] = self.block_type(cout, cout, cemb, "dec", **block_kwargs)
             else:
-                self.dec[f"{res}x{res}_up"] = Block(cout, cout, cemb, "dec", "up", **block_kwargs)
+                self.dec[f"{res}x{res}_up"] = self.block_type(cout, cout, cemb, "dec", "up", **block_kwargs)
             for idx in range(num_blocks + 1):
                 cin, cout = cout + skips.pop(), channels
-                self.dec[f"{res}x{res}_block{idx}"] = Block(
+                self.dec[f"{res}x{res}_block{idx}"] = self.block_type(
                     cin, cout, cemb, "dec", attention=res in attn_resolutions, **block_kwargs
                 )
         self.out_conv = MPConv(cout, img_channels, [3, 3])
 
-    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
-        """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
+    def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
+        """The blocks' conditioning from c_noise and the labels (Eq. 75, 88, 81), in the dtype of noise_labels."""
         emb = self.emb_noise(self.emb_fourier(noise_labels))
         if self.emb_label is not None:
             # Scaling one-hot labels by sqrt(label_dim) gives them unit magnitude.
             labels = class_labels * math.sqrt(class_labels.shape[1])
             emb = mp_sum(emb, self.emb_label(labels), t=self.label_balance)
-        emb = mp_silu(emb)
+        return mp_silu(emb)
 
+    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
+        """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
+        emb = self.embedding(noise_labels, class_labels)
         x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         skips = []
         for name, block in self.enc.items():
@@ -168,7 +181,7 @@ class UNet(torch.nn.Module):
             skips.append(x)
         for name, block in self.dec.items():
             if "block" in name:
-                x = mp_cat(x, skips.pop(), t=self.concat_balance)
+                x = self.cat(x, skips.pop(), t=self.concat_balance)
             x = self._block(block, x, emb)
         return self.out_conv(x, gain=self.out_gain)
 

@@ -1,5 +1,6 @@
-"""The paper's configurations C, D and E (edm2.architectures.ladder, families config-c/d/e), each tested for its
-defining change against the paper's definition (Appendix B.3-B.5), G left as it was, their sizes against Table 1, and bad input."""
+"""The paper's configurations C, D, E (edm2.architectures.ladder, families config-c/d/e) and F
+(edm2.architectures.config_f), each tested for its defining change against the paper's definition (Appendix
+B.3-B.6), G left as it was, their sizes against Table 1, and bad input."""
 
 import math
 
@@ -11,11 +12,12 @@ from click.testing import CliRunner
 import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
+from edm2.architectures.config_f import FBlock, FUNet
 from edm2.architectures.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
 from edm2.eval.magnitudes import bucket_magnitudes
 from edm2.families import UnknownFamily
 from edm2.layers import MPConv, force_weight_normalization
-from edm2.networks import Precond, UNet, count_parameters
+from edm2.networks import Precond, UNet, count_macs, count_parameters, unet_blocks
 from tests.helpers import TRAIN_ARGS, assert_refused, tiny_precond
 from training.lr_schedule import learning_rate_schedule
 from training.presets import get_preset
@@ -120,9 +122,84 @@ def test_config_e_forces_weight_normalization_and_decays_the_learning_rate():
     assert (c.lr, c.decay) == (0.0002, 0)
 
 
+def normalized(w: torch.Tensor) -> torch.Tensor:
+    """Eq. 47's weight in float64 by hand: each row w_i / (||w_i|| / sqrt(N) + eps) / sqrt(N), N its fan-in."""
+    w = w.double()
+    n = w[0].numel()
+    rows = w.flatten(1).norm(dim=1).reshape(-1, *[1] * (w.ndim - 1))
+    return w / (rows / math.sqrt(n) + 1e-4) / math.sqrt(n)
+
+
+def conv(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    w = normalized(layer.weight)
+    return x @ w.t() if w.ndim == 2 else torch.nn.functional.conv2d(x, w, padding=w.shape[-1] // 2)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def test_config_f_blocks_have_pixel_norm_plain_silu_and_sums_and_no_gain():
+    # Appendix B.6-B.7 in float64 by hand: an encoder block moves its 1x1 convolution to the start of the main path
+    # and pixel-normalizes there (Eq. 30), then adds the residual branch as it is; the SiLUs are plain (no 1/0.596,
+    # Eq. 81), the conditioning carries no learned gain (Figure 21 has none), and there is no group norm.
+    net = ladder("F", seed=1, attn_resolutions=(8,))
+    assert type(net.unet) is FUNet and all(type(b) is FBlock for _, b in unet_blocks(net.unet))
+    block = net.unet.enc["4x4_block0"]
+    assert block.conv_skip is not None and block.num_heads == 0 and block.flavor == "enc"
+    x, emb = torch.randn(2, block.in_channels, 4, 4, dtype=torch.float64), torch.randn(2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        block.emb_linear.weight.normal_()  # a conditioning that matters
+        got = block.double()(x, emb)
+        main = conv(x, block.conv_skip)
+        main = main / (1e-4 + main.norm(dim=1, keepdim=True) / math.sqrt(main.shape[1]))  # Eq. 30
+        scale = conv(emb, block.emb_linear) + 1
+        y = conv(silu(conv(silu(main), block.conv_res0) * scale[:, :, None, None]), block.conv_res1)
+    assert torch.allclose(got, main + y, rtol=1e-10, atol=1e-10)
+    assert not [name for name, _ in net.named_parameters() if "gain" in name]
+
+
+def test_config_f_embedding_concatenation_and_output_are_plain():
+    # B.6: one linear layer on Eq. 35's Fourier features (cos, no sqrt(2)), plus the class embedding of one-hot labels
+    # times sqrt(N), then SiLU; B.6's removed output SiLU and G's absent gain: the output is the last decoder block's
+    # activations through the output convolution as they are; the skips are concatenated unscaled. Float64 by hand.
+    net = ladder("F", seed=2).double()
+    unet = net.unet
+    seen = {}
+    unet.out_conv.register_forward_hook(lambda m, i, o: seen.update(out_in=i[0], out=o))
+    last = list(unet.dec.values())[-1]
+    last.register_forward_hook(lambda m, i, o: seen.update(last=o))
+    first_dec = unet.dec["4x4_block0"]
+    first_dec.register_forward_pre_hook(lambda m, i: seen.update(cat=i[0]))
+    unet.dec["4x4_in1"].register_forward_hook(lambda m, i, o: seen.update(before_cat=o))
+    unet.enc["4x4_block0"].register_forward_hook(lambda m, i, o: seen.update(skip=o))
+    c_noise, labels = torch.tensor([-0.5, 0.7], dtype=torch.float64), torch.eye(4, dtype=torch.float64)[[1, 3]]
+    with torch.no_grad():
+        emb = unet.embedding(c_noise, labels)
+        fourier = torch.cos(c_noise[:, None] * unet.emb_fourier.freqs.double() + unet.emb_fourier.phases.double())
+        expected = silu(conv(fourier, unet.emb_noise) + conv(labels * 2, unet.emb_label))
+        assert torch.allclose(emb, expected, rtol=1e-10, atol=1e-12)
+        unet(torch.randn(2, 3, 8, 8, dtype=torch.float64), c_noise, labels)
+    assert torch.equal(seen["out_in"], seen["last"])
+    assert torch.allclose(seen["out"], conv(seen["last"], unet.out_conv), rtol=1e-10, atol=1e-12)
+    assert torch.equal(seen["cat"], torch.cat([seen["before_cat"], seen["skip"]], dim=1))
+
+
+def test_config_f_is_g_less_its_gains_and_keeps_e_s_schedule():
+    # Same layers, names and multiply-accumulates as G (Table 1: F 280.2 Mparams and 102.1 Gflops, G 280.2 and
+    # 102.2; the 0.1 are G's elementwise scalings, which count_macs leaves out); F trains with E's rates.
+    f, g = ladder("F"), tiny_precond(8, 3, 4, use_fp16=False, **SMALL)
+    assert set(f.state_dict()) == {k for k in g.state_dict() if not k.endswith("_gain")}
+    assert count_macs(f) == count_macs(g)
+    for name in ("img512", "toy"):
+        fp, ep = get_preset(f"config-f-{name}"), get_preset(f"config-e-{name}")
+        assert (fp.lr, fp.decay) == (ep.lr, ep.decay) and fp.network["family"] == "config-f"
+
+
 def test_parameter_counts_are_table_1s_and_g_is_the_unchanged_u_net():
-    # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): C, D and E 277.8; G 280.2.
-    for config, mparams in (("C", 277.8), ("D", 277.8), ("E", 277.8), (None, 280.2)):
+    # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): C, D and E 277.8; F and G
+    # 280.2.
+    for config, mparams in (("C", 277.8), ("D", 277.8), ("E", 277.8), ("F", 280.2), (None, 280.2)):
         with torch.device("meta"):
             net = Precond(64, 4, 1000, **({"family": f"config-{config.lower()}"} if config else {}))
         assert round(count_parameters(net) / 1e6, 1) == mparams
