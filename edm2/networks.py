@@ -322,8 +322,10 @@ def count_macs(net: Precond, batch_size: int = 1) -> int:
         n, c, h, w = output.shape
         macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
 
-    # Every family's learned layers hold their kernel as `weight`, and its attention blocks count heads in num_heads.
-    layers = [m for m in net.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    # Every family's learned layers hold their kernel as a `weight` of 2 or more dimensions (a group norm's 1-D scale
+    # is no kernel), and its attention blocks count heads in num_heads.
+    layers = [m for m in net.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+              and m.weight.ndim >= 2]
     hooks = [m.register_forward_hook(conv_hook) for m in layers]
     hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if getattr(m, "num_heads", 0)]
     try:

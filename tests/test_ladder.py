@@ -1,6 +1,6 @@
-"""The paper's configurations C, D, E (edm2.architectures.ladder, families config-c/d/e) and F
+"""The paper's configurations B, C, D, E (edm2.architectures.ladder, families config-b/c/d/e) and F
 (edm2.architectures.config_f), each tested for its defining change against the paper's definition (Appendix
-B.3-B.6), G left as it was, their sizes against Table 1, and bad input."""
+B.2-B.6), G left as it was, their sizes against Table 1, and bad input."""
 
 import math
 
@@ -13,7 +13,8 @@ import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from edm2.architectures.config_f import FBlock, FUNet
-from edm2.architectures.ladder import DriftingMPConv, LadderUNet, UniformConv, rms_group_norm
+from edm2.architectures.ladder import (AffineGroupNorm, BiasedLayer, DriftingMPConv, LadderUNet, LabelEmbedding,
+                                      UniformConv, ladder_blocks, rms_group_norm)
 from edm2.eval.magnitudes import bucket_magnitudes
 from edm2.families import UnknownFamily
 from edm2.layers import MPConv, force_weight_normalization
@@ -32,6 +33,98 @@ def ladder(config: str, seed: int = 0, **overrides) -> Precond:
 
 def learned_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in net.unet.modules() if isinstance(m, (UniformConv, MPConv))]
+
+
+def gn(x: torch.Tensor, norm: torch.nn.GroupNorm) -> torch.Tensor:
+    """ADM's group norm in float64 by hand: zero mean and unit variance per group (eps 1e-5), per-channel affine."""
+    groups = x.reshape(x.shape[0], norm.num_groups, -1)
+    mean, var = groups.mean(dim=2, keepdim=True), groups.var(dim=2, unbiased=False, keepdim=True)
+    y = ((groups - mean) / (var + 1e-5).sqrt()).reshape(x.shape)
+    return y * norm.weight.double()[:, None, None] + norm.bias.double()[:, None, None]
+
+
+def biased(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    w, b = layer.weight.double(), layer.bias.double()
+    if w.ndim == 2:
+        return x @ w.t() + b
+    return torch.nn.functional.conv2d(x, w, b, padding=w.shape[-1] // 2)
+
+
+def test_config_b_is_adm_with_biases_and_zero_initialized_last_layers():
+    # Appendix B.1-B.2 (NVlabs/edm's DhariwalUNet): every learned layer has a bias, weight and bias from
+    # U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the last layer of each residual branch, the attention projection and
+    # the output layer start at zero; group norms start at scale 1 and bias 0; class embeddings are N(0, 1).
+    net = ladder("B", attn_resolutions=(8,))
+    unet = net.unet
+    layers = [m for m in unet.modules() if isinstance(m, BiasedLayer)]
+    zero = {id(m) for b in unet.modules() if hasattr(b, "conv_res1") for m in (b.conv_res1, b.attn_proj) if m}
+    zero.add(id(unet.out_conv))
+    assert layers and len(zero) > 3
+    for m in layers:
+        bound = 1 / math.sqrt(m.weight[0].numel())
+        if id(m) in zero:
+            assert not m.weight.any() and not m.bias.any()
+        else:
+            assert m.weight.abs().max() <= bound and m.bias.abs().max() <= bound and m.bias.any()
+    norms = [m for m in unet.modules() if isinstance(m, AffineGroupNorm)]
+    assert norms and all(torch.equal(m.weight, torch.ones_like(m.weight)) and not m.bias.any() for m in norms)
+    assert isinstance(unet.emb_label, LabelEmbedding) and not hasattr(unet.emb_label, "bias")
+    # N(0, 1): over 4 x 128 = 512 draws, the mean of w^2 is within 5 standard errors (sqrt(2 / 512) = 0.0625) of 1.
+    assert abs(float(unet.emb_label.weight.detach().double().square().mean()) - 1) < 5 * 0.0625
+    # No constant input channel: the first convolution sees the image's 3 channels.
+    assert unet.enc["8x8_conv"].weight.shape[1] == 3
+
+
+def test_config_b_block_is_adms_scale_shift_block_with_dot_product_attention():
+    # Float64 by hand, every parameter drawn at random (the zero-initialized ones would hide their paths): group
+    # norm, SiLU, conv; scale and shift from the embedding (ADM's adaptive group norm): silu(gn(y) (1 + s) + b);
+    # conv; plus the 1x1-projected input; then x + proj(attention(qkv(gn(x)))) with softmax(q k^T / sqrt(c)).
+    net = ladder("B", seed=3, attn_resolutions=(4,)).double()
+    block = net.unet.enc["4x4_block0"]
+    assert block.num_heads == 2 and block.conv_skip is not None
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x, emb = torch.randn(2, block.in_channels, 4, 4, dtype=torch.float64), torch.randn(2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        got = block(x, emb)
+        y = biased(silu(gn(x, block.norm0)), block.conv_res0)
+        scale, shift = biased(emb, block.emb_linear)[:, :, None, None].chunk(2, dim=1)
+        y = biased(silu(gn(y, block.norm1) * (1 + scale) + shift), block.conv_res1)
+        h = biased(x, block.conv_skip) + y
+        q, k, v = biased(gn(h, block.attn_norm), block.attn_qkv).reshape(2, 2, 16, 3, 16).unbind(3)
+        weights = torch.softmax(torch.einsum("nhcq,nhck->nhqk", q, k) / math.sqrt(16), dim=3)
+        a = torch.einsum("nhqk,nhck->nhcq", weights, v).reshape(2, 32, 4, 4)
+        expected = h + biased(a, block.attn_proj)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_config_b_embeds_timesteps_sinusoidally_and_attends_where_figure_17_does():
+    # ADM's timestep embedding of c_noise (NVlabs/edm PositionalEmbedding): [cos(a f_i), sin(a f_i)],
+    # f_i = 10000^(-i/(N/2)); then two linear layers with SiLU, plus the unscaled one-hot label's embedding, SiLU.
+    net = ladder("B", seed=5).double()
+    unet = net.unet
+    seen = {}
+    unet.emb_noise.register_forward_hook(lambda m, i, o: seen.update(features=i[0]))
+    unet.enc["8x8_block0"].register_forward_pre_hook(lambda m, i: seen.update(emb=i[1]))
+    a, labels = torch.tensor([-0.4, 0.9], dtype=torch.float64), torch.eye(4, dtype=torch.float64)[[0, 2]]
+    with torch.no_grad():
+        unet(torch.randn(2, 3, 8, 8, dtype=torch.float64), a, labels)
+    f = 10000.0 ** -(torch.arange(8, dtype=torch.float64) / 8)
+    features = torch.cat([torch.cos(a[:, None] * f), torch.sin(a[:, None] * f)], dim=1)
+    assert torch.allclose(seen["features"], features, rtol=1e-6, atol=1e-7)  # f stored in float32
+    emb = silu(biased(silu(biased(features, unet.emb_noise)), unet.emb_layer1) + labels @ unet.emb_label.weight.t())
+    assert torch.allclose(seen["emb"], emb, rtol=1e-5, atol=1e-6)
+    # Figure 17 at ImageNet-512: attention at 16x16 and 8x8 only (B removed A's 32x32), and in the lowest decoder
+    # level's first block.
+    with torch.device("meta"):
+        img512 = Precond(64, 4, 1000, **get_preset("config-b-img512").network)
+    attending = {name for name, block in ladder_blocks(img512.unet) if block.num_heads}
+    names = [name for name, _ in ladder_blocks(img512.unet)]
+    expected = {name for name in names if name.split(".")[1].split("_")[0] in ("16x16", "8x8")
+                and name.split("_")[-1] not in ("down", "up", "in1")}
+    assert attending == expected and "dec.8x8_in0" in attending and "dec.8x8_in1" not in attending
 
 
 def test_config_c_has_no_biases_and_he_uniform_weights():
@@ -196,10 +289,21 @@ def test_config_f_is_g_less_its_gains_and_keeps_e_s_schedule():
         assert (fp.lr, fp.decay) == (ep.lr, ep.decay) and fp.network["family"] == "config-f"
 
 
+def test_the_ladder_presets_keep_adms_dropout_and_b_trains_at_adms_rate():
+    # ADM's 10% dropout stays until G, which could disable it (Appendix B.7); B's Adam rate is 0.0002, constant
+    # (Appendix B.2, t_ref = infinity). The toy rows keep toy-small's no-dropout, to compare by the changes alone.
+    for config in "bcdef":
+        assert get_preset(f"config-{config}-img512").dropout == 0.10
+        assert get_preset(f"config-{config}-toy").dropout == get_preset("toy-small").dropout
+    assert get_preset("config-g-img512").dropout == 0
+    b = get_preset("config-b-img512")
+    assert (b.lr, b.decay, b.network["family"]) == (0.0002, 0, "config-b")
+
+
 def test_parameter_counts_are_table_1s_and_g_is_the_unchanged_u_net():
-    # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): C, D and E 277.8; F and G
-    # 280.2.
-    for config, mparams in (("C", 277.8), ("D", 277.8), ("E", 277.8), ("F", 280.2), (None, 280.2)):
+    # Table 1's Mparams at ImageNet-512 (64x64x4 latents, 1000 classes, 192 channels): B 291.8 (the embedding's
+    # shift doubles each block's embedding layer; biases and group-norm scales), C, D and E 277.8; F and G 280.2.
+    for config, mparams in (("B", 291.8), ("C", 277.8), ("D", 277.8), ("E", 277.8), ("F", 280.2), (None, 280.2)):
         with torch.device("meta"):
             net = Precond(64, 4, 1000, **({"family": f"config-{config.lower()}"} if config else {}))
         assert round(count_parameters(net) / 1e6, 1) == mparams
@@ -220,10 +324,10 @@ def test_a_ladder_snapshot_loads_as_its_configuration(tmp_path):
 @pytest.mark.bad_input
 def test_a_configuration_that_does_not_exist_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-c, "):
+    with pytest.raises(UnknownFamily, match=r"^unknown network family 'config-z': this edm2 knows config-b, "):
         ladder("Z")
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, ["--preset=config-z-toy"]),
-                   "--preset", "'config-z-toy' is not one of", "'config-c-toy'")
+                   "--preset", "'config-z-toy' is not one of", "'config-b-toy'")
 
 
 @pytest.mark.bad_input
@@ -237,11 +341,14 @@ def test_a_preset_and_init_of_different_configurations_is_one_line(train_data, t
                    "--preset=config-c-toy trains the network family 'config-c', but g.safetensors is of family 'edm2'")
 
 
-@pytest.mark.parametrize("config", ["C", "G"])
+@pytest.mark.parametrize("config", ["B", "C", "F", "G"])
 def test_bucket_magnitudes_are_appendix_a6s_without_gains_or_biases(config):
     # Appendix A.6: a weight feature is one output row of a learned weight tensor of the bucket, its magnitude Eq. 3's
-    # RMS; G's scalar gains (emb_gain, out_gain) are no weight tensors and stay out. By hand in float64.
-    net = ladder("C") if config == "C" else tiny_precond(8, 3, 4, use_fp16=False)
+    # RMS; B's biases and group-norm scales and G's scalar gains (emb_gain, out_gain) are no weight tensors and stay
+    # out. By hand in float64.
+    net = ladder(config) if config != "G" else tiny_precond(8, 3, 4, use_fp16=False)
+    if config == "B":
+        assert any(name.endswith(".bias") for name, _ in net.named_parameters())
     x, sigma, labels = torch.randn(2, 3, 8, 8), torch.tensor([0.5, 2.0]), torch.eye(4)[:2]
     got = bucket_magnitudes(net, x, sigma, labels)
     rows = torch.cat([p.detach().double().flatten(1).square().mean(1).sqrt() for name, p in net.named_parameters()

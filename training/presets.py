@@ -81,17 +81,20 @@ PRESETS: dict[str, Preset] = {
                         network=TOY_SMALL_UNET),
 }
 
-# The paper's Table 1 ladder (families config-c/d/e of edm2.architectures.ladder, config-f of
-# edm2.architectures.config_f): CONFIG C to F at ImageNet-512 with the 192-channel U-Net of Table 1 (G is
-# edm2-img512-s), attention at 16x16 and 8x8 (B's removal of 32x32). C keeps B's Adam rate 0.0002 (Figure 18), D
-# raises it to 0.0100 for N(0,1) weights (Appendix B.4); both constant (t_ref = infinity, decay 0); E adds Eq. 67's
-# decay with t_ref 70000 (Appendix B.5), which F keeps. The toy rows scale toy-small's recipe by the same ratios
-# (toy-small's 0.0200 is twice Table 1's 0.0100), each with the same data, batch and length, so that configurations
-# compare.
-LADDER_RATES = {"C": (0.0002, 0), "D": (0.0100, 0), "E": (0.0100, 70000), "F": (0.0100, 70000)}
+# The paper's Table 1 ladder (families config-b/c/d/e of edm2.architectures.ladder, config-f of
+# edm2.architectures.config_f): CONFIG B to F at ImageNet-512 with the 192-channel U-Net of Table 1 (G is
+# edm2-img512-s), attention at 16x16 and 8x8 (B's removal of 32x32), and ADM's 10% dropout, which only G could
+# drop (Appendix B.7). B and C train at Adam rate 0.0002 (Appendix B.2), D raises it to 0.0100 for N(0,1) weights
+# (Appendix B.4); all three constant (t_ref = infinity, decay 0); E adds Eq. 67's decay with t_ref 70000 (Appendix
+# B.5), which F keeps. The toy rows scale toy-small's recipe by the same ratios (toy-small's 0.0200 is twice Table
+# 1's 0.0100), each with toy-small's data, batch, length and dropout (none), so that the configurations compare
+# by their defining changes alone.
+LADDER_RATES = {"B": (0.0002, 0), "C": (0.0002, 0), "D": (0.0100, 0), "E": (0.0100, 70000), "F": (0.0100, 70000)}
+LADDER_DROPOUT = 0.10
 for _config, (_lr, _decay) in LADDER_RATES.items():
     PRESETS[f"config-{_config.lower()}-img512"] = dataclasses.replace(
-        PRESETS["edm2-img512-s"], lr=_lr, decay=_decay, network=dict(family=f"config-{_config.lower()}"))
+        PRESETS["edm2-img512-s"], lr=_lr, decay=_decay, dropout=LADDER_DROPOUT,
+        network=dict(family=f"config-{_config.lower()}"))
     PRESETS[f"config-{_config.lower()}-toy"] = dataclasses.replace(
         PRESETS["toy-small"], lr=2 * _lr, decay=_decay and PRESETS["toy-small"].decay,
         network=dict(TOY_SMALL_UNET, family=f"config-{_config.lower()}"))
