@@ -23,7 +23,10 @@ def figure15(runs: dict[str, list[dict]]) -> matplotlib.figure.Figure:
                 ax.plot(kimg, values, color=f"C{k % 10}", linestyle="-" if k < 10 else "--", linewidth=1.2,
                         label=group)
             ax.set(xlabel="kimg", title=f"{name}: {kind} ({how})")
-            ax.set_ylim(bottom=0)
+            # From 0, with room above the largest value: the forced weights of E-G sit at exactly 1, which an axis
+            # ending there would draw on its frame.
+            top = max((v for line in ax.get_lines() for v in line.get_ydata() if v == v), default=0)
+            ax.set_ylim(0, 1.1 * top if top > 0 else 1)
             ax.grid(alpha=0.3)
             if col == 0:
                 ax.legend(fontsize=6, ncol=2, loc="lower left")
