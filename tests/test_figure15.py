@@ -12,9 +12,10 @@ def records(weights: float, scale: float) -> list[dict]:
     `weights` (as forced weights' RMS is, eps and round-off apart)."""
     rows = []
     for i, kimg in enumerate((4, 8, 12)):
-        acts = {b: {"max": (k + 2) * scale**i, "mean": (k + 1) * scale**i} for k, b in enumerate(("enc 8x8", "dec 8x8"))}
+        buckets = ("enc 8x8", "dec 8x8")
+        acts = {b: {"max": (k + 2) * scale**i, "mean": (k + 1) * scale**i} for k, b in enumerate(buckets)}
         w = weights * (1 + 1e-4 * (-1) ** i)
-        rows.append(dict(kimg=kimg, activations=acts, weights={b: {"max": w, "mean": w} for b in ("enc 8x8", "dec 8x8")}))
+        rows.append(dict(kimg=kimg, activations=acts, weights={b: {"max": w, "mean": w} for b in buckets}))
     return rows
 
 
