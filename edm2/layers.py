@@ -89,6 +89,14 @@ class MPFourier(torch.nn.Module):
         return (y.cos() * math.sqrt(2)).to(x.dtype)
 
 
+class FourierFeatures(MPFourier):
+    """Eq. 35's Fourier features cos(2 pi (f a + phi)) of CONFIG C to F: MPFourier without G's sqrt(2) (Eq. 75)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The features of a 1-D tensor of scalars."""
+        return super().forward(x) / math.sqrt(2)
+
+
 class MPConv(torch.nn.Module):
     """Convolution (kernel [k,k]) or linear layer (kernel []) whose weight rows are normalized on use (Eq. 47).
 
@@ -124,9 +132,17 @@ def normalized_weight(weight: torch.Tensor) -> torch.Tensor:
 def cosine_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int) -> torch.Tensor:
     """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-34) of x [N,C,H,W] through the
     layers qkv (C -> 3C) and proj (C -> C)."""
+    return self_attention(x, qkv, proj, num_heads, cosine=True)
+
+
+def self_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int,
+                   cosine: bool) -> torch.Tensor:
+    """Multi-head self-attention of x [N,C,H,W] through the layers qkv (C -> 3C) and proj (C -> C): with cosine,
+    of pixel-normalized q, k, v (Eq. 30-34, CONFIG C on); without, ADM's plain scaled-dot-product attention."""
     n, c, h, w = x.shape
     # The release lays qkv channels out as [head, channel, (q,k,v)].
-    q, k, v = normalize(qkv(x).reshape(n, num_heads, -1, 3, h * w), dim=2).unbind(3)
+    heads = qkv(x).reshape(n, num_heads, -1, 3, h * w)
+    q, k, v = (normalize(heads, dim=2) if cosine else heads).unbind(3)
     # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
     y = attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
     return proj(y.transpose(2, 3).reshape(n, c, h, w))

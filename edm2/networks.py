@@ -96,9 +96,12 @@ _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for n
 class UNet(torch.nn.Module):
     """The magnitude-preserving U-Net of config G (Figure 22)."""
 
-    # The block, and the skips' concatenation (Eq. 103), of CONFIG G; CONFIG F (edm2.architectures.config_f) has
-    # its own block and a plain concatenation.
+    # CONFIG G's block, noise features (Eq. 75) and the embedding's and skips' fixed-function layers (Eq. 81, 88,
+    # 103); CONFIG F (edm2.architectures.config_f) has its own block and the plain ones.
     block_type = Block
+    fourier_type = MPFourier
+    silu = staticmethod(mp_silu)
+    add = staticmethod(mp_sum)
     cat = staticmethod(mp_cat)
 
     def __init__(
@@ -127,7 +130,7 @@ class UNet(torch.nn.Module):
         self.checkpoint_blocks = False
         self.out_gain = torch.nn.Parameter(torch.zeros([]))
 
-        self.emb_fourier = MPFourier(cnoise)
+        self.emb_fourier = self.fourier_type(cnoise)
         self.emb_noise = MPConv(cnoise, cemb, [])
         self.emb_label = MPConv(label_dim, cemb, []) if label_dim else None
 
@@ -168,8 +171,8 @@ class UNet(torch.nn.Module):
         if self.emb_label is not None:
             # Scaling one-hot labels by sqrt(label_dim) gives them unit magnitude.
             labels = class_labels * math.sqrt(class_labels.shape[1])
-            emb = mp_sum(emb, self.emb_label(labels), t=self.label_balance)
-        return mp_silu(emb)
+            emb = self.add(emb, self.emb_label(labels), t=self.label_balance)
+        return self.silu(emb)
 
     def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
         """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
@@ -247,7 +250,7 @@ class Precond(torch.nn.Module):
             return base
         if self.use_bf16:
             return torch.bfloat16
-        return torch.float16 if self.use_fp16 else self.base_dtype()
+        return torch.float16 if self.use_fp16 else base
 
     def base_dtype(self) -> torch.dtype:
         """The dtype of the inputs, outputs, embedding and log-variance head: float32, or float64 for a network

@@ -4,8 +4,8 @@
 
 (a) fp32, fp16 and bf16 forward and backward of EDM2-S img512 against float64; (b) toy training with each
 precision; (c) EDM2-S training throughput at 32 and 64 images per GPU, the release's configuration (eager fp16)
-against eager bf16 channels-last, with MFU; (d) sampling throughput without and with guidance; (e) peak memory per training
-step for XS..XXL at a fixed batch per GPU; (f) one process of train_edm2.py through torchrun (NCCL).
+against eager bf16 channels-last, with MFU; (d) sampling throughput without and with guidance; (e) peak memory per
+training step for XS..XXL at a fixed batch per GPU; (f) one process of train_edm2.py through torchrun (NCCL).
 
 Each section runs in its own process with a time limit, so a failing, crashing or slow section is recorded and
 the others still run; the report is rewritten after every section. Without CUDA: one line, exit status 2.

@@ -176,16 +176,13 @@ def test_config_d_normalizes_every_learned_layer_on_use_and_never_forces_it():
     assert layers and all(type(m) is DriftingMPConv for m in layers)
     # Eq. 47: b = (w_i / (||w_i|| + eps)) a, row by row, in float64 by hand, for a conv and a linear layer; the scale
     # of the stored weight makes no difference (up to eps).
+    # (normalized() writes the same w_i / (||w_i|| + eps sqrt(N)) as w_i / (||w_i|| / sqrt(N) + eps) / sqrt(N).)
     for m in (net.unet.enc["8x8_block0"].conv_res0, net.unet.emb_layer1):
         with torch.no_grad():
             m.weight.mul_(7.0)
         shape = [2, m.weight.shape[1], *([6, 6] if m.weight.ndim == 4 else [])]
         x = torch.randn(shape)
-        w = m.weight.double()
-        w_hat = w / (w.flatten(1).norm(dim=1).reshape(-1, *[1] * (w.ndim - 1)) + 1e-4 * math.sqrt(w[0].numel()))
-        expected = (x.double() @ w_hat.t() if w.ndim == 2
-                    else torch.nn.functional.conv2d(x.double(), w_hat, padding=w.shape[-1] // 2))
-        assert torch.allclose(m(x).double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(m(x).double(), conv(x.double(), m), rtol=1e-5, atol=1e-5)
     # Eq. 66 is not applied: force_weight_normalization leaves D's stored weights alone, so their norms may drift.
     before = [m.weight.detach().clone() for m in layers]
     force_weight_normalization(net)

@@ -13,12 +13,11 @@ activation clipping and the block options are G's. State-dict names are G's less
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from edm2 import families
+from edm2.layers import FourierFeatures
 from edm2.networks import Block, UNet, unet_blocks
 
 
@@ -53,18 +52,14 @@ class FUNet(UNet):
     """The U-Net of CONFIG F (Figure 21)."""
 
     block_type = FBlock
+    fourier_type = FourierFeatures
+    silu = staticmethod(F.silu)
+    add = staticmethod(plain_sum)
     cat = staticmethod(plain_cat)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         drop_gain(self, "out_gain")
-
-    def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
-        """SiLU of the noise embedding (Eq. 35 features through one linear layer) plus the class embedding."""
-        emb = self.emb_noise(self.emb_fourier(noise_labels) / math.sqrt(2))
-        if self.emb_label is not None:
-            emb = emb + self.emb_label(class_labels * math.sqrt(class_labels.shape[1]))
-        return F.silu(emb)
 
 
 FAMILY = families.register(families.NetworkFamily(

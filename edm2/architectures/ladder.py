@@ -31,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from edm2 import families, network_args
-from edm2.layers import ArchitectureError, MPConv, MPFourier, attention, cosine_attention, resample
+from edm2.layers import ArchitectureError, FourierFeatures, MPConv, resample, self_attention
 
 CONFIGS = ("B", "C", "D", "E")
 
@@ -140,14 +140,6 @@ class TimestepEmbedding(torch.nn.Module):
         return torch.cat([angles.cos(), angles.sin()], dim=1).to(x.dtype)
 
 
-class FourierFeatures(MPFourier):
-    """Eq. 35's Fourier features cos(2 pi (f a + phi)) of C, D and E: MPFourier without G's sqrt(2) (Eq. 75)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The features of a 1-D tensor of scalars."""
-        return super().forward(x) / math.sqrt(2)
-
-
 class DriftingMPConv(MPConv):
     """CONFIG D's learned layer: Eq. 47 on use (edm2.layers.MPConv), but skipped by the forced weight normalization
     of Eq. 66, so that the raw weight norms grow as Eq. 65 predicts."""
@@ -155,13 +147,17 @@ class DriftingMPConv(MPConv):
     forced = False
 
 
+# A learned layer's constructor: (in_channels, out_channels, kernel) -> the layer.
+Layer = Callable[[int, int, Sequence[int]], torch.nn.Module]
+
+
 @dataclasses.dataclass(frozen=True)
 class Flavor:
     """What a configuration puts where the ladder's U-Nets differ."""
 
-    layer: type  # every learned layer but those below
-    last_layer: type  # the last layer of each residual branch, the attention projection and the output layer
-    label_layer: type  # the class embedding
+    layer: Layer  # every learned layer but those below
+    last_layer: Layer  # the last layer of each residual branch, the attention projection and the output layer
+    label_layer: Layer  # the class embedding
     norm: type  # the group norm
     noise_features: type  # features of c_noise
     label_scale: bool  # one-hot labels times sqrt(label_dim) (C on)
@@ -217,21 +213,11 @@ class LadderBlock(torch.nn.Module):
         if self.training and self.dropout:
             y = F.dropout(y, p=self.dropout)
         x = self.conv_res1(y) + (self.conv_skip(skip) if self.conv_skip is not None else skip)
-        if self.num_heads and self.flavor.cosine_attention:
-            x = x + cosine_attention(x, self.attn_qkv, self.attn_proj, self.num_heads)
-        elif self.num_heads:
-            x = x + dot_product_attention(self.attn_norm(x), self.attn_qkv, self.attn_proj, self.num_heads)
+        if self.num_heads:
+            cosine = self.flavor.cosine_attention
+            y = x if cosine else self.attn_norm(x)  # B normalizes before its attention, as ADM
+            x = x + self_attention(y, self.attn_qkv, self.attn_proj, self.num_heads, cosine=cosine)
         return x
-
-
-def dot_product_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module,
-                          num_heads: int) -> torch.Tensor:
-    """ADM's multi-head self-attention softmax(q k^T / sqrt(N_c)) v (Eq. 10-11) of x [N,C,H,W], q, k, v from qkv in the
-    release's channel layout [head, channel, (q,k,v)], without cosine attention's normalization."""
-    n, c, h, w = x.shape
-    q, k, v = qkv(x).reshape(n, num_heads, -1, 3, h * w).unbind(3)
-    y = attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
-    return proj(y.transpose(2, 3).reshape(n, c, h, w))
 
 
 class LadderUNet(torch.nn.Module):

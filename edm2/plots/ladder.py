@@ -3,6 +3,8 @@ max and mean aggregation, one row per configuration (edm2.eval.magnitudes.bucket
 
 from __future__ import annotations
 
+import math
+
 import matplotlib.figure
 
 from edm2 import plots
@@ -18,14 +20,15 @@ def figure15(runs: dict[str, list[dict]]) -> matplotlib.figure.Figure:
         kimg = [r["kimg"] for r in records]
         for col, (kind, how) in enumerate(PANELS):
             ax = figure.add_subplot(len(runs), len(PANELS), row * len(PANELS) + col + 1)
+            top = 0.0
             for k, group in enumerate(records[-1][kind]):
-                values = [r[kind].get(group, {}).get(how, float("nan")) for r in records]
+                values = [r[kind].get(group, {}).get(how, math.nan) for r in records]
                 ax.plot(kimg, values, color=f"C{k % 10}", linestyle="-" if k < 10 else "--", linewidth=1.2,
                         label=group)
+                top = max([top, *(v for v in values if math.isfinite(v))])
             ax.set(xlabel="kimg", title=f"{name}: {kind} ({how})")
             # From 0, with room above the largest value: the forced weights of E-G sit at exactly 1, which an axis
             # ending there would draw on its frame.
-            top = max((v for line in ax.get_lines() for v in line.get_ydata() if v == v), default=0)
             ax.set_ylim(0, 1.1 * top if top > 0 else 1)
             ax.grid(alpha=0.3)
             if col == 0:
