@@ -426,12 +426,33 @@ def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
     return [sys.executable, "train_edm2.py", *TRAIN_ARGS, f"--data={data}", f"--outdir={outdir}", *extra]
 
 
-def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
-    """Run a training to its end in a subprocess; it must not print a traceback."""
+def run_training_process(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run a training to its end in a subprocess (for a test of how the process ends); it must not print a
+    traceback."""
     result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=TRAIN_ENV, capture_output=True,
                             text=True, timeout=300)
     assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     return result
+
+
+def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run train_command's training to its end in this process, on one CPU thread as its subprocess would
+    (TRAIN_ENV): the same bits as the subprocesses it resumes or is compared with, without the seconds a new
+    interpreter spends importing torch. It must not raise; the result reads as run_training_process's."""
+    import train_edm2
+    from click.testing import CliRunner
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(train_edm2.main, train_command(data, outdir, *extra)[2:])
+    finally:
+        torch.set_num_threads(threads)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(result.output) from result.exception
+    assert "Traceback" not in result.output, result.output
+    return subprocess.CompletedProcess(train_command(data, outdir, *extra), result.exit_code, result.stdout,
+                                       result.stderr)
 
 
 def start_training(data: Path, outdir: Path, *extra: str, **popen) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from edm2.data.dataset_json import read_labels
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error
 from tests.helpers import (TRAIN_ARGS, assert_one_error_line, assert_refused, black_png, png_bomb_zip, png_file,
-                           run_python_script, run_training, write_image_dataset, write_members)
+                           run_python_script, run_training_process, write_image_dataset, write_members)
 
 # The release's file names (its dataset_tool.py): the folder is the first 5 digits of the 8-digit index.
 INDICES = [3, 999, 1000, 2047]
@@ -391,7 +391,7 @@ def test_a_non_finite_latent_met_by_a_data_loader_worker_ends_training_in_one_li
     arrays = [np.random.default_rng(i).standard_normal((8, 8, 8)).astype(np.float32) for i in range(16)]
     arrays[9][0, 0, 0] = np.nan
     data = latents_zip(tmp_path, arrays)
-    assert_refused(tmp_path, lambda: run_training(data, tmp_path / "run", "--cond=False", "--workers=1"),
+    assert_refused(tmp_path, lambda: run_training_process(data, tmp_path / "run", "--cond=False", "--workers=1"),
                    "--data", f"{data}: {latent_fname(9)} holds non-finite values")
 
 
