@@ -129,12 +129,6 @@ def normalized_weight(weight: torch.Tensor) -> torch.Tensor:
     return normalize(weight.to(torch.promote_types(weight.dtype, torch.float32)))
 
 
-def cosine_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int) -> torch.Tensor:
-    """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-34) of x [N,C,H,W] through the
-    layers qkv (C -> 3C) and proj (C -> C)."""
-    return self_attention(x, qkv, proj, num_heads, cosine=True)
-
-
 def self_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int,
                    cosine: bool) -> torch.Tensor:
     """Multi-head self-attention of x [N,C,H,W] through the layers qkv (C -> 3C) and proj (C -> C): with cosine,

@@ -12,8 +12,8 @@ import torch.utils.checkpoint
 from torch.autograd import forward_ad
 
 from edm2 import families, network_args
-from edm2.layers import (ArchitectureError, MPConv, MPFourier, cosine_attention, mp_cat, mp_silu, mp_sum, normalize,
-                         resample)
+from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample,
+                         self_attention)
 
 
 class Block(torch.nn.Module):
@@ -86,7 +86,7 @@ class Block(torch.nn.Module):
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-32)."""
-        return cosine_attention(x, self.attn_qkv, self.attn_proj, self.num_heads)
+        return self_attention(x, self.attn_qkv, self.attn_proj, self.num_heads, cosine=True)
 
 
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.

@@ -421,9 +421,14 @@ def write_image_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB",
     return path
 
 
+def train_args(data: Path, outdir: Path, *extra: str) -> list[str]:
+    """train_edm2.py's options: TRAIN_ARGS, then extra (later options win)."""
+    return [*TRAIN_ARGS, f"--data={data}", f"--outdir={outdir}", *extra]
+
+
 def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
-    """python train_edm2.py with TRAIN_ARGS, then extra (later options win)."""
-    return [sys.executable, "train_edm2.py", *TRAIN_ARGS, f"--data={data}", f"--outdir={outdir}", *extra]
+    """python train_edm2.py with train_args."""
+    return [sys.executable, "train_edm2.py", *train_args(data, outdir, *extra)]
 
 
 def run_training_process(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -442,17 +447,17 @@ def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedP
     import train_edm2
     from click.testing import CliRunner
 
+    args = train_args(data, outdir, *extra)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = CliRunner().invoke(train_edm2.main, train_command(data, outdir, *extra)[2:])
+        result = CliRunner().invoke(train_edm2.main, args)
     finally:
         torch.set_num_threads(threads)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError(result.output) from result.exception
     assert "Traceback" not in result.output, result.output
-    return subprocess.CompletedProcess(train_command(data, outdir, *extra), result.exit_code, result.stdout,
-                                       result.stderr)
+    return subprocess.CompletedProcess(["train_edm2.py", *args], result.exit_code, result.stdout, result.stderr)
 
 
 def start_training(data: Path, outdir: Path, *extra: str, **popen) -> subprocess.Popen:
