@@ -215,7 +215,7 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     assert proc.returncode == 1, output
     assert output.count("Traceback") == 1 and "SignalException: Process" in output.split("Traceback")[1], output
     assert "forcefully exiting via SIGKILL" not in output
-    assert output.count("Received SIGTERM") == 2
+    assert output.count("Received SIGTERM") == 2, output
     newest = checkpoint.list_states(outdir)[0]
     stopped = checkpoint.load_state(newest)
     assert stopped["cur_nimg"] == stopped_at(output) >= 256 and len(set(stopped["rank_digests"])) == 1
