@@ -6,7 +6,6 @@ import itertools
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
-import scipy.linalg
 import torch
 import tqdm
 
@@ -86,6 +85,8 @@ def calculate_stats(batches: Iterable[torch.Tensor], detectors: Mapping[str, Cal
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
     """|mu1 - mu2|^2 + Tr(S1 + S2 - 2 sqrtm(S1 S2)), real part (Frechet distance of two Gaussians)."""
+    import scipy.linalg  # here, not at the top: 0.4 s of every command's start that only FID needs
+
     mean_term = np.square(np.asarray(mu1, np.float64) - np.asarray(mu2, np.float64)).sum()
     root = scipy.linalg.sqrtm(np.dot(sigma1, sigma2))
     return float(np.real(mean_term + np.trace(sigma1 + sigma2 - 2 * root)))

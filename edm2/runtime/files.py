@@ -15,8 +15,6 @@ import urllib.parse
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-import requests
-
 from edm2.errors import EDM2Error
 
 TMP_SUFFIX = ".tmp"
@@ -222,6 +220,8 @@ def download_cache_path(url: str) -> Path:
 
 def download(url: str, dest: str | os.PathLike, timeout_s: float = 60) -> Path:
     """Fetch `url` into the file `dest` (atomically: a failed download leaves nothing); return dest."""
+    import requests  # here, not at the top: 0.3 s of every command's start that only a download needs
+
     dest = Path(dest)
     try:
         with requests.get(url, stream=True, timeout=timeout_s) as response:
