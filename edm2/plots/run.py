@@ -113,7 +113,7 @@ def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
         ax.axvspan(low, high, color="0.9", zorder=0, label="training σ, ±1 std")
         ax.set(xscale="log", xlabel="σ")
         ax.xaxis.set_major_formatter(PLAIN)
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
 
@@ -124,7 +124,8 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
 
     The y axes start at 0, so magnitudes that stay at unit scale read as flat lines and a drift stands out.
     """
-    figure = plots.new_figure(11, 4.5)
+    figure = plots.new_figure(11, 4.5, layout=None)  # drawn at the end of every run: fixed margins save time
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.92, bottom=0.11, wspace=0.18)
     rows = data["rows"]
     kimg = [row["kimg"] for row in rows]
     panels = (("activations", "block outputs (activations)"), ("weights", "layer weights (raw)"))
