@@ -1,6 +1,7 @@
 """Where a training step's time goes, by torch.profiler: the step's phases (data, weight normalization, forward,
 backward: the rest of the step, Adam, EMA) and, within them, the kinds of operator (convolutions, attention,
-normalization, elementwise, casts, optimizer and EMA updates). Prints one table per precision; the last line is JSON.
+normalization, elementwise, casts, optimizer and EMA updates); and the kinds of operator of a sampling step (one Heun
+step of edm_sampler, two evaluations of the network). Prints tables per precision; the last line is JSON.
 
     python scripts/profile_step.py --preset=toy-small --resolution=32 --threads=2
 """
@@ -21,6 +22,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 import training.step  # noqa: E402
+from edm2.runtime.speed import SamplingSpeed  # noqa: E402
+from edm2.sampler import edm_sampler  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
 
 PHASES = ("data", "weight normalization", "forward", "backward", "Adam", "EMA")
@@ -82,11 +85,41 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
     # The backward pass runs in the autograd engine, outside the ranges: the rest of the step.
     phases = {name: totals.get(name, 0.0) for name in PHASES if name != "backward"}
     phases["backward"] = totals["step"] - sum(phases.values())
+    return dict(phases=phases, kinds=operator_kinds(events, steps))
+
+
+def operator_kinds(events, steps: int) -> dict[str, float]:
+    """Self CPU time (ms per step) of each operator kind among the profiled aten operators, largest first."""
     kinds: dict[str, float] = collections.defaultdict(float)
     for e in events:
         if e.key.startswith("aten::"):
             kinds[kind_of(e.key)] += e.self_cpu_time_total / 1e3 / steps
-    return dict(phases=phases, kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def profile_sampling(preset: str, batch: int, resolution: int, precision: str, steps: int) -> dict:
+    """Wall time and self CPU time of each operator kind (ms per Heun step) of edm_sampler, as generate.py samples:
+    the network in evaluation mode, its weights normalized once per run."""
+    net = synthetic_step(preset, 1, torch.device("cpu"), resolution=resolution).state.net.eval().requires_grad_(False)
+    net = SamplingSpeed(precision=precision, cpu_16bit=precision != "fp32").apply(net, torch.device("cpu"))
+    noise = torch.randn(batch, net.img_channels, resolution, resolution)
+    labels = torch.eye(net.label_dim)[torch.arange(batch) % net.label_dim] if net.label_dim else None
+    edm_sampler(net, noise, labels, num_steps=2)  # warm-up
+    # num_steps Heun steps make num_steps - 1 second-order corrections: 2 steps per Heun step but the last.
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("sampling"):
+            edm_sampler(net, noise, labels, num_steps=steps + 1)
+    events = prof.key_averages()
+    total = next(e.cpu_time_total for e in events if e.key == "sampling") / 1e3 / (steps + 1)
+    return dict(ms_per_step=total, kinds=operator_kinds(events, steps + 1))
+
+
+def print_kinds(kinds: dict[str, float]) -> None:
+    """The markdown table of operator kinds."""
+    ops = sum(kinds.values())
+    click.echo("| operator kind (self time) | ms/step | share |\n|---|---:|---:|")
+    for kind, ms in kinds.items():
+        click.echo(f"| {kind} | {ms:.1f} | {ms / ops:.0%} |")
 
 
 @click.command()
@@ -97,23 +130,25 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
 def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, threads: int | None) -> None:
-    """Profile the training step on the CPU."""
+    """Profile the training step and the sampling step on the CPU."""
     if threads:
         torch.set_num_threads(threads)
     report = {}
     for precision in precisions.split(","):
+        sampling = profile_sampling(preset, batch, resolution, precision, steps)
+        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}, {torch.get_num_threads()} threads: "
+                   f"{sampling['ms_per_step']:.1f} ms per sampling step")
+        print_kinds(sampling["kinds"])
         result = report[precision] = profile_steps(preset, batch, resolution, precision, steps)
+        result["sampling"] = sampling
         total = sum(result["phases"].values())  # the whole step
         click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}, {torch.get_num_threads()} threads: "
-                   f"{total:.1f} ms per step")
+                   f"{total:.1f} ms per training step")
         click.echo("| phase | ms/step | share |\n|---|---:|---:|")
         for name in PHASES:
             ms = result["phases"].get(name, 0.0)
             click.echo(f"| {name} | {ms:.1f} | {ms / total:.0%} |")
-        ops = sum(result["kinds"].values())
-        click.echo("| operator kind (self time) | ms/step | share |\n|---|---:|---:|")
-        for kind, ms in result["kinds"].items():
-            click.echo(f"| {kind} | {ms:.1f} | {ms / ops:.0%} |")
+        print_kinds(result["kinds"])
     click.echo(json.dumps(report))
 
 

@@ -113,3 +113,22 @@ def test_benchmarks_end_with_a_json_line():
     # Guidance evaluates both networks: twice the FLOPs per image for a guiding net of the same size.
     assert sampler["tflops_guided"] / sampler["images_per_s_guided"] == pytest.approx(
         2 * sampler["tflops"] / sampler["images_per_s"])
+
+
+def test_the_profile_tables_cover_the_training_and_the_sampling_step():
+    from scripts import profile_step
+
+    result = CliRunner().invoke(profile_step.main, ["--preset=toy-tiny", "--resolution=8", "--batch=2", "--steps=1",
+                                                    "--precisions=fp32"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])["fp32"]
+    # Every phase of the training step was seen, and the operators fall into the kinds the tables name.
+    assert set(report["phases"]) == set(profile_step.PHASES)
+    assert all(report["phases"][name] > 0 for name in ("forward", "backward", "Adam", "EMA"))
+    for kinds in (report["kinds"], report["sampling"]["kinds"]):
+        assert kinds["convolution"] > 0 and kinds["attention"] > 0
+    assert report["kinds"]["optimizer and EMA (foreach)"] > 0  # Adam and the EMA: training only
+    assert "optimizer and EMA (foreach)" not in report["sampling"]["kinds"]
+    # The sampling step's self times add up to no more than its wall time (one thread, nothing overlaps).
+    assert 0 < sum(report["sampling"]["kinds"].values()) <= report["sampling"]["ms_per_step"] * 1.01
+    assert "ms per sampling step" in result.output and "ms per training step" in result.output
