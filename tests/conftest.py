@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.helpers import (
-    forget_release_standins, install_release_standins, run_training, save_tiny_vae, write_image_dataset,
+    TRAIN_ENV, built_once, forget_release_standins, install_release_standins, run_training, save_tiny_vae,
+    write_image_dataset,
 )
 
 # EDM2_TEST_THREADS=2 runs the suite with two threads per process, to show that no tolerance depends
@@ -14,10 +15,10 @@ from tests.helpers import (
 TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
 
 
-# The slowest test files, slowest first: the Makefile's pytest-xdist processes take tests in collection order, so
-# starting with these lets both finish together instead of one waiting on a minute-long test collected last.
-SLOW_FILES = ("test_train_faults.py", "test_train_cli.py", "test_nonfinite.py", "test_speed_compile.py",
-              "test_tracking.py", "test_disk.py", "test_readme.py", "test_slurm.py", "test_utilization.py")
+# The test files with the slowest tests, slowest first: the Makefile's pytest-xdist processes (worksteal) even out by taking tests
+# from each other's end, so the end should hold short tests, not a minute-long one that leaves a core idle.
+SLOW_FILES = ("test_speed_compile.py", "test_readme.py", "test_slurm.py", "test_train_cli.py", "test_train_faults.py",
+              "test_tracking.py", "test_disk.py", "test_nonfinite.py", "test_utilization.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,13 +31,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def compile_cache(tmp_path_factory):
     """torch.compile's cache in a folder of this session (subprocesses inherit it), not the shared one in /tmp:
     torch 2.13 reused code from that cache built under another ATEN_CPU_CAPABILITY and crashed (segfault)."""
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchinductor"))
-    yield
-    if previous is None:
-        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    with pytest.MonkeyPatch.context() as patch:
+        folder = str(tmp_path_factory.mktemp("torchinductor"))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)
+        patch.setitem(TRAIN_ENV, "TORCHINDUCTOR_CACHE_DIR", folder)  # made before this fixture ran
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +43,9 @@ def cache_dir(tmp_path_factory):
     """$EDM2_CACHE_DIR (downloads, the CPU's measured peak) in a folder of this session, for subprocesses too:
     the suite writes nothing to the user's cache and reads nothing from it."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("EDM2_CACHE_DIR", str(tmp_path_factory.mktemp("edm2-cache")))
+        folder = str(tmp_path_factory.mktemp("edm2-cache"))
+        patch.setenv("EDM2_CACHE_DIR", folder)
+        patch.setitem(TRAIN_ENV, "EDM2_CACHE_DIR", folder)  # made before this fixture ran
         yield
 
 
@@ -84,8 +85,10 @@ def tiny_vae_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def train_data(tmp_path_factory):
-    """The training tests' dataset: 48 labeled 8x8 RGB images in 4 classes (helpers.write_image_dataset)."""
-    return write_image_dataset(tmp_path_factory.mktemp("data") / "toy")
+    """The training tests' dataset: 48 labeled 8x8 RGB images in 4 classes (helpers.write_image_dataset), at one
+    path for every test process, so that runs made once for all of them (built_once) name the data each trains on."""
+    folder, name = built_once(tmp_path_factory, "train-data", lambda folder: write_image_dataset(folder / "toy").name)
+    return folder / name
 
 
 @pytest.fixture(scope="session")

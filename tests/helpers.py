@@ -6,6 +6,7 @@ Fixtures live in conftest.py; test modules import from here, never from each oth
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib
 import io
@@ -13,6 +14,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -429,6 +431,23 @@ def train_args(data: Path, outdir: Path, *extra: str) -> list[str]:
 def train_command(data: Path, outdir: Path, *extra: str) -> list[str]:
     """python train_edm2.py with train_args."""
     return [sys.executable, "train_edm2.py", *train_args(data, outdir, *extra)]
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> tuple[Path, object]:
+    """The folder `name`, filled by build(folder) once per test session, whichever pytest-xdist process asks first
+    (the others wait for it), and build's JSON value. For what the tests only read: a run that costs tens of
+    seconds is then made once, not once per process."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each process's own
+    folder, value = root / f"once-{name}", root / f"once-{name}.json"
+    with open(root / f"once-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if build fails
+        if not value.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a build that failed left
+            folder.mkdir()
+            value.write_text(json.dumps(build(folder)))
+        return folder, json.loads(value.read_text())
 
 
 def run_training_process(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:

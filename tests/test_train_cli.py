@@ -21,8 +21,8 @@ from edm2.formats.snapshot import load_network, read_metadata
 from training.run import checkpoint
 from training.run.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
-    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, free_port, run_training, snapshot_contents,
-    start_training, stopped_at, tree, wait_for, write_image_dataset,
+    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, built_once, free_port, run_training,
+    snapshot_contents, start_training, stopped_at, tree, wait_for, write_image_dataset,
 )
 
 
@@ -156,18 +156,21 @@ def torchrun_command(data: Path, outdir: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(train_data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """An uninterrupted 1024-image run of two Gloo processes."""
-    outdir = tmp_path_factory.mktemp("runs") / "ddp"
-    result = subprocess.run(torchrun_command(train_data, outdir, "--workers=0"), cwd=REPO, env=TRAIN_ENV,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return outdir, result
+def ddp_run(train_data, tmp_path_factory) -> tuple[Path, str]:
+    """An uninterrupted 1024-image run of two Gloo processes (made once for the session), and its output."""
+    def build(folder: Path) -> str:
+        result = subprocess.run(torchrun_command(train_data, folder / "ddp", "--workers=0"), cwd=REPO,
+                                env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    folder, output = built_once(tmp_path_factory, "ddp-run", build)
+    return folder / "ddp", output
 
 
 def test_torchrun_two_gloo_processes(ddp_run):
-    outdir, result = ddp_run
-    assert "2 process(es) x 2 round(s) x 8 images" in result.stdout
+    outdir, output = ddp_run
+    assert "2 process(es) x 2 round(s) x 8 images" in output
     assert sorted(p.name for p in outdir.glob("network-snapshot-*")) == [
         "network-snapshot-0000001-0.050.safetensors", "network-snapshot-0000001-0.100.safetensors"
     ]
@@ -254,10 +257,14 @@ def assert_same_ema_tracks(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def sharded_run(train_data, tmp_path_factory) -> tuple[Path, str]:
     """ddp_run's run stopped at 512 images, then resumed with --ema-shard (each of the two processes keeps half of
-    every EMA track) to write its snapshots and training state at 1024; and the resumed run's output."""
-    outdir = tmp_path_factory.mktemp("runs") / "sharded"
-    run_torchrun(train_data, outdir, "--duration=512")
-    return outdir, run_torchrun(train_data, outdir, "--ema-shard").stdout
+    every EMA track) to write its snapshots and training state at 1024, made once for the session; and the resumed
+    run's output."""
+    def build(folder: Path) -> str:
+        run_torchrun(train_data, folder / "sharded", "--duration=512")
+        return run_torchrun(train_data, folder / "sharded", "--ema-shard").stdout
+
+    folder, output = built_once(tmp_path_factory, "sharded-run", build)
+    return folder / "sharded", output
 
 
 def test_ema_shard_resumes_a_whole_state_and_writes_bitwise_the_unsharded_runs_files(sharded_run, ddp_run):
