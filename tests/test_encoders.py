@@ -6,7 +6,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL
 
 from edm2 import encoders
 from edm2.encoders import (EncoderError, EncoderSettingsError, StabilityVAEEncoder, StandardRGBEncoder,
@@ -20,6 +19,8 @@ U32 = 2.0 ** -24  # unit round-off of float32: one rounding moves a value by at 
 
 @pytest.fixture(scope="module")
 def vae(tiny_vae_dir):
+    from diffusers import AutoencoderKL  # seconds to import: not while collecting, in a process that runs no VAE test
+
     return AutoencoderKL.from_pretrained(tiny_vae_dir).eval()
 
 
