@@ -22,6 +22,9 @@ PLAIN = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
 # A curve's y axis spans at least this fraction of its largest |value|: a learning rate that is constant up to
 # rounding, or images/s that jitter by 1%, read as flat lines, not as swings across the whole panel.
 MIN_RELATIVE_SPAN = 0.1
+# Titles just above their axes, where matplotlib puts them when nothing is drawn above a panel: given, not found,
+# since finding it measures each axis's ticks at every draw (a quarter of the dashboard's drawing time).
+TITLE_Y = 1.0
 # Blocks of one level share its colour, each a shade lighter than the one before, up to this mix with white.
 MAX_SHADE = 0.6
 
@@ -42,7 +45,8 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
                                      ("speed", "images_per_s", "images/s", "images/s")):
         ax = axes[key]
         ax.plot(stats["kimg"], stats[name], color="C0", linewidth=1)
-        ax.set(xlabel="kimg", ylabel=ylabel, title=label)
+        ax.set(xlabel="kimg", ylabel=ylabel)
+        ax.set_title(label, y=TITLE_Y)
         keep_span(ax, stats[name])
         for i, resume in enumerate(data.get("resumes") or []):  # where an interrupted run went on
             ax.axvline(resume["kimg"], color="0.5", linestyle=":", linewidth=1, label="resumed" if i == 0 else None)
@@ -106,8 +110,8 @@ def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
     fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label="ln λ(σ) L(σ), measured")
     fit.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ), learned")
     snapshot = f"EMA σ_rel={data['ema_std']:.3f} at kimg {row['kimg']:.1f}"
-    halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9)
-    fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9)
+    halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9, y=TITLE_Y)
+    fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9, y=TITLE_Y)
     low, high = math.exp(data["P_mean"] - data["P_std"]), math.exp(data["P_mean"] + data["P_std"])
     for ax in (halves, fit):
         ax.axvspan(low, high, color="0.9", zorder=0, label="training σ, ±1 std")
@@ -144,7 +148,8 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
         for group in dict.fromkeys(bucket(name) for name in names):
             k = buckets.index(group)
             ax.plot([], [], color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=group)
-        ax.set(xlabel="kimg", ylabel="RMS", title=f"{title}, EMA σ_rel={data['ema_std']:.3f}")
+        ax.set(xlabel="kimg", ylabel="RMS")
+        ax.set_title(f"{title}, EMA σ_rel={data['ema_std']:.3f}", y=TITLE_Y)
         ax.set_ylim(0, 1.15 * top)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="lower left")
