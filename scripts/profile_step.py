@@ -105,7 +105,8 @@ def profile_sampling(preset: str, batch: int, resolution: int, precision: str, s
     noise = torch.randn(batch, net.img_channels, resolution, resolution)
     labels = torch.eye(net.label_dim)[torch.arange(batch) % net.label_dim] if net.label_dim else None
     edm_sampler(net, noise, labels, num_steps=2)  # warm-up
-    # num_steps Heun steps make num_steps - 1 second-order corrections: 2 steps per Heun step but the last.
+    # steps + 1 sampler steps, timed per step: every step but the sampler's last adds Heun's second evaluation, so
+    # even --steps=1 times one.
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("sampling"):
             edm_sampler(net, noise, labels, num_steps=steps + 1)

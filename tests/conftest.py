@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import (
-    TRAIN_ENV, built_once, forget_release_standins, install_release_standins, run_training, save_tiny_vae,
-    write_image_dataset,
+    built_once, forget_release_standins, install_release_standins, run_training, save_tiny_vae, write_image_dataset,
 )
 
 # EDM2_TEST_THREADS=2 runs the suite with two threads per process, to show that no tolerance depends
@@ -15,8 +14,9 @@ from tests.helpers import (
 TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
 
 
-# The test files with the slowest tests, slowest first: the Makefile's pytest-xdist processes (worksteal) even out by taking tests
-# from each other's end, so the end should hold short tests, not a minute-long one that leaves a core idle.
+# The test files with the slowest tests, slowest first: the Makefile's pytest-xdist processes (worksteal) even out
+# by taking tests from each other's end, so the end should hold short tests, not a minute-long one that leaves a
+# core idle.
 SLOW_FILES = ("test_speed_compile.py", "test_readme.py", "test_slurm.py", "test_train_cli.py", "test_train_faults.py",
               "test_tracking.py", "test_disk.py", "test_nonfinite.py", "test_utilization.py")
 
@@ -32,9 +32,7 @@ def compile_cache(tmp_path_factory):
     """torch.compile's cache in a folder of this session (subprocesses inherit it), not the shared one in /tmp:
     torch 2.13 reused code from that cache built under another ATEN_CPU_CAPABILITY and crashed (segfault)."""
     with pytest.MonkeyPatch.context() as patch:
-        folder = str(tmp_path_factory.mktemp("torchinductor"))
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)
-        patch.setitem(TRAIN_ENV, "TORCHINDUCTOR_CACHE_DIR", folder)  # made before this fixture ran
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torchinductor")))
         yield
 
 
@@ -43,9 +41,7 @@ def cache_dir(tmp_path_factory):
     """$EDM2_CACHE_DIR (downloads, the CPU's measured peak) in a folder of this session, for subprocesses too:
     the suite writes nothing to the user's cache and reads nothing from it."""
     with pytest.MonkeyPatch.context() as patch:
-        folder = str(tmp_path_factory.mktemp("edm2-cache"))
-        patch.setenv("EDM2_CACHE_DIR", folder)
-        patch.setitem(TRAIN_ENV, "EDM2_CACHE_DIR", folder)  # made before this fixture ran
+        patch.setenv("EDM2_CACHE_DIR", str(tmp_path_factory.mktemp("edm2-cache")))
         yield
 
 

@@ -395,7 +395,6 @@ def write_release_pickle(path: Path, net: Precond, persistence, util, encoder: s
 
 # 64 steps of 32 images over a 48-image dataset: checkpoints and snapshots fall mid-epoch.
 TRAIN_ARGS = ["--preset=toy-tiny", "--duration=2Ki", "--snapshot=1Ki", "--checkpoint=1Ki", "--status=512"]
-TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # two CPU cores shared with other processes
 DATA_8X8 = dict(resolution=8, num_channels=3, label_dim=4)  # the train_data fixture's (write_image_dataset's)
 
 
@@ -421,6 +420,12 @@ def write_image_dataset(path: Path, num=48, resolution=8, classes=4, mode="RGB",
         names.append([name, i % classes])
     (path / "dataset.json").write_text(json.dumps({"labels": names if labels else None}))
     return path
+
+
+def train_env(**values: str) -> dict[str, str]:
+    """The environment of a subprocess the tests start: this process's as it is now (with what the session's fixtures
+    set, such as $EDM2_CACHE_DIR), one OpenMP thread (two CPU cores are shared with other processes), then values."""
+    return dict(os.environ, OMP_NUM_THREADS="1", **values)
 
 
 def train_args(data: Path, outdir: Path, *extra: str) -> list[str]:
@@ -453,7 +458,7 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
 def run_training_process(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run a training to its end in a subprocess (for a test of how the process ends); it must not print a
     traceback."""
-    result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=TRAIN_ENV, capture_output=True,
+    result = subprocess.run(train_command(data, outdir, *extra), cwd=REPO, env=train_env(), capture_output=True,
                             text=True, timeout=300)
     assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     return result
@@ -461,7 +466,7 @@ def run_training_process(data: Path, outdir: Path, *extra: str) -> subprocess.Co
 
 def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run train_command's training to its end in this process, on one CPU thread as its subprocess would
-    (TRAIN_ENV): the same bits as the subprocesses it resumes or is compared with, without the seconds a new
+    (train_env): the same bits as the subprocesses it resumes or is compared with, without the seconds a new
     interpreter spends importing torch. It must not raise; the result reads as run_training_process's."""
     import train_edm2
     from click.testing import CliRunner
@@ -481,7 +486,7 @@ def run_training(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedP
 
 def start_training(data: Path, outdir: Path, *extra: str, **popen) -> subprocess.Popen:
     """Start a training in a subprocess, its stdout and stderr merged into one text pipe."""
-    return subprocess.Popen(train_command(data, outdir, *extra), cwd=REPO, env=TRAIN_ENV, stdout=subprocess.PIPE,
+    return subprocess.Popen(train_command(data, outdir, *extra), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
 
 
@@ -688,7 +693,7 @@ def run_python_script(args: Sequence, address_limit: int | str = 0) -> tuple[sub
     (0: no cap; '+N': N bytes beyond what importing torch maps); return the finished process (its peak line removed
     from stderr) and its peak in bytes."""
     wrapper = _WRAPPER.format(marker=_PEAK_LINE)
-    env = dict(TRAIN_ENV, MALLOC_ARENA_MAX="2")  # threads and malloc arenas reserve address space
+    env = train_env(MALLOC_ARENA_MAX="2")  # threads and malloc arenas reserve address space
     result = subprocess.run([sys.executable, "-c", wrapper, str(address_limit), *map(str, args)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     lines = result.stderr.splitlines(keepends=True)

@@ -23,7 +23,7 @@ from training.options import TrainingOptions
 from training.run.checkpoint import Checkpoints
 from training.run.run_dir import RunDirectory
 from training.run.run_lock import LOCK_FILE, RunLock
-from tests.helpers import REPO, TRAIN_ARGS, TRAIN_ENV, assert_refused, dead_pid
+from tests.helpers import REPO, TRAIN_ARGS, assert_refused, dead_pid, train_env
 
 
 def test_names_keep_the_release_look_and_never_collide():
@@ -260,7 +260,7 @@ with RunDirectory.open(sys.argv[1]) as run:
 @pytest.mark.bad_input
 def test_a_refused_start_touches_nothing_of_the_training_that_holds_the_run(train_data, tmp_path):
     run = tmp_path / "runs" / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=REPO, env=TRAIN_ENV, stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=REPO, env=train_env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"

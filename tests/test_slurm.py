@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TRAIN_ARGS, TRAIN_ENV, free_port, snapshot_contents, wait_for
+from tests.helpers import REPO, TRAIN_ARGS, free_port, snapshot_contents, train_env, wait_for
 
 SCRIPT = REPO / "scripts" / "slurm" / "train_edm2.sbatch"
 
@@ -33,7 +33,7 @@ def slurm_env(tmp_path: Path) -> dict:
     for name, body in STAND_INS.items():
         (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    return dict(TRAIN_ENV, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_STANDIN=str(tmp_path), SLURM_JOB_ID="4242",
+    return train_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_STANDIN=str(tmp_path), SLURM_JOB_ID="4242",
                 TMPDIR=str(tmp_path),
                 SLURM_NNODES="1", SLURM_GPUS_ON_NODE="1", SLURM_JOB_NODELIST="localhost",
                 PYTHON=sys.executable, EDM2_RDZV_PORT=str(free_port()))

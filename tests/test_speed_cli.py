@@ -17,7 +17,8 @@ import generate
 import train_edm2
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats import snapshot
-from tests.helpers import REPO, TRAIN_ENV, assert_one_error_line, randomized, run_training, tiny_precond, tree
+from tests.helpers import (REPO, assert_one_error_line, randomized, run_training, tiny_precond, train_env,
+                           tree)
 
 FAST = ["--steps=4", "--seeds=0-3", "--batch=2"]
 
@@ -95,8 +96,8 @@ def test_bad_speed_option_values_get_one_line(case, net_path, tmp_path):
 
 
 def last_json_line(script, *args):
-    result = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=REPO, env=TRAIN_ENV, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=REPO, env=train_env(),
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

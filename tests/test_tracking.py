@@ -31,8 +31,8 @@ from training.run.dashboard import LOSS_MEAN_TAG, snapshot_numbers
 from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS, default_grid
 from training.run.sample_grid import grid_classes, grid_path
 from training.run.trackers import STATUS_KEYS, TENSORBOARD_DIR, Trackers
-from tests.helpers import (REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, black_png, tiny_precond,
-                           train_command, write_image_dataset)
+from tests.helpers import (REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, black_png, tiny_precond,
+                           train_command, train_env, write_image_dataset)
 
 LOGGERS = ("--logger=tensorboard", "--logger=wandb")
 
@@ -80,7 +80,7 @@ def tracked_run(train_data, tmp_path_factory):
     """A toy-tiny run with both trackers to 2048 images, then made to resume from its 1024-image training state
     as after a kill (later state, snapshots and grid deleted): (run, stats.jsonl of the first invocation)."""
     root = tmp_path_factory.mktemp("tracked")
-    env = dict(TRAIN_ENV, WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true")
+    env = train_env(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true")
     run = root / "run"
     for invocation in range(2):
         result = subprocess.run(train_command(train_data, run, "--workers=0", *LOGGERS), cwd=REPO, env=env,

@@ -21,8 +21,8 @@ from edm2.formats.snapshot import load_network, read_metadata
 from training.run import checkpoint
 from training.run.run_lock import LOCK_FILE, RunLock
 from tests.helpers import (
-    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, built_once, free_port, run_training,
-    snapshot_contents, start_training, stopped_at, tree, wait_for, write_image_dataset,
+    REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, built_once, free_port, run_training, snapshot_contents,
+    start_training, stopped_at, train_env, tree, wait_for, write_image_dataset,
 )
 
 
@@ -158,13 +158,8 @@ def torchrun_command(data: Path, outdir: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def ddp_run(train_data, tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 1024-image run of two Gloo processes (made once for the session), and its output."""
-    def build(folder: Path) -> str:
-        result = subprocess.run(torchrun_command(train_data, folder / "ddp", "--workers=0"), cwd=REPO,
-                                env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stdout + result.stderr
-        return result.stdout
-
-    folder, output = built_once(tmp_path_factory, "ddp-run", build)
+    folder, output = built_once(tmp_path_factory, "ddp-run",
+                                lambda folder: run_torchrun(train_data, folder / "ddp").stdout)
     return folder / "ddp", output
 
 
@@ -207,7 +202,7 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     outdir = tmp_path / "preempted"
     # A duration the signal cannot miss, however busy the machine; the rerun ends at ddp_run's 1024 images.
     proc = subprocess.Popen(torchrun_command(train_data, outdir, "--workers=1", "--status=256", "--duration=64Ki"),
-                            cwd=REPO, env=TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: (outdir / "stats.jsonl").exists(), proc)  # the first status line (256 images)
     for pid in process_tree(proc.pid) if target == "every process" else [proc.pid]:
         os.kill(pid, signal.SIGTERM)
@@ -225,9 +220,7 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     if target == "every process":
         return  # the resume below is the same for both
 
-    result = subprocess.run(torchrun_command(train_data, outdir, "--workers=0"), cwd=REPO, env=TRAIN_ENV,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    result = run_torchrun(train_data, outdir)
     assert f"Resuming from {newest.name} at {stopped['cur_nimg']} images" in result.stdout
     pattern = "network-snapshot-0000001-*.safetensors"
     ignore = ("run_dir", "workers", "status", "duration")
@@ -240,7 +233,7 @@ SHARD_IGNORE = ("run_dir", "workers", "duration", "ema_shard")
 
 def run_torchrun(data: Path, outdir: Path, *extra: str) -> subprocess.CompletedProcess:
     """torchrun_command run to its end; it must succeed without a traceback."""
-    result = subprocess.run(torchrun_command(data, outdir, "--workers=0", *extra), cwd=REPO, env=TRAIN_ENV,
+    result = subprocess.run(torchrun_command(data, outdir, "--workers=0", *extra), cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     return result
@@ -451,7 +444,7 @@ def in_namespace(mount: str, *command: str, then: str = "") -> subprocess.Comple
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare to mount a filesystem")
     script = f'{mount} || exit 99; "$@"; STATUS=$?; {then or "exit $STATUS"}'
-    result = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *command], cwd=REPO, env=TRAIN_ENV,
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *command], cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=300)
     if result.returncode == 99:
         pytest.skip(f"cannot mount here: {result.stderr.strip()}")

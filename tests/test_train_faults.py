@@ -20,8 +20,8 @@ from training import data_order
 from training.run import checkpoint
 from training.run.log_tee import Tee
 from tests.helpers import (
-    REPO, TRAIN_ARGS, TRAIN_ENV, assert_one_error_line, assert_refused, run_training, snapshot_contents,
-    start_training, stopped_at, train_command, wait_for,
+    REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, run_training, snapshot_contents, start_training,
+    stopped_at, train_command, train_env, wait_for,
 )
 
 # Options that may differ between the invocations compared below: they change when files are written, not
@@ -159,7 +159,7 @@ def test_ctrl_c_checkpoints_then_ends_by_sigint(train_data, tmp_path):
 
 def test_ctrl_c_stops_the_demo(tmp_path):
     demo = tmp_path / "demo"
-    env = dict(TRAIN_ENV, PY=sys.executable, DEMO_OUT=str(demo), DEMO_PRESET="toy-tiny", DEMO_NUM="48",
+    env = train_env(PY=sys.executable, DEMO_OUT=str(demo), DEMO_PRESET="toy-tiny", DEMO_NUM="48",
                DEMO_RES="8", DEMO_CLASSES="4", DEMO_DURATION="64Ki")
     proc = subprocess.Popen(["bash", "scripts/demo.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -175,7 +175,7 @@ def test_ctrl_c_stops_the_demo(tmp_path):
     newest, nimg = checkpoint.list_states(demo / "run")[0], stopped_at(output)
     assert checkpoint.load_state(newest)["cur_nimg"] == nimg
     rerun = subprocess.run([sys.executable, "train_edm2.py", "--preset=toy-tiny", f"--data={demo / 'toy.zip'}",
-                            f"--outdir={demo / 'run'}", f"--duration={nimg + 32}"], cwd=REPO, env=TRAIN_ENV,
+                            f"--outdir={demo / 'run'}", f"--duration={nimg + 32}"], cwd=REPO, env=train_env(),
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and f"Resuming from {newest.name} at {nimg} images" in rerun.stdout, rerun.stdout
 
@@ -191,7 +191,7 @@ def test_a_dead_pipe_then_a_signal_still_checkpoints_and_resumes_exactly(sig, tr
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
     reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=read_end)
     proc = subprocess.Popen(train_command(train_data, outdir, "--workers=2", "--status=32"), cwd=REPO,
-                            env=TRAIN_ENV, stdout=write_end, stderr=write_end)
+                            env=train_env(), stdout=write_end, stderr=write_end)
     os.close(read_end)
     os.close(write_end)
     try:

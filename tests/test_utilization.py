@@ -15,7 +15,7 @@ from edm2.networks import count_macs
 from edm2.plots.run import dashboard_figure
 import training.loop
 from edm2.runtime import speed, utilization
-from tests.helpers import REPO, TRAIN_ENV, run_training, toy_tiny_options, train_command
+from tests.helpers import REPO, run_training, toy_tiny_options, train_command, train_env
 from training.run.dashboard import read_stats
 
 COMMAND_LINES = sorted(path.name for path in REPO.glob("*.py"))
@@ -124,7 +124,8 @@ def test_every_command_line_sets_the_wait_policy_before_anything_loads_pytorch(p
 @pytest.mark.parametrize("policy, said", [(None, "OpenMP wait policy PASSIVE (our default"),
                                           ("ACTIVE", "OpenMP wait policy ACTIVE (OMP_WAIT_POLICY, as set)")])
 def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, policy, said):
-    env = {k: v for k, v in TRAIN_ENV.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": policy} if policy else {})
+    env = {k: v for k, v in train_env().items() if k != "OMP_WAIT_POLICY"}
+    env |= {"OMP_WAIT_POLICY": policy} if policy else {}
     result = subprocess.run(train_command(train_data, tmp_path / "run", "--dry-run", "--threads=1"), cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
