@@ -114,10 +114,11 @@ class MPConv(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
         self.normalized_once: torch.Tensor | None = None  # set within weights_normalized_once() only
 
-    def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1) -> torch.Tensor:
-        """Apply the layer with unit-norm weight rows scaled by gain / sqrt(fan_in)."""
+    def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1, interleave: int = 1) -> torch.Tensor:
+        """Apply the layer with unit-norm weight rows scaled by gain / sqrt(fan_in); with interleave, its output
+        channels regrouped (deinterleaved)."""
         w = normalized_weight(self.weight) if self.normalized_once is None else self.normalized_once
-        w = (w * (gain / math.sqrt(w[0].numel()))).to(x.dtype)
+        w = deinterleaved((w * (gain / math.sqrt(w[0].numel()))).to(x.dtype), interleave)
         if w.ndim == 2:
             return x @ w.t()
         return F.conv2d(x, w, padding=w.shape[-1] // 2)
@@ -134,24 +135,47 @@ def self_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module,
     """Multi-head self-attention of x [N,C,H,W] through the layers qkv (C -> 3C) and proj (C -> C): with cosine,
     of pixel-normalized q, k, v (Eq. 30-34, CONFIG C on); without, ADM's plain scaled-dot-product attention."""
     n, c, h, w = x.shape
-    # The release lays qkv channels out as [head, channel, (q,k,v)].
-    heads = qkv(x).reshape(n, num_heads, -1, 3, h * w)
-    q, k, v = (normalize(heads, dim=2) if cosine else heads).unbind(3)
-    # SDPA computes softmax(q k^T / sqrt(N_c)) v, Eq. 10-11, with tokens as rows.
-    y = attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
-    return proj(y.transpose(2, 3).reshape(n, c, h, w))
+    # The release lays qkv's output channels out as [head, channel, (q,k,v)]; the layer computes them regrouped as
+    # [(q,k,v), head, channel] (its weight rows reordered, each channel's value unchanged). In a channels-last
+    # activation each head's channels are then adjacent: the norms and the products below read them in order, where
+    # the interleaved layout made torch.compile's CPU code reduce 32 channels per OpenMP region (a third of a toy
+    # step).
+    parts = qkv(x, interleave=3).reshape(n, 3, num_heads, -1, h * w)
+    q, k, v = (normalize(parts, dim=3) if cosine else parts).unbind(1)
+    return proj(attention(q, k, v).reshape(n, c, h, w))
+
+
+# The devices whose fused scaled-dot-product attention kernels run it (CUDA's also spare the score matrices' memory);
+# elsewhere the release's two products around a softmax run (see attention).
+FUSED_ATTENTION_DEVICES = ("cuda",)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(N_c)) v (Eq. 10-11) by scaled-dot-product attention, whatever the layout of q, k, v.
+    """softmax(q^T k / sqrt(N_c)) v per head (Eq. 10-11) of q, k, v [N, heads, channels, tokens], in that layout.
 
-    Forward-mode AD (torch.func.jvp, as consistency-model training takes it) runs on SDPA's math kernel: the fused
-    kernels (the CPU's flash kernel among them) have no forward-mode rule. Without tangents the call is untouched.
+    On the CPU as the release writes it, two batched products around a softmax: the CPU's fused kernel is slower on
+    these small heads (its backward 3x on a Xeon with AMX, bfloat16, 256 tokens of 16 channels), and the products
+    read channels-last q, k, v as they lie. On CUDA by scaled-dot-product attention. Forward-mode AD
+    (torch.func.jvp, as consistency-model training takes it) works on both: the products have forward-mode rules,
+    and under tangents SDPA runs its math kernel, as the fused ones have none.
     """
-    if any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v)
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(attention, (q, k, v), q, k, v)
+    if q.device.type not in FUSED_ATTENTION_DEVICES:
+        weights = torch.einsum("nhcq,nhck->nhqk", q, k / math.sqrt(q.shape[2])).softmax(dim=3)
+        return torch.einsum("nhqk,nhck->nhcq", weights, v)
+    tangents = any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH) if tangents else contextlib.nullcontext():
+        # SDPA takes tokens as rows.
+        return F.scaled_dot_product_attention(*(t.transpose(2, 3) for t in (q, k, v))).transpose(2, 3)
+
+
+def deinterleaved(rows: torch.Tensor, interleave: int) -> torch.Tensor:
+    """rows (along dim 0) stored interleaved in groups of `interleave` (row j * interleave + i), regrouped so that
+    row i * (len / interleave) + j holds it; interleave 1 returns rows as they are."""
+    if interleave == 1:
+        return rows
+    return rows.unflatten(0, (-1, interleave)).transpose(0, 1).flatten(0, 1)
 
 
 def mpconvs(*nets: object) -> list[MPConv]:

@@ -1,58 +1,67 @@
 """Forward-mode AD through the network (torch.func.jvp, as sCM, MeanFlow and ECT take it): in training mode after
 the explicit Eq. 66 step, float32 and float64, with and without activation checkpointing, whatever layout attention
-gets, agreeing with central finite differences."""
+arrives in and by either route it takes, agreeing with central finite differences."""
 
 import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import edm2.layers
 from edm2.layers import force_weight_normalization
+from edm2.runtime.speed import to_channels_last
 from tests.helpers import REPO, randomized, tiny_precond
 
-SDPA = F.scaled_dot_product_attention
+# The layouts q, k, v arrive in (a channels-last network's are channels-adjacent) and the two ways attention is
+# computed: the CPU's products, and scaled-dot-product attention (CUDA's way; on a CPU, its fused kernel where the
+# layout allows and no tangents are present).
+LAYOUTS = ["contiguous", "channels-last"]
+ROUTES = ["products", "SDPA"]
 
 
-def contiguous_sdpa(q, k, v, *args, **kwargs):
-    """SDPA given q, k, v in the contiguous layout, the one that picks the fused (flash) kernel on a CPU."""
-    return SDPA(q.contiguous(), k.contiguous(), v.contiguous(), *args, **kwargs)
-
-
-def network(dtype, checkpoint):
+def network(dtype, checkpoint, layout="contiguous"):
     """A tiny trained-looking Precond in training mode, its stored weights normalized (Eq. 66) beforehand."""
     net = randomized(tiny_precond(dropout=0)).to(dtype).train()
     net.unet.checkpoint_blocks = checkpoint
+    if layout == "channels-last":
+        to_channels_last(net)
     force_weight_normalization(net)
     return net
 
 
-def inputs(dtype):
-    """(x, sigma, labels, dx, dsigma): the same values in every dtype (drawn in float64, then rounded)."""
+def take_route(monkeypatch, route):
+    """Make attention take `route` on this CPU."""
+    if route == "SDPA":
+        monkeypatch.setattr(edm2.layers, "FUSED_ATTENTION_DEVICES", ("cuda", "cpu"))
+
+
+def inputs(dtype, layout="contiguous"):
+    """(x, sigma, labels, dx, dsigma): the same values in every dtype (drawn in float64, then rounded) and layout."""
     generator = torch.Generator().manual_seed(1)
     x, dx = torch.randn([2, 2, 3, 8, 8], generator=generator, dtype=torch.float64)
+    if layout == "channels-last":
+        x, dx = (t.contiguous(memory_format=torch.channels_last) for t in (x, dx))
     sigma, dsigma = torch.tensor([0.3, 2.0]), torch.tensor([0.2, -0.5])
     labels = torch.eye(10)[[1, 7]]
     return tuple(t.to(dtype) for t in (x, sigma, labels, dx, dsigma))
 
 
-def jvp(net, dtype):
+def jvp(net, dtype, layout="contiguous"):
     """d/dt of (D, u) at t = 0 along x + t dx, sigma + t dsigma, by torch.func.jvp."""
-    x, sigma, labels, dx, dsigma = inputs(dtype)
+    x, sigma, labels, dx, dsigma = inputs(dtype, layout)
     return torch.func.jvp(lambda x, s: net(x, s, labels, return_logvar=True), (x, sigma), (dx, dsigma))
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
-def test_jvp_through_the_network_agrees_with_central_differences(monkeypatch, layout, checkpoint):
-    if layout == "contiguous":
-        monkeypatch.setattr(F, "scaled_dot_product_attention", contiguous_sdpa)
-    net = network(torch.float64, checkpoint)
-    x, sigma, labels, dx, dsigma = inputs(torch.float64)
-    (out, logvar), (tangent, logvar_tangent) = jvp(net, torch.float64)
-    # The primal outputs are the forward pass's (to float64 round-off: without tangents a contiguous layout may take
-    # a fused attention kernel, which sums in another order).
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("route", ROUTES)
+def test_jvp_through_the_network_agrees_with_central_differences(monkeypatch, route, layout, checkpoint):
+    take_route(monkeypatch, route)
+    net = network(torch.float64, checkpoint, layout)
+    x, sigma, labels, dx, dsigma = inputs(torch.float64, layout)
+    (out, logvar), (tangent, logvar_tangent) = jvp(net, torch.float64, layout)
+    # The primal outputs are the forward pass's (to float64 round-off: without tangents SDPA may take a fused
+    # kernel, which sums in another order).
     with torch.no_grad():
         expected, expected_logvar = net(x, sigma, labels, return_logvar=True)
     torch.testing.assert_close((out, logvar), (expected, expected_logvar), rtol=1e-12, atol=1e-12)
@@ -68,12 +77,12 @@ def test_jvp_through_the_network_agrees_with_central_differences(monkeypatch, la
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
-def test_jvp_in_float32_agrees_with_float64(monkeypatch, layout, checkpoint):
-    if layout == "contiguous":
-        monkeypatch.setattr(F, "scaled_dot_product_attention", contiguous_sdpa)
-    reference = jvp(network(torch.float64, checkpoint), torch.float64)[1]
-    tangents = jvp(network(torch.float32, checkpoint), torch.float32)[1]
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("route", ROUTES)
+def test_jvp_in_float32_agrees_with_float64(monkeypatch, route, layout, checkpoint):
+    take_route(monkeypatch, route)
+    reference = jvp(network(torch.float64, checkpoint, layout), torch.float64, layout)[1]
+    tangents = jvp(network(torch.float32, checkpoint, layout), torch.float32, layout)[1]
     # float32 round-off (2^-24 per operation) through a few dozen layers of order-1 gains: ~1e-5 relative.
     for t, r in zip(tangents, reference):
         assert t.dtype == torch.float32

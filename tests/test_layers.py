@@ -7,6 +7,7 @@ import pytest
 import scipy.integrate
 import torch
 
+from edm2.architectures.ladder import BiasedLayer, UniformConv
 from edm2.layers import ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample
 
 N = 1 << 20  # samples; the RMS of N unit normals has standard error sqrt(1/(2N)) ~ 7e-4
@@ -92,3 +93,15 @@ def test_resample_box_filter():
     assert resample(x, "keep") is x
     with pytest.raises(ArchitectureError, match="sideways"):
         resample(x, "sideways")
+
+
+@pytest.mark.parametrize("layer", [MPConv, UniformConv, BiasedLayer])
+def test_interleaved_output_channels_come_out_regrouped_with_their_values(layer):
+    # Attention asks its qkv layer for channels stored as [head, channel, (q,k,v)] grouped as [(q,k,v), head,
+    # channel]: the same channels, each computed from its own weight row (and bias) as without regrouping.
+    torch.manual_seed(0)
+    qkv = layer(8, 3 * 8, [1, 1])
+    x = torch.randn(2, 8, 5, 5)
+    with torch.no_grad():
+        stored, grouped = qkv(x), qkv(x, interleave=3)
+    assert torch.equal(grouped, stored.reshape(2, 8, 3, 5, 5).transpose(1, 2).reshape(2, 24, 5, 5))

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from edm2 import networks
+from edm2 import layers, networks
 from edm2.layers import ArchitectureError, force_weight_normalization, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
 from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
@@ -141,10 +141,14 @@ def test_eval_mode_does_not_touch_weights():
         torch.testing.assert_close(p, before[n] * 2)
 
 
-def test_attention_equals_explicit_softmax_form():
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels-last"])
+@pytest.mark.parametrize("route", ["products", "SDPA"])
+def test_attention_equals_explicit_softmax_form(monkeypatch, route, layout):
+    if route == "SDPA":  # CUDA's route, taken on this CPU
+        monkeypatch.setattr(layers, "FUSED_ATTENTION_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
-    block = Block(64, 64, 32, "enc", attention=True, channels_per_head=16)
-    x = torch.randn(3, 64, 6, 6)
+    block = Block(64, 64, 32, "enc", attention=True, channels_per_head=16).to(memory_format=layout)
+    x = torch.randn(3, 64, 6, 6).contiguous(memory_format=layout)
     with torch.no_grad():
         got = block._attention(x)
         # Eq. 10-12 per head, with q, k, v pixel-normalized (Eq. 30-32), in float64.

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from edm2 import families, network_args
-from edm2.layers import ArchitectureError, FourierFeatures, MPConv, resample, self_attention
+from edm2.layers import ArchitectureError, FourierFeatures, MPConv, deinterleaved, resample, self_attention
 
 CONFIGS = ("B", "C", "D", "E")
 
@@ -88,9 +88,9 @@ class UniformConv(torch.nn.Module):
         fan_in = in_channels * math.prod(kernel)
         self.weight = torch.nn.Parameter((torch.rand(out_channels, in_channels, *kernel) * 2 - 1) / math.sqrt(fan_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the raw weight."""
-        w = self.weight.to(x.dtype)
+    def forward(self, x: torch.Tensor, interleave: int = 1) -> torch.Tensor:
+        """Apply the raw weight; with interleave, its output channels regrouped (edm2.layers.deinterleaved)."""
+        w = deinterleaved(self.weight.to(x.dtype), interleave)
         return x @ w.t() if w.ndim == 2 else F.conv2d(x, w, padding=w.shape[-1] // 2)
 
 
@@ -105,9 +105,9 @@ class BiasedLayer(torch.nn.Module):
         self.weight = torch.nn.Parameter((torch.rand(out_channels, in_channels, *kernel) * 2 - 1) * bound)
         self.bias = torch.nn.Parameter((torch.rand(out_channels) * 2 - 1) * bound)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply weight and bias."""
-        w, b = self.weight.to(x.dtype), self.bias.to(x.dtype)
+    def forward(self, x: torch.Tensor, interleave: int = 1) -> torch.Tensor:
+        """Apply weight and bias; with interleave, the output channels regrouped (edm2.layers.deinterleaved)."""
+        w, b = (deinterleaved(t.to(x.dtype), interleave) for t in (self.weight, self.bias))
         return F.linear(x, w, b) if w.ndim == 2 else F.conv2d(x, w, b, padding=w.shape[-1] // 2)
 
 

@@ -15,8 +15,8 @@ as the release's kernel:
   whole: resample as the release's depthwise box-filter convolution (stride 2) or transposed convolution (with
   its filter times 4), 4 per output element; mp_cat with the two weights the release's trace computes as 0-d
   tensors (a div and a mul each) besides its two muls; normalize, mp_silu and mp_sum op for op.
-- scaled_dot_product_attention as the release's attention: k divided by sqrt(channels per head), q^T k and the
-  weighted sum of v as matmuls, an explicit softmax, and the token count height * width (a traced product).
+- attention (scaled-dot-product attention on CUDA) as the release's: k divided by sqrt(channels per head), q^T k and
+  the weighted sum of v as matmuls, an explicit softmax, and the token count height * width (a traced product).
 - an MPConv with the constant gain 1: the release's trace computes gain / sqrt(fan_in) as a reciprocal and a mul
   of 0-d tensors (a learned gain's div is a tensor op here too).
 
@@ -85,6 +85,12 @@ def _primitive_cost(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor
         return Cost(lerp=2 * out.numel(), div=out.numel())
     if func is layers.mp_cat:
         return Cost(div=2, mul=2 + out.numel())
+    if func is layers.attention:
+        q, k = args[0], args[1]  # [N, heads, channels, tokens]
+        per_head, tokens, k_tokens = q.shape[-2], q.shape[-1], k.shape[-1]
+        rows = q.numel() // (per_head * tokens)
+        return Cost(mul=1, div=k.numel(), matmul=2 * rows * per_head * tokens * k_tokens,
+                    softmax=3 * rows * tokens * k_tokens)
     if func is layers.resample:
         mode = kwargs.get("mode", "keep")
         return Cost() if mode == "keep" else Cost(_convolution=4 * out.numel(), mul=4 if mode == "up" else 0)
@@ -112,12 +118,6 @@ def _torch_cost(func: Callable, args: tuple, kwargs: dict, out: object) -> Cost:
         return Cost(matmul=out.numel() * args[0].shape[-1])
     if name == "linear":
         return Cost(matmul=out.numel() * args[1].shape[1])
-    if name == "scaled_dot_product_attention":
-        q, k = args[0], args[1]
-        heads, tokens, per_head = q.shape[-3], q.shape[-2], q.shape[-1]
-        rows = q.numel() // (tokens * per_head)
-        return Cost(mul=1, div=k.numel(), matmul=2 * rows * per_head * tokens * k.shape[-2],
-                    softmax=3 * rows * tokens * k.shape[-2])
     return Cost()
 
 
