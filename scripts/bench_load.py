@@ -2,7 +2,8 @@
 
 Each setting runs in a fresh process (OpenMP reads its wait policy once, when PyTorch loads it). "Busy" starts
 `--busy` processes that spin on the CPU beside the measured one, as other users' work or the test suite would.
-The defaults (PASSIVE, PyTorch's threads) should keep at least half of their quiet speed when busy.
+"default" is the command lines' wait policy (cli.wait_policy: PASSIVE after a short GNU OpenMP spin) with PyTorch's
+threads.
 
     python scripts/bench_load.py --preset=toy-small --precision=bf16 --cpu-16bit
 """
@@ -22,8 +23,10 @@ import click
 REPO = Path(__file__).resolve().parent.parent
 # One measured setting: build the preset's step on synthetic data, warm up, time `steps` steps; print images/s.
 MEASURE = """
-import sys, time, torch
+import sys
 sys.path.insert(0, {repo!r})
+import cli.wait_policy  # the command lines' default where OMP_WAIT_POLICY is not set
+import time, torch
 from training.run.benchmark import synthetic_step
 from training.step import training_step
 step = synthetic_step({preset!r}, {batch}, torch.device("cpu"), precision={precision!r}, cpu_16bit={cpu_16bit})
@@ -50,8 +53,10 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def measure(policy: str | None, threads: int | None, **settings) -> float:
-    """Images/s of one setting in a fresh process; policy None: the command lines' default (PASSIVE)."""
-    env = dict(os.environ, OMP_WAIT_POLICY=policy or "PASSIVE")
+    """Images/s of one setting in a fresh process; policy None: the command lines' default (cli.wait_policy)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     else:
@@ -69,20 +74,21 @@ def measure(policy: str | None, threads: int | None, **settings) -> float:
 @click.option("--cpu-16bit/--no-cpu-16bit", default=True, show_default=True)
 @click.option("--busy", type=int, default=2, show_default=True, help="Spinning processes beside the loaded runs")
 def main(preset: str, batch: int, steps: int, precision: str, cpu_16bit: bool, busy: int) -> None:
-    """Print images/s quiet and loaded for ACTIVE and PASSIVE waiting at 1 and the default threads."""
+    """Print images/s quiet and loaded for ACTIVE, PASSIVE and the default waiting at 1 and the default threads."""
     settings = dict(preset=preset, batch=batch, steps=steps, precision=precision, cpu_16bit=cpu_16bit)
-    cases = [("ACTIVE", None), ("ACTIVE", 1), ("PASSIVE", 1), ("PASSIVE", None)]
+    cases = [("ACTIVE", None), ("ACTIVE", 1), ("PASSIVE", 1), ("PASSIVE", None), (None, 1), (None, None)]
     results = {}
     for load in (0, busy):
         with busy_processes(load):
             for policy, threads in cases:
-                name = f"{policy} threads={threads or 'default'} {'busy' if load else 'quiet'}"
+                name = f"{policy or 'default'} threads={threads or 'default'} {'busy' if load else 'quiet'}"
                 results[name] = measure(policy, threads, **settings)
                 print(f"{name:<36} {results[name]:8.1f} images/s", flush=True)
     for policy, threads in cases:
-        quiet = results[f"{policy} threads={threads or 'default'} quiet"]
-        loaded = results[f"{policy} threads={threads or 'default'} busy"]
-        print(f"{policy} threads={threads or 'default'}: keeps {loaded / quiet:.0%} of its quiet speed when busy")
+        quiet = results[f"{policy or 'default'} threads={threads or 'default'} quiet"]
+        loaded = results[f"{policy or 'default'} threads={threads or 'default'} busy"]
+        print(f"{policy or 'default'} threads={threads or 'default'}: keeps {loaded / quiet:.0%} of its quiet speed "
+              "when busy")
     print(json.dumps(dict(settings, busy=busy, images_per_s=results)))
 
 

@@ -121,18 +121,23 @@ def test_every_command_line_sets_the_wait_policy_before_anything_loads_pytorch(p
     assert isinstance(imports[0], ast.Import) and [a.name for a in imports[0].names] == ["cli.wait_policy"], path
 
 
-@pytest.mark.parametrize("policy, said", [(None, "OpenMP wait policy PASSIVE (our default"),
-                                          ("ACTIVE", "OpenMP wait policy ACTIVE (OMP_WAIT_POLICY, as set)")])
-def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, policy, said):
-    env = {k: v for k, v in train_env().items() if k != "OMP_WAIT_POLICY"}
+@pytest.mark.parametrize("policy, user_spin, said, spin", [
+    (None, None, "OpenMP wait policy PASSIVE after a spin of 30000 turns (our default", "30000"),
+    (None, "500", "OpenMP wait policy PASSIVE after a spin of 500 turns (GOMP_SPINCOUNT, as set", "500"),
+    ("ACTIVE", None, "OpenMP wait policy ACTIVE (OMP_WAIT_POLICY, as set)", "unset")])
+def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, policy, user_spin, said, spin):
+    env = {k: v for k, v in train_env().items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env |= {"OMP_WAIT_POLICY": policy} if policy else {}
+    env |= {"GOMP_SPINCOUNT": user_spin} if user_spin else {}
     result = subprocess.run(train_command(train_data, tmp_path / "run", "--dry-run", "--threads=1"), cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "CPU threads: 1 per process (--threads)" in result.stderr and said in result.stderr
-    probe = subprocess.run([sys.executable, "-c", "import cli.wait_policy, os; print(os.environ['OMP_WAIT_POLICY'])"],
+    # GNU OpenMP reads a set GOMP_SPINCOUNT over the policy's spin: a user's policy keeps its own.
+    probe = subprocess.run([sys.executable, "-c", "import cli.wait_policy, os; print(os.environ['OMP_WAIT_POLICY'], "
+                            "os.environ.get('GOMP_SPINCOUNT', 'unset'))"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert probe.stdout.strip() == (policy or "PASSIVE")
+    assert probe.stdout.split() == [policy or "PASSIVE", spin]
 
 
 @pytest.mark.parametrize("units, precision, cpu_16bit, note", [
