@@ -2,11 +2,12 @@
 
 For each toy network (toy-tiny, toy-small) at --resolution, it times, alternately so that both sides see the same
 machine: the release's float32 training step (its EDM2Loss, backward, Adam, its PowerFunctionEMA update), ours in
-float32 and in bfloat16 (--cpu-16bit), and 32-step Heun sampling with the release's edm_sampler and ours. It prints
+float32, in bfloat16 (--cpu-16bit) and in bfloat16 compiled and channels-last (--compile --channels-last), and
+32-step Heun sampling with the release's edm_sampler and ours in the same settings. It prints
 images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16
 peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulates); the last line is JSON.
 
-    git clone https://github.com/NVlabs/edm2 ../edm2-release
+    git clone https://github.com/NVlabs/edm2 ../edm2-release   # its training loop also imports psutil
     python scripts/bench_release.py --release=../edm2-release --threads=2
 """
 
@@ -32,6 +33,13 @@ from training.run.benchmark import synthetic_step  # noqa: E402
 from training.step import training_step  # noqa: E402
 
 LABELS = 6  # the toy presets' classes
+# Our settings measured: float32 as the release computes; bfloat16 (--precision=bf16 --cpu-16bit); and that with
+# --compile --channels-last, whose first call (untimed, the warm-up) compiles.
+OURS = {
+    "fp32": dict(precision="fp32", cpu_16bit=False, compile=False, channels_last=False),
+    "bf16": dict(precision="bf16", cpu_16bit=True, compile=False, channels_last=False),
+    "bf16 compiled": dict(precision="bf16", cpu_16bit=True, compile=True, channels_last=True),
+}
 CPU = torch.device("cpu")
 
 
@@ -86,8 +94,9 @@ def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, 
     return best
 
 
-def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int) -> dict:
-    """images/s of the release's float32 step and of ours in float32 and bfloat16."""
+def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int,
+                   compiled: bool) -> dict:
+    """images/s of the release's float32 step and of ours in float32, bfloat16 and (compiled) bfloat16 compiled."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     loop = release_module(release, "training/training_loop.py", "release_training_loop")
     phema = release_module(release, "training/phema.py", "release_phema")
@@ -95,37 +104,36 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
     recipe = PRESETS[preset]
     theirs = release_step(net, loop.EDM2Loss(P_mean=recipe.P_mean, P_std=recipe.P_std), phema.PowerFunctionEMA(net),
                           batch, resolution)
-    ours = {precision: synthetic_step(preset, batch, CPU, resolution=resolution,
-                                      precision=precision, cpu_16bit=precision == "bf16")
-            for precision in ("fp32", "bf16")}
+    ours = {name: synthetic_step(preset, batch, CPU, resolution=resolution, **settings)
+            for name, settings in OURS.items() if compiled or not settings["compile"]}
     flops = training_flops_per_image(ours["fp32"].state.net)
     rates = best_of(rounds, {
         "release fp32": lambda: images_per_s(theirs, batch, steps),
-        **{f"ours {p}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps))
-           for p, s in ours.items()},
+        **{f"ours {name}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps))
+           for name, s in ours.items()},
     })
     return dict(rates=rates, flops_per_image=flops)
 
 
-def sampling_rates(release: Path, preset: str, resolution: int, batch: int, rounds: int) -> dict:
-    """images/s of 32-step Heun sampling, the release's edm_sampler and ours (float32 and bfloat16)."""
+def sampling_rates(release: Path, preset: str, resolution: int, batch: int, rounds: int, compiled: bool) -> dict:
+    """images/s of 32-step Heun sampling, the release's edm_sampler and ours (float32, bfloat16 and with compiled
+    bfloat16 compiled)."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     generate = release_module(release, "generate_images.py", "release_generate_images")
     theirs = release_network(networks, preset, resolution).eval().requires_grad_(False)
     net = synthetic_step(preset, 1, CPU, resolution=resolution).state.net.eval()
-    ours = {p: SamplingSpeed(precision=p, cpu_16bit=p == "bf16").apply(copy.deepcopy(net), CPU)
-            for p in ("fp32", "bf16")}
+    ours = {name: SamplingSpeed(**settings).apply(copy.deepcopy(net), CPU)
+            for name, settings in OURS.items() if compiled or not settings["compile"]}
     noise = torch.randn(batch, 3, resolution, resolution)
     labels = torch.eye(LABELS)[torch.arange(batch) % LABELS]
 
-    def ours_at(precision: str) -> Callable[[], None]:
-        return lambda: edm_sampler(ours[precision], noise, labels, num_steps=32)
+    def ours_as(name: str) -> Callable[[], None]:
+        return lambda: edm_sampler(ours[name], noise, labels, num_steps=32)
 
     return dict(rates=best_of(rounds, {
         "release fp32": lambda: images_per_s(lambda: generate.edm_sampler(theirs, noise, labels, num_steps=32), batch,
                                              1),
-        "ours fp32": lambda: images_per_s(ours_at("fp32"), batch, 1),
-        "ours bf16": lambda: images_per_s(ours_at("bf16"), batch, 1),
+        **{f"ours {name}": (lambda name=name: images_per_s(ours_as(name), batch, 1)) for name in ours},
     }))
 
 
@@ -138,8 +146,10 @@ def sampling_rates(release: Path, preset: str, resolution: int, batch: int, roun
 @click.option("--steps", type=click.IntRange(min=1), default=4, show_default=True, help="Timed steps per round")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="Rounds; the best counts")
 @click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
+@click.option("--compiled/--no-compiled", default=True, show_default=True,
+              help="Also measure ours compiled (--compile --channels-last; about a minute of compiling per network)")
 def main(release: Path, presets: str, resolution: int, batch: int, steps: int, rounds: int,
-         threads: int | None) -> None:
+         threads: int | None, compiled: bool) -> None:
     """Time the release and this project side by side on this CPU."""
     if threads:
         torch.set_num_threads(threads)
@@ -148,16 +158,16 @@ def main(release: Path, presets: str, resolution: int, batch: int, steps: int, r
                f"{peaks['fp32'] * 1e3:.1f} GFLOP/s, bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s")
     report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, presets={})
     for preset in presets.split(","):
-        train = training_rates(release, preset, resolution, batch, steps, rounds)
-        sample = sampling_rates(release, preset, resolution, batch, rounds)
+        train = training_rates(release, preset, resolution, batch, steps, rounds, compiled)
+        sample = sampling_rates(release, preset, resolution, batch, rounds, compiled)
         report["presets"][preset] = dict(training=train, sampling=sample)
         base = train["rates"]["release fp32"]
         for name, rate in train["rates"].items():
             achieved = tflops(train["flops_per_image"], rate)
-            click.echo(f"{preset} {resolution}px train  {name:13s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
+            click.echo(f"{preset} {resolution}px train  {name:18s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
                        f"{achieved / peaks['fp32']:6.1%} of fp32 peak  {achieved / peaks['bf16']:6.1%} of bf16 peak")
         for name, rate in sample["rates"].items():
-            click.echo(f"{preset} {resolution}px sample {name:13s} {rate:8.2f} img/s  "
+            click.echo(f"{preset} {resolution}px sample {name:18s} {rate:8.2f} img/s  "
                        f"{rate / sample['rates']['release fp32']:5.2f}x")
     click.echo(json.dumps(report))
 

@@ -18,6 +18,7 @@ from typing import Callable
 
 import click
 import torch
+import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
@@ -38,10 +39,15 @@ KINDS = (
     ("elementwise", ("mul", "add", "sub", "div", "silu", "sigmoid", "exp", "log", "cos", "sin", "lerp", "where",
                      "clamp", "pow", "neg", "cat", "mean", "sum", "fill_", "zero_", "randn", "normal_", "empty")),
 )
+# torch.compile's generated CPU kernels (named graph_<n>_cpp_fused_<ops>_<n> with the kernel profile on): the
+# elementwise work, normalizations and softmax between the convolutions, fused.
+COMPILED = "compiled fused kernels"
 
 
 def kind_of(name: str) -> str:
-    """The operator kind of an aten operator's name (KINDS), 'other' for the rest."""
+    """The operator kind of an aten operator's or a compiled kernel's name (KINDS, COMPILED), 'other' for the rest."""
+    if name.startswith("graph_") and "_cpp_fused_" in name:
+        return COMPILED
     return next((kind for kind, fragments in KINDS if any(f in name for f in fragments)), "other")
 
 
@@ -66,17 +72,17 @@ def phases_recorded():
             setattr(module, name, fn)
 
 
-def profile_steps(preset: str, batch: int, resolution: int, precision: str, steps: int) -> dict:
+def profile_steps(preset: str, batch: int, resolution: int, precision: str, steps: int, compiled: bool) -> dict:
     """Self CPU time (ms per step) of each phase and of each operator kind."""
     step = synthetic_step(preset, batch, torch.device("cpu"), resolution=resolution, precision=precision,
-                          cpu_16bit=precision != "fp32")
+                          cpu_16bit=precision != "fp32", compile=compiled, channels_last=compiled)
     with phases_recorded() as labelled:
         batches, ema_update = step.batches, step.state.ema.update
         step.state.ema.update = labelled("EMA", ema_update)
         step = dataclasses.replace(step, batches=iter(labelled("data", lambda: next(batches)), None),
                                    loss_fn=labelled("forward", step.loss_fn))
         whole = labelled("step", lambda: float(training.step.training_step(step)))
-        whole()  # warm-up
+        whole()  # warm-up (and compiling)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 whole()
@@ -92,16 +98,17 @@ def operator_kinds(events, steps: int) -> dict[str, float]:
     """Self CPU time (ms per step) of each operator kind among the profiled aten operators, largest first."""
     kinds: dict[str, float] = collections.defaultdict(float)
     for e in events:
-        if e.key.startswith("aten::"):
+        if e.key.startswith("aten::") or kind_of(e.key) == COMPILED:
             kinds[kind_of(e.key)] += e.self_cpu_time_total / 1e3 / steps
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
-def profile_sampling(preset: str, batch: int, resolution: int, precision: str, steps: int) -> dict:
+def profile_sampling(preset: str, batch: int, resolution: int, precision: str, steps: int, compiled: bool) -> dict:
     """Wall time and self CPU time of each operator kind (ms per Heun step) of edm_sampler, as generate.py samples:
     the network in evaluation mode, its weights normalized once per run."""
     net = synthetic_step(preset, 1, torch.device("cpu"), resolution=resolution).state.net.eval().requires_grad_(False)
-    net = SamplingSpeed(precision=precision, cpu_16bit=precision != "fp32").apply(net, torch.device("cpu"))
+    net = SamplingSpeed(precision=precision, cpu_16bit=precision != "fp32", compile=compiled,
+                        channels_last=compiled).apply(net, torch.device("cpu"))
     noise = torch.randn(batch, net.img_channels, resolution, resolution)
     labels = torch.eye(net.label_dim)[torch.arange(batch) % net.label_dim] if net.label_dim else None
     edm_sampler(net, noise, labels, num_steps=2)  # warm-up
@@ -130,20 +137,25 @@ def print_kinds(kinds: dict[str, float]) -> None:
 @click.option("--precisions", default="fp32,bf16", show_default=True, help="Precisions to profile (bf16: --cpu-16bit)")
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
-def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, threads: int | None) -> None:
+@click.option("--compiled", is_flag=True, help="With --compile --channels-last (the warm-up compiles)")
+def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, threads: int | None,
+         compiled: bool) -> None:
     """Profile the training step and the sampling step on the CPU."""
     if threads:
         torch.set_num_threads(threads)
+    # The generated kernels appear in the profile by name only with inductor's kernel profile on.
+    torch._inductor.config.cpp.enable_kernel_profile = compiled
     report = {}
+    setting = " compiled, channels-last" if compiled else ""
     for precision in precisions.split(","):
-        sampling = profile_sampling(preset, batch, resolution, precision, steps)
-        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}, {torch.get_num_threads()} threads: "
+        sampling = profile_sampling(preset, batch, resolution, precision, steps, compiled)
+        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}{setting}, {torch.get_num_threads()} threads: "
                    f"{sampling['ms_per_step']:.1f} ms per sampling step")
         print_kinds(sampling["kinds"])
-        result = report[precision] = profile_steps(preset, batch, resolution, precision, steps)
+        result = report[precision] = profile_steps(preset, batch, resolution, precision, steps, compiled)
         result["sampling"] = sampling
         total = sum(result["phases"].values())  # the whole step
-        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}, {torch.get_num_threads()} threads: "
+        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}{setting}, {torch.get_num_threads()} threads: "
                    f"{total:.1f} ms per training step")
         click.echo("| phase | ms/step | share |\n|---|---:|---:|")
         for name in PHASES:
