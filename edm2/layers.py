@@ -69,8 +69,10 @@ def resample(x: torch.Tensor, mode: str = "keep") -> torch.Tensor:
         # The [1,1] box filter with stride 2 is exactly a 2x2 average.
         return F.avg_pool2d(x, 2)
     if mode == "up":
-        # Transposed convolution with the [1,1] filter (gain 4) repeats every pixel 2x2.
-        return x.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
+        # Transposed convolution with the [1,1] filter (gain 4) repeats every pixel 2x2: nearest upsampling, which
+        # keeps a channels-last input channels-last (repeat_interleave returned NCHW, and every later elementwise
+        # op of the decoder then mixed the two layouts).
+        return F.interpolate(x, scale_factor=2, mode="nearest")
     raise ArchitectureError(f"unknown resample mode {mode!r}")
 
 
