@@ -78,17 +78,16 @@ def main(preset: str, batch: int, steps: int, precision: str, cpu_16bit: bool, b
     settings = dict(preset=preset, batch=batch, steps=steps, precision=precision, cpu_16bit=cpu_16bit)
     cases = [("ACTIVE", None), ("ACTIVE", 1), ("PASSIVE", 1), ("PASSIVE", None), (None, 1), (None, None)]
     results = {}
+    labels = {case: f"{case[0] or 'default'} threads={case[1] or 'default'}" for case in cases}
     for load in (0, busy):
         with busy_processes(load):
             for policy, threads in cases:
-                name = f"{policy or 'default'} threads={threads or 'default'} {'busy' if load else 'quiet'}"
+                name = f"{labels[policy, threads]} {'busy' if load else 'quiet'}"
                 results[name] = measure(policy, threads, **settings)
                 print(f"{name:<36} {results[name]:8.1f} images/s", flush=True)
-    for policy, threads in cases:
-        quiet = results[f"{policy or 'default'} threads={threads or 'default'} quiet"]
-        loaded = results[f"{policy or 'default'} threads={threads or 'default'} busy"]
-        print(f"{policy or 'default'} threads={threads or 'default'}: keeps {loaded / quiet:.0%} of its quiet speed "
-              "when busy")
+    for label in labels.values():
+        quiet, loaded = results[f"{label} quiet"], results[f"{label} busy"]
+        print(f"{label}: keeps {loaded / quiet:.0%} of its quiet speed when busy")
     print(json.dumps(dict(settings, busy=busy, images_per_s=results)))
 
 

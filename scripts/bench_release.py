@@ -43,6 +43,11 @@ OURS = {
 CPU = torch.device("cpu")
 
 
+def our_settings(compiled: bool) -> dict[str, dict]:
+    """The settings of OURS measured: all, or with compiled False those that do not compile."""
+    return {name: settings for name, settings in OURS.items() if compiled or not settings["compile"]}
+
+
 def release_module(release: Path, relative: str, name: str):
     """A module of the release checkout loaded under its own name (the release's training/ would shadow ours);
     its imports of dnnlib and torch_utils resolve in the checkout."""
@@ -96,7 +101,7 @@ def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, 
 
 def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int,
                    compiled: bool) -> dict:
-    """images/s of the release's float32 step and of ours in float32, bfloat16 and (compiled) bfloat16 compiled."""
+    """images/s of the release's float32 step and of ours in our_settings(compiled)."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     loop = release_module(release, "training/training_loop.py", "release_training_loop")
     phema = release_module(release, "training/phema.py", "release_phema")
@@ -105,7 +110,7 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
     theirs = release_step(net, loop.EDM2Loss(P_mean=recipe.P_mean, P_std=recipe.P_std), phema.PowerFunctionEMA(net),
                           batch, resolution)
     ours = {name: synthetic_step(preset, batch, CPU, resolution=resolution, **settings)
-            for name, settings in OURS.items() if compiled or not settings["compile"]}
+            for name, settings in our_settings(compiled).items()}
     flops = training_flops_per_image(ours["fp32"].state.net)
     rates = best_of(rounds, {
         "release fp32": lambda: images_per_s(theirs, batch, steps),
@@ -116,14 +121,13 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
 
 
 def sampling_rates(release: Path, preset: str, resolution: int, batch: int, rounds: int, compiled: bool) -> dict:
-    """images/s of 32-step Heun sampling, the release's edm_sampler and ours (float32, bfloat16 and with compiled
-    bfloat16 compiled)."""
+    """images/s of 32-step Heun sampling, the release's edm_sampler and ours in our_settings(compiled)."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     generate = release_module(release, "generate_images.py", "release_generate_images")
     theirs = release_network(networks, preset, resolution).eval().requires_grad_(False)
     net = synthetic_step(preset, 1, CPU, resolution=resolution).state.net.eval()
     ours = {name: SamplingSpeed(**settings).apply(copy.deepcopy(net), CPU)
-            for name, settings in OURS.items() if compiled or not settings["compile"]}
+            for name, settings in our_settings(compiled).items()}
     noise = torch.randn(batch, 3, resolution, resolution)
     labels = torch.eye(LABELS)[torch.arange(batch) % LABELS]
 

@@ -95,11 +95,13 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
 
 
 def operator_kinds(events, steps: int) -> dict[str, float]:
-    """Self CPU time (ms per step) of each operator kind among the profiled aten operators, largest first."""
+    """Self CPU time (ms per step) of each operator kind among the profiled aten operators and compiled kernels,
+    largest first."""
     kinds: dict[str, float] = collections.defaultdict(float)
     for e in events:
-        if e.key.startswith("aten::") or kind_of(e.key) == COMPILED:
-            kinds[kind_of(e.key)] += e.self_cpu_time_total / 1e3 / steps
+        kind = kind_of(e.key)
+        if e.key.startswith("aten::") or kind == COMPILED:
+            kinds[kind] += e.self_cpu_time_total / 1e3 / steps
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
@@ -148,15 +150,14 @@ def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, 
     report = {}
     setting = " compiled, channels-last" if compiled else ""
     for precision in precisions.split(","):
+        heading = f"\n{preset} {resolution}px batch {batch}, {precision}{setting}, {torch.get_num_threads()} threads:"
         sampling = profile_sampling(preset, batch, resolution, precision, steps, compiled)
-        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}{setting}, {torch.get_num_threads()} threads: "
-                   f"{sampling['ms_per_step']:.1f} ms per sampling step")
+        click.echo(f"{heading} {sampling['ms_per_step']:.1f} ms per sampling step")
         print_kinds(sampling["kinds"])
         result = report[precision] = profile_steps(preset, batch, resolution, precision, steps, compiled)
         result["sampling"] = sampling
         total = sum(result["phases"].values())  # the whole step
-        click.echo(f"\n{preset} {resolution}px batch {batch}, {precision}{setting}, {torch.get_num_threads()} threads: "
-                   f"{total:.1f} ms per training step")
+        click.echo(f"{heading} {total:.1f} ms per training step")
         click.echo("| phase | ms/step | share |\n|---|---:|---:|")
         for name in PHASES:
             ms = result["phases"].get(name, 0.0)

@@ -30,6 +30,7 @@ import PIL.Image
 import safetensors.torch
 import torch
 
+from edm2 import layers
 from edm2.eval import detectors
 from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.networks import Precond
@@ -71,6 +72,17 @@ TINY_UNET = dict(model_channels=16, channel_mult=(1, 2), num_blocks=1, attn_reso
 def tiny_precond(img_resolution: int = 8, img_channels: int = 3, label_dim: int = 10, **overrides) -> Precond:
     """A Precond with the tests' tiny U-Net; overrides replace any of its arguments."""
     return Precond(img_resolution, img_channels, label_dim, **{**TINY_UNET, **overrides})
+
+
+# The two ways edm2.layers.attention computes: the CPU's products, and scaled-dot-product attention (CUDA's way;
+# on a CPU, its fused kernel where the layout allows and no tangents are present).
+ATTENTION_ROUTES = ["products", "SDPA"]
+
+
+def take_attention_route(monkeypatch, route: str) -> None:
+    """Make attention take `route` (ATTENTION_ROUTES) on this CPU."""
+    if route == "SDPA":
+        monkeypatch.setattr(layers, "FUSED_ATTENTION_DEVICES", ("cuda", "cpu"))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,10 @@ import torch
 import edm2.layers
 from edm2.layers import force_weight_normalization
 from edm2.runtime.speed import to_channels_last
-from tests.helpers import REPO, randomized, tiny_precond
+from tests.helpers import ATTENTION_ROUTES, REPO, randomized, take_attention_route, tiny_precond
 
-# The layouts q, k, v arrive in (a channels-last network's are channels-adjacent) and the two ways attention is
-# computed: the CPU's products, and scaled-dot-product attention (CUDA's way; on a CPU, its fused kernel where the
-# layout allows and no tangents are present).
+# The layouts q, k, v arrive in: a channels-last network's are channels-adjacent.
 LAYOUTS = ["contiguous", "channels-last"]
-ROUTES = ["products", "SDPA"]
 
 
 def network(dtype, checkpoint, layout="contiguous"):
@@ -27,12 +24,6 @@ def network(dtype, checkpoint, layout="contiguous"):
         to_channels_last(net)
     force_weight_normalization(net)
     return net
-
-
-def take_route(monkeypatch, route):
-    """Make attention take `route` on this CPU."""
-    if route == "SDPA":
-        monkeypatch.setattr(edm2.layers, "FUSED_ATTENTION_DEVICES", ("cuda", "cpu"))
 
 
 def inputs(dtype, layout="contiguous"):
@@ -54,9 +45,9 @@ def jvp(net, dtype, layout="contiguous"):
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ATTENTION_ROUTES)
 def test_jvp_through_the_network_agrees_with_central_differences(monkeypatch, route, layout, checkpoint):
-    take_route(monkeypatch, route)
+    take_attention_route(monkeypatch, route)
     net = network(torch.float64, checkpoint, layout)
     x, sigma, labels, dx, dsigma = inputs(torch.float64, layout)
     (out, logvar), (tangent, logvar_tangent) = jvp(net, torch.float64, layout)
@@ -78,9 +69,9 @@ def test_jvp_through_the_network_agrees_with_central_differences(monkeypatch, ro
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ATTENTION_ROUTES)
 def test_jvp_in_float32_agrees_with_float64(monkeypatch, route, layout, checkpoint):
-    take_route(monkeypatch, route)
+    take_attention_route(monkeypatch, route)
     reference = jvp(network(torch.float64, checkpoint, layout), torch.float64, layout)[1]
     tangents = jvp(network(torch.float32, checkpoint, layout), torch.float32, layout)[1]
     # float32 round-off (2^-24 per operation) through a few dozen layers of order-1 gains: ~1e-5 relative.

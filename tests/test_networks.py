@@ -6,10 +6,11 @@ import re
 import pytest
 import torch
 
-from edm2 import layers, networks
+from edm2 import networks
 from edm2.layers import ArchitectureError, force_weight_normalization, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
-from tests.helpers import DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, tiny_precond
+from tests.helpers import (ATTENTION_ROUTES, DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS,
+                           take_attention_route, tiny_precond)
 
 
 def meta_net(size: str, img_resolution=64, img_channels=4, label_dim=1000) -> Precond:
@@ -142,10 +143,9 @@ def test_eval_mode_does_not_touch_weights():
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels-last"])
-@pytest.mark.parametrize("route", ["products", "SDPA"])
+@pytest.mark.parametrize("route", ATTENTION_ROUTES)
 def test_attention_equals_explicit_softmax_form(monkeypatch, route, layout):
-    if route == "SDPA":  # CUDA's route, taken on this CPU
-        monkeypatch.setattr(layers, "FUSED_ATTENTION_DEVICES", ("cuda", "cpu"))
+    take_attention_route(monkeypatch, route)
     torch.manual_seed(0)
     block = Block(64, 64, 32, "enc", attention=True, channels_per_head=16).to(memory_format=layout)
     x = torch.randn(3, 64, 6, 6).contiguous(memory_format=layout)
