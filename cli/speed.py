@@ -4,6 +4,9 @@ shared by every command line that computes."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -11,6 +14,7 @@ import torch
 
 from cli import wait_policy
 from edm2.networks import Precond
+from edm2.runtime import distributed
 from edm2.runtime.limits import MAX_THREADS
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 from edm2.sampler import SELF
@@ -60,10 +64,24 @@ def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None
 
 
 def threads_note() -> str:
-    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run."""
-    given = click.get_current_context().meta.get(THREADS) is not None
-    why = "--threads" if given else "PyTorch's default: one per core; --threads changes it"
-    return f"CPU threads: {torch.get_num_threads()} per process ({why}); {wait_policy.describe()}."
+    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run. A
+    single process of several threads on a CPU is told that as many processes of one thread hold up under load."""
+    threads, processes = torch.get_num_threads(), distributed.launched_world_size()
+    if click.get_current_context().meta.get(THREADS) is not None:
+        why = "--threads"
+    elif "OMP_NUM_THREADS" in os.environ:
+        why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" + (", as torchrun sets it" if processes > 1 else "")
+    else:
+        why = "PyTorch's default: one per core; --threads changes it"
+    line = f"CPU threads: {threads} per process ({why}); {wait_policy.describe()}."
+    if threads > 1 and processes == 1 and not torch.cuda.is_available():
+        # The threads of one process wait for each other at every operator; processes meet once a step. Toy-small
+        # bf16 on 2 cores beside two busy processes (scripts/bench_load.py): 2 processes of one thread kept 47% of
+        # their quiet speed, one of two threads 20%; quiet, the two were within 8% of each other.
+        line += (f" On a CPU shared with other work, {threads} processes of one thread each keep far more of their "
+                 f"speed than one process of {threads} threads: torchrun --standalone --nproc_per_node={threads} "
+                 f"{Path(sys.argv[0]).name} ...")
+    return line
 
 
 # On a machine shared with other processes, OpenMP threads that spin waiting for each other can make a step

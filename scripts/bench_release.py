@@ -3,7 +3,9 @@
 For each toy network (toy-tiny, toy-small) at --resolution, it times, alternately so that both sides see the same
 machine: the release's float32 training step (its EDM2Loss, backward, Adam, its PowerFunctionEMA update), ours in
 float32, in bfloat16 (--cpu-16bit) and in bfloat16 compiled and channels-last (--compile --channels-last), and
-32-step Heun sampling with the release's edm_sampler and ours in the same settings. It prints
+32-step Heun sampling with the release's edm_sampler and ours in the same settings. Then, in processes of their own,
+ours in 16 bits as torchrun runs it on a CPU: --processes processes of one thread (training.run.data_parallel_speed;
+the release's loop starts several processes on NCCL only, so not on a CPU). It prints
 images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16
 peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulates); the last line is JSON.
 
@@ -30,6 +32,7 @@ from edm2.sampler import edm_sampler  # noqa: E402
 from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_image  # noqa: E402
 from training.presets import PRESETS  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
+from training.run.data_parallel_speed import data_parallel_speed  # noqa: E402
 from training.step import training_step  # noqa: E402
 
 LABELS = 6  # the toy presets' classes
@@ -100,8 +103,9 @@ def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, 
 
 
 def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int,
-                   compiled: bool) -> dict:
-    """images/s of the release's float32 step and of ours in our_settings(compiled)."""
+                   compiled: bool, processes: int) -> dict:
+    """images/s of the release's float32 step and of ours in our_settings(compiled), the 16-bit ones also as
+    `processes` processes of one thread (torchrun's way; the release's loop runs several processes on NCCL only)."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
     loop = release_module(release, "training/training_loop.py", "release_training_loop")
     phema = release_module(release, "training/phema.py", "release_phema")
@@ -117,6 +121,12 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
         **{f"ours {name}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps))
            for name, s in ours.items()},
     })
+    if processes > 1:
+        for name, settings in our_settings(compiled).items():
+            if settings["cpu_16bit"]:
+                rates[f"ours {name}, {processes} processes"] = data_parallel_speed(
+                    preset, batch, processes, steps=steps, rounds=rounds, resolution=resolution, **settings,
+                ).images_per_s
     return dict(rates=rates, flops_per_image=flops)
 
 
@@ -152,26 +162,30 @@ def sampling_rates(release: Path, preset: str, resolution: int, batch: int, roun
 @click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
 @click.option("--compiled/--no-compiled", default=True, show_default=True,
               help="Also measure ours compiled (--compile --channels-last; about a minute of compiling per network)")
+@click.option("--processes", type=click.IntRange(min=1),
+              help="Also measure ours in 16 bits as this many processes of one thread, after the rest  [default: "
+                   "the threads; 1: not]")
 def main(release: Path, presets: str, resolution: int, batch: int, steps: int, rounds: int,
-         threads: int | None, compiled: bool) -> None:
+         threads: int | None, compiled: bool, processes: int | None) -> None:
     """Time the release and this project side by side on this CPU."""
     if threads:
         torch.set_num_threads(threads)
+    processes = processes or torch.get_num_threads()
     peaks = {p: measure_cpu_tflops(dtype) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     click.echo(f"{torch.get_num_threads()} threads; peak (matmul or 3x3 convolution) fp32 "
                f"{peaks['fp32'] * 1e3:.1f} GFLOP/s, bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s")
     report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, presets={})
     for preset in presets.split(","):
-        train = training_rates(release, preset, resolution, batch, steps, rounds, compiled)
+        train = training_rates(release, preset, resolution, batch, steps, rounds, compiled, processes)
         sample = sampling_rates(release, preset, resolution, batch, rounds, compiled)
         report["presets"][preset] = dict(training=train, sampling=sample)
         base = train["rates"]["release fp32"]
         for name, rate in train["rates"].items():
             achieved = tflops(train["flops_per_image"], rate)
-            click.echo(f"{preset} {resolution}px train  {name:18s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
+            click.echo(f"{preset} {resolution}px train  {name:32s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
                        f"{achieved / peaks['fp32']:6.1%} of fp32 peak  {achieved / peaks['bf16']:6.1%} of bf16 peak")
         for name, rate in sample["rates"].items():
-            click.echo(f"{preset} {resolution}px sample {name:18s} {rate:8.2f} img/s  "
+            click.echo(f"{preset} {resolution}px sample {name:32s} {rate:8.2f} img/s  "
                        f"{rate / sample['rates']['release fp32']:5.2f}x")
     click.echo(json.dumps(report))
 

@@ -15,6 +15,7 @@ from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
                                 to_channels_last)
 from training.run.benchmark import synthetic_step, with_unit_gains
+from training.run.data_parallel_speed import data_parallel_speed
 from training.options import TrainingOptions, check_same_hyperparameters
 from training.state import adam, init_network
 from training.step import training_step, zero_nonfinite_
@@ -241,3 +242,13 @@ def test_a_precision_name_maps_to_the_flags_and_dtype_it_computes_in_and_back(pr
     opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4), {},
                                        precision=precision)
     assert snapshot_precision(init_network(opts, 3)) == precision
+
+
+def test_the_data_parallel_measurement_trains_one_model_over_its_processes():
+    # scripts/bench_release.py and bench_load.py time torchrun's CPU setting with it: the processes must really
+    # all-reduce (each rank draws its own noise, so without it their weights part after the first step).
+    speed = data_parallel_speed("toy-tiny", 4, 2, steps=2, warmup=1, rounds=1)
+    assert len(speed.digests) == 2 and speed.digests[0] == speed.digests[1]
+    assert math.isfinite(speed.images_per_s) and speed.images_per_s > 0
+    with pytest.raises(ValueError, match="does not split over 3 processes"):
+        data_parallel_speed("toy-tiny", 4, 3)
