@@ -77,7 +77,7 @@ def threads_note() -> str:
     if threads > 1 and processes == 1 and not torch.cuda.is_available():
         # The threads of one process wait for each other at every operator; processes meet once a step. Toy-small
         # bf16 on 2 cores beside two busy processes (scripts/bench_load.py): 2 processes of one thread kept 47% of
-        # their quiet speed, one of two threads 20%; quiet, the two were within 8% of each other.
+        # their quiet speed, one of two threads 17%; quiet, the two were within 8% of each other.
         line += (f" On a CPU shared with other work, {threads} processes of one thread each keep far more of their "
                  f"speed than one process of {threads} threads: torchrun --standalone --nproc_per_node={threads} "
                  f"{Path(sys.argv[0]).name} ...")

@@ -12,8 +12,6 @@ gathered tracks equal the whole ones bit for bit. Example:
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -71,8 +69,7 @@ def held_bytes(tensors: list[torch.Tensor]) -> int:
 def measure_rank(rank: int, port: int, preset: str, computed: dict) -> None:
     """One Gloo process: build the trackers, update both once, gather, and (rank 0) print the table and, last, the
     JSON line of both tables."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(MEASURED_RANKS))
+    distributed.describe_local_launch(rank, MEASURED_RANKS, port)
     torch.set_num_threads(1)
     with distributed.session():
         torch.manual_seed(0)
@@ -102,13 +99,6 @@ def measure_rank(rank: int, port: int, preset: str, computed: dict) -> None:
             print(json.dumps(dict(computed=computed, measured=measured)))
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @click.command()
 @click.option("--ranks", type=click.IntRange(min=1), default=8, show_default=True,
               help="Processes the computed table shards over")
@@ -116,7 +106,7 @@ def free_port() -> int:
 def main(ranks: int, preset: str) -> None:
     """Print the computed and the measured table."""
     computed = computed_table(ranks)
-    torch.multiprocessing.spawn(measure_rank, args=(free_port(), preset, computed), nprocs=MEASURED_RANKS)
+    torch.multiprocessing.spawn(measure_rank, args=(distributed.free_port(), preset, computed), nprocs=MEASURED_RANKS)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -141,13 +140,6 @@ def write_raw_snapshot(path: Path, metadata: str | None, net: torch.nn.Module | 
 
 # ---------------------------------------------------------------------------------------------------
 # Command lines.
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now, for torchrun's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def assert_one_error_line(result, *fragments: str) -> str:
     """A failed command (click's CliRunner result or a CompletedProcess): non-zero exit, no traceback,

@@ -28,8 +28,9 @@ from edm2.formats.snapshot import load_network, save_network
 from edm2.generation import generate_images
 from edm2.runtime.locks import hold_destination
 from edm2.sampler import SELF
+from edm2.runtime.distributed import free_port
 from tests.helpers import (REPO, FileWritingInception, TinyInceptionStandIn, assert_one_error_line, assert_refused,
-                           free_port, pin_detector_file, png_bomb_zip, png_file, random_dinov2_state_dict, randomized,
+                           pin_detector_file, png_bomb_zip, png_file, random_dinov2_state_dict, randomized,
                            run_python_script, tiny_precond)
 
 # One 64-channel head keeps the 64x64 covariances cheap for scipy's sqrtm.

@@ -4,7 +4,6 @@ permutation that training states written before the Feistel order keep reading."
 
 import json
 import multiprocessing
-import os
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from edm2.runtime import distributed
 from training.data_order import DataOrder, order_for, run_batches
 from training.options import rounds_per_step
 from training.state import TrainingState
-from tests.helpers import free_port, toy_tiny_options
+from tests.helpers import toy_tiny_options
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 100, 255, 256, 1000, 4097])
@@ -78,8 +77,7 @@ def read_ids(images):
 
 
 def rank_reads(rank, world_size, port, spec, start_nimg, steps, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    distributed.describe_local_launch(rank, world_size, port)
     distributed.init(backend="gloo")
     batch_gpu, rounds = rounds_per_step(BATCH, BATCH_GPU, world_size)
     with run_batches(open_data(spec), SEED, start_nimg, batch_gpu, 0, torch.device("cpu")) as batches:
@@ -93,7 +91,7 @@ def rank_reads(rank, world_size, port, spec, start_nimg, steps, out):
 
 def consumed(spec, world_size, start_nimg, steps, out):
     """The ids a run of world_size forked Gloo ranks reads in `steps` steps from start_nimg on, in global order."""
-    port, context = free_port(), multiprocessing.get_context("fork")
+    port, context = distributed.free_port(), multiprocessing.get_context("fork")
     ranks = [context.Process(target=rank_reads, args=(r, world_size, port, spec, start_nimg, steps, out))
              for r in range(world_size)]
     for process in ranks:

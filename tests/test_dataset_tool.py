@@ -21,7 +21,8 @@ from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.encoders import StabilityVAEEncoder
 from edm2.runtime import files
 from edm2.runtime.locks import DestinationLock
-from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, free_port, png_bomb_zip, png_file,
+from edm2.runtime.distributed import free_port
+from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, png_bomb_zip, png_file,
                            run_python_script, save_tiny_vae, wait_for, write_members)
 
 

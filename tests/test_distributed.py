@@ -9,7 +9,8 @@ import pytest
 
 from edm2.generation import SeedRanges
 from edm2.runtime import distributed
-from tests.helpers import REPO, free_port
+from edm2.runtime.distributed import free_port
+from tests.helpers import REPO
 
 
 @pytest.mark.parametrize("num_seeds,batch_size,world_size", [(1, 4, 2), (10, 3, 1), (10, 3, 2), (64, 7, 3), (5, 8, 4)])

@@ -24,8 +24,9 @@ from edm2.formats import snapshot
 from edm2.generation import MAX_SEED, generate_images
 from edm2.runtime.files import TMP_SUFFIX, temporary_name
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
+from edm2.runtime.distributed import free_port
 from tests.helpers import (
-    REPO, assert_one_error_line, assert_refused, free_port, live_process, randomized, read_pngs, tiny_precond, tree,
+    REPO, assert_one_error_line, assert_refused, live_process, randomized, read_pngs, tiny_precond, tree,
 )
 
 FAST = ["--steps=4", "--S_churn=10", "--S_min=0.01", "--S_max=10"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TRAIN_ARGS, free_port, snapshot_contents, train_env, wait_for
+from edm2.runtime.distributed import free_port
+from tests.helpers import REPO, TRAIN_ARGS, snapshot_contents, train_env, wait_for
 
 SCRIPT = REPO / "scripts" / "slurm" / "train_edm2.sbatch"
 

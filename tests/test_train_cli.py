@@ -20,8 +20,9 @@ import train_edm2
 from edm2.formats.snapshot import load_network, read_metadata
 from training.run import checkpoint
 from training.run.run_lock import LOCK_FILE, RunLock
+from edm2.runtime.distributed import free_port
 from tests.helpers import (
-    REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, built_once, free_port, run_training, snapshot_contents,
+    REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, built_once, run_training, snapshot_contents,
     start_training, stopped_at, train_env, tree, wait_for, write_image_dataset,
 )
 

@@ -150,7 +150,7 @@ def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, po
 ])
 def test_a_single_process_of_several_threads_is_told_that_processes_hold_up_under_load(train_data, tmp_path, threads,
                                                                                        env, said, advice):
-    # Issue 31: toy-small bf16 on 2 cores beside two busy processes kept 20% of its speed as one process of two
+    # Issue 31: toy-small bf16 on 2 cores beside two busy processes kept 17% of its speed as one process of two
     # threads and 47% as two processes of one thread (scripts/bench_load.py).
     result = subprocess.run(train_command(train_data, tmp_path / "run", "--dry-run", *[threads] if threads else []),
                             cwd=REPO, env=train_env(CUDA_VISIBLE_DEVICES="", **env), capture_output=True, text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
@@ -27,6 +28,21 @@ def launched_world_size() -> int:
 def launched_rank() -> int:
     """This process's rank as torchrun started it (0 for a plain `python` start), before any process group exists."""
     return int(os.environ.get("RANK", "0"))
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now, for a rendezvous on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_local_launch(rank: int, world_size: int, port: int) -> None:
+    """Set this process's environment as torchrun sets it for rank `rank` of `world_size` processes on this
+    machine meeting at 127.0.0.1:port, so that init() and session() join their group (processes a script or a
+    test spawns itself)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 @contextlib.contextmanager

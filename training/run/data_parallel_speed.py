@@ -2,18 +2,16 @@
 (torchrun's default is one), each computing batch / N images, gradients averaged by Gloo's DistributedDataParallel
 as in training/loop.py (scripts/bench_release.py, scripts/bench_load.py).
 
-On a CPU the small networks of the toy presets parallelize far better over processes than over threads: each
+On a CPU shared with other work the toy presets' steps hold up far better over processes than over threads: each
 process's operators run without an OpenMP barrier between them, and the processes meet once per step, in the
-all-reduce. Toy-small bf16 at 32x32, batch 32, on 2 cores of a Xeon with AMX: 110 images/s as one process of two
-threads, 196 as two processes of one thread; compiled, 157 against 318.
+all-reduce. Toy-small bf16 at 32x32, batch 32, on 2 cores of a Xeon with AMX (scripts/bench_load.py): one process of
+two threads 95.8 images/s quiet and 16.6 beside two busy processes, two processes of one thread 107.1 and 50.7.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import socket
 import time
 
 import torch
@@ -33,13 +31,6 @@ class DataParallelSpeed:
     digests: tuple[str, ...]
 
 
-def _free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now, for the process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _digest(net: torch.nn.Module) -> str:
     """SHA-256 of every parameter's bytes in order."""
     sha = hashlib.sha256()
@@ -52,8 +43,7 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
             warmup: int, rounds: int, options: dict) -> None:
     """One rank: join the group as torchrun's environment describes it, warm up, time `rounds` windows of `steps`
     steps between barriers, report (rank, best images/s of all ranks together, digest)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                      LOCAL_WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    distributed.describe_local_launch(rank, processes, port)
     if threads:
         torch.set_num_threads(threads)
     with distributed.session():
@@ -77,13 +67,13 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
 def data_parallel_speed(preset: str, batch: int, processes: int, threads: int | None = 1, steps: int = 4,
                         warmup: int = 2, rounds: int = 3, **options) -> DataParallelSpeed:
     """Images/s of `preset`'s training step at `batch` images over `processes` CPU processes of `threads` threads
-    (None: PyTorch's default, under the OpenMP settings of os.environ, which the processes inherit), the best of `rounds` windows of `steps` steps after `warmup` untimed ones (which compile, where options
-    compile); options are synthetic_step's (resolution, precision, cpu_16bit, compile, channels_last, ...)."""
+    (None: PyTorch's default, under the OpenMP settings of os.environ, which the processes inherit), the best of
+    `rounds` windows of `steps` steps after `warmup` untimed ones (which compile, where options compile); options
+    are synthetic_step's (resolution, precision, cpu_16bit, compile, channels_last, ...)."""
     if batch % processes:
         raise ValueError(f"batch {batch} does not split over {processes} processes")
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), results, preset, batch, processes, threads, steps, warmup, rounds,
-                                      options), nprocs=processes, join=True, start_method="spawn")
+    results = mp.get_context("spawn").SimpleQueue()
+    args = (distributed.free_port(), results, preset, batch, processes, threads, steps, warmup, rounds, options)
+    mp.start_processes(_worker, args=args, nprocs=processes, join=True, start_method="spawn")
     reports = sorted(results.get() for _ in range(processes))
     return DataParallelSpeed(images_per_s=reports[0][1], digests=tuple(digest for _, _, digest in reports))
