@@ -2,8 +2,15 @@
 
 import os
 
-import pytest
-import torch
+# The suite's expected values are the CPU's (bitwise resumes, digests of in-process runs, Gloo process groups), so on
+# a machine with a GPU it hides the GPU from every test and subprocess; `EDM2_TEST_CUDA=1 python -m pytest -m cuda`
+# runs the tests marked `cuda` on it instead (scripts/gpu_check.py checks and measures the GPU itself). Set before
+# PyTorch reads it, which is when CUDA first starts.
+if os.environ.get("EDM2_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402 (after hiding the GPU)
+import torch  # noqa: E402
 
 from tests.helpers import (
     built_once, forget_release_standins, install_release_standins, run_training, save_tiny_vae, write_image_dataset,
@@ -25,6 +32,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run SLOW_FILES first, in that order; every other file and each file's tests keep their order."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked `cuda` where no GPU is visible (always, unless EDM2_TEST_CUDA=1)."""
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a GPU: EDM2_TEST_CUDA=1 python -m pytest -m cuda on a machine with one")
 
 
 @pytest.fixture(scope="session", autouse=True)

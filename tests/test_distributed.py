@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from edm2.generation import SeedRanges
 from edm2.runtime import distributed
@@ -97,3 +98,18 @@ def test_main_rank_first_two_processes(tmp_path):
     assert started[0] < started[1]
     assert (tmp_path / "called-0").exists() and not (tmp_path / "called-1").exists()
     assert [(tmp_path / f"error-{rank}").read_text() for rank in (0, 1)] == ["rank 0 could not fetch it"] * 2
+
+
+def test_more_processes_than_gpus_is_refused_in_one_line_before_the_group_forms(monkeypatch):
+    # torchrun --nproc_per_node=2 on a one-GPU machine: CUDA would raise "invalid device ordinal" in rank 1 while
+    # rank 0 waited for it at the rendezvous.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: pytest.fail("the group formed"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for call in (distributed.init, distributed.device):
+        with pytest.raises(distributed.DistributedError, match=r"1 GPU\(s\) visible; .*--nproc_per_node=1"):
+            call()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.device() == torch.device("cuda", 0)

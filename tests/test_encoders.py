@@ -163,7 +163,7 @@ def test_vae_that_cannot_load_names_it(tmp_path):
         assert name in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_vae_follows_input_device(tiny_vae_dir):
     enc = StabilityVAEEncoder(str(tiny_vae_dir))
     x = pixels(2)

@@ -257,7 +257,7 @@ def test_generation_preset_counts_main_and_guiding_networks():
     assert abs(main - TABLE6_GMACS["s"]) < 0.3 and abs(guiding - TABLE6_GMACS["xs"]) < 0.1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory per sample is measured on CUDA")
+@pytest.mark.cuda
 def test_prints_memory_per_sample_on_cuda():
     result = run("edm2-img512-xs")
     [memory] = printed(result.output, "GPU memory")

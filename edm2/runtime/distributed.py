@@ -67,8 +67,18 @@ def init(backend: str | None = None, timeout_s: float = 1800) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(own_gpu())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def own_gpu() -> int:
+    """The index of this process's GPU: its local rank, refused in one line where this machine has fewer GPUs than
+    processes (torchrun --nproc_per_node above the GPU count), which CUDA would answer with a traceback."""
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        raise DistributedError(f"process {local_rank} on this machine has no GPU of its own: {count} GPU(s) visible; "
+                               f"start at most {count} process(es) per machine (torchrun --nproc_per_node={count})")
+    return local_rank
 
 
 def shutdown() -> None:
@@ -95,7 +105,7 @@ def is_main() -> bool:
 def device() -> torch.device:
     """The device this rank computes on: its own GPU under torchrun, else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", own_gpu())
     return torch.device("cpu")
 
 
