@@ -5,7 +5,8 @@
 (a) fp32, fp16 and bf16 forward and backward of EDM2-S img512 against float64; (b) toy training with each
 precision; (c) EDM2-S training throughput at 32 and 64 images per GPU, the release's configuration (eager fp16)
 against eager bf16 channels-last, with MFU; (d) sampling throughput without and with guidance; (e) peak memory per
-training step for XS..XXL at a fixed batch per GPU; (f) one process of train_edm2.py through torchrun (NCCL).
+training step for XS..XXL at a fixed batch per GPU; (f) one process of train_edm2.py through torchrun (NCCL), then
+generate.py from its snapshots, guided.
 
 Each section runs in its own process with a time limit, so a failing, crashing or slow section is recorded and
 the others still run; the report is rewritten after every section. Without CUDA: one line, exit status 2.
@@ -36,10 +37,12 @@ SECTIONS: dict[str, tuple[str, float, Callable]] = {
     "b_toy_training": ("toy training with each precision", 50, sections.section_toy_training),
     "c_training_speed": ("EDM2-S training: release (eager fp16) against eager bf16 channels-last", 100,
                          sections.section_training_speed),
-    # Compiling the sampling networks (EDM2-S, then XS for guidance) took most of 90 s on an H100.
-    "d_sampling_speed": ("EDM2-S sampling without and with guidance", 150, sections.section_sampling_speed),
+    # Compiling the sampling networks (EDM2-S, then XS for guidance) took most of 90 s on an H100; the whole
+    # section 115 s on an H200, and (f) 71 s before it sampled too.
+    "d_sampling_speed": ("EDM2-S sampling without and with guidance", 130, sections.section_sampling_speed),
     "e_memory": ("peak GB per training step, XS..XXL", 80, sections.section_memory),
-    "f_torchrun": ("train_edm2.py through torchrun, one process", 90, sections.section_torchrun),
+    "f_torchrun": ("train_edm2.py through torchrun, one process; generate.py from its snapshots, guided", 110,
+                   sections.section_torchrun),
 }
 TOTAL_S = 510  # the sections' share of the 9 minutes; the rest is start-up and the report
 RESERVE_S = 15  # kept back for each later section, so one slow section cannot starve the others

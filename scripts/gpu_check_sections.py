@@ -57,6 +57,7 @@ class Config:
     memory_presets: tuple[str, ...] = tuple(f"edm2-img512-{size}" for size in SIZES)  # (e)
     memory_batch: int = 16
     torchrun_duration: str = "2Ki"  # (f)
+    generate_seeds: int = 16
 
 
 class Probe:
@@ -229,7 +230,8 @@ def section_memory(probe: Probe, config: Config, record: Record) -> None:
 
 
 def torchrun_commands(out: Path, duration: str) -> dict[str, list[str]]:
-    """The commands of (f): a toy dataset, then one process of train_edm2.py through torchrun (NCCL on CUDA)."""
+    """The training commands of (f): a toy dataset, then one process of train_edm2.py through torchrun (NCCL on
+    CUDA)."""
     data, run = out / "toy16.zip", out / "run"
     return {
         "dataset_tool.py toy": [sys.executable, str(REPO / "dataset_tool.py"), "toy", f"--dest={data}",
@@ -241,15 +243,32 @@ def torchrun_commands(out: Path, duration: str) -> dict[str, list[str]]:
     }
 
 
+def generate_command(out: Path, snapshots: list[str], seeds: int) -> list[str]:
+    """The sampling command of (f): generate.py from the run's last snapshot, guided (Eq. 152) by its first, so that
+    both networks and the guided sampler run on CUDA."""
+    return [sys.executable, str(REPO / "generate.py"), f"--net={out / 'run' / snapshots[-1]}",
+            f"--gnet={out / 'run' / snapshots[0]}", "--guidance=1.4", f"--seeds=0-{seeds - 1}", "--grid",
+            f"--outdir={out / 'images'}"]
+
+
 def section_torchrun(probe: Probe, config: Config, record: Record, out: Path,
                      run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
-    """(f) train_edm2.py as one process under torchrun: it must finish and write its stats, snapshots and state."""
-    for name, command in torchrun_commands(out, config.torchrun_duration).items():
+    """(f) train_edm2.py as one process under torchrun must finish and write its stats, snapshots and state; then
+    generate.py must sample from them, guided, as a user would next."""
+
+    def check(name: str, command: list[str]) -> None:
         result = run(command, capture_output=True, text=True, timeout=max(probe.time_left() - 5, 1))
         if result.returncode != 0:
             raise RuntimeError(f"{name} exited {result.returncode}: {(result.stderr or result.stdout).strip()[-2000:]}")
+
+    for name, command in torchrun_commands(out, config.torchrun_duration).items():
+        check(name, command)
     rows = [json.loads(line) for line in (out / "run" / "stats.jsonl").read_text().splitlines()]
     record("stats_rows", len(rows))
     record("images_per_s", rows[-1]["images_per_s"])
-    record("snapshots", sorted(p.name for p in (out / "run").glob("network-snapshot-*.safetensors")))
+    snapshots = sorted(p.name for p in (out / "run").glob("network-snapshot-*.safetensors"))
+    record("snapshots", snapshots)
     record("training_states", sorted(p.name for p in (out / "run").glob("training-state-*.pt")))
+    check("generate.py", generate_command(out, snapshots, config.generate_seeds))
+    record("generated_images", len([p for p in (out / "images").glob("*.png") if p.name != "grid.png"]))
+    record("grid", (out / "images" / "grid.png").is_file())

@@ -5,12 +5,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from edm2.encoders import StandardRGBEncoder
+from edm2.formats import snapshot
 from scripts import gpu_check, gpu_check_sections as sections
-from tests.helpers import REPO, tree
+from tests.helpers import REPO, tiny_precond, tree
 
 
 class CPUProbe(sections.Probe):
@@ -34,6 +37,7 @@ TINY = sections.Config(
     preset="toy-tiny", reference_batch=2, toy_preset="toy-tiny", toy_steps=16, toy_batch=8, train_batches=(4, 8),
     train_steps=1, train_warmup=1, fastest=(("precision", "bf16"), ("compile", False), ("channels_last", True)), sample_batch=2,
     sample_steps=2, guide_preset="toy-tiny", memory_presets=("toy-tiny",), memory_batch=2, torchrun_duration="64",
+    generate_seeds=3,
 )
 
 
@@ -104,7 +108,10 @@ def test_memory_section_records_out_of_memory_and_skips_when_out_of_time(tmp_pat
 
 
 def test_torchrun_section_commands_and_outputs(tmp_path):
+    """The dataset and training commands are stood in for (the run they would leave: stats and two real EMA
+    snapshots); generate.py then really samples from those snapshots, guided, as it would on the GPU."""
     calls = []
+    names = ["network-snapshot-0000002-0.050.safetensors", "network-snapshot-0000002-0.100.safetensors"]
 
     def fake_run(command, **kwargs):
         calls.append(command)
@@ -112,15 +119,24 @@ def test_torchrun_section_commands_and_outputs(tmp_path):
             run_dir = tmp_path / "f_torchrun" / "run"
             run_dir.mkdir(parents=True)
             (run_dir / "stats.jsonl").write_text('{"images_per_s": 10.0}\n{"images_per_s": 12.5}\n')
-            (run_dir / "network-snapshot-0000000-64-0.100.safetensors").write_bytes(b"")
+            for seed, name in enumerate(names):
+                torch.manual_seed(seed)
+                snapshot.save_network(run_dir / name, tiny_precond(8, 3, 4).eval(),
+                                      {"encoder": StandardRGBEncoder().config()})
+        if "generate.py" in " ".join(command):
+            return subprocess.run(command, **kwargs)
         return subprocess.CompletedProcess(command, 0, "", "")
 
     results = {}
-    sections.section_torchrun(CPUProbe(1e12), TINY, results.__setitem__, tmp_path / "f_torchrun", run=fake_run)
+    probe = CPUProbe(time.monotonic() + 300)  # the commands' time limit (generate.py takes seconds)
+    sections.section_torchrun(probe, TINY, results.__setitem__, tmp_path / "f_torchrun", run=fake_run)
     assert calls[0][2] == "toy" and "torch.distributed.run" in calls[1] and "--nproc_per_node=1" in calls[1]
     assert "--duration=64" in calls[1] and f"--data={tmp_path / 'f_torchrun' / 'toy16.zip'}" in calls[1]
-    assert results == {"stats_rows": 2, "images_per_s": 12.5, "training_states": [],
-                       "snapshots": ["network-snapshot-0000000-64-0.100.safetensors"]}
+    run_dir = tmp_path / "f_torchrun" / "run"
+    assert f"--net={run_dir / names[1]}" in calls[2] and f"--gnet={run_dir / names[0]}" in calls[2]
+    assert "--guidance=1.4" in calls[2]
+    assert results == {"stats_rows": 2, "images_per_s": 12.5, "training_states": [], "snapshots": names,
+                       "generated_images": TINY.generate_seeds, "grid": True}
     failing = lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", "NCCL error: no device")  # noqa
     with pytest.raises(RuntimeError, match="dataset_tool.py toy exited 1: NCCL error"):
         sections.section_torchrun(CPUProbe(1e12), TINY, results.__setitem__, tmp_path / "f2", run=failing)
