@@ -231,7 +231,7 @@ def section_memory(probe: Probe, config: Config, record: Record) -> None:
 
 def torchrun_commands(out: Path, duration: str) -> dict[str, list[str]]:
     """The training commands of (f): a toy dataset, then one process of train_edm2.py through torchrun (NCCL on
-    CUDA)."""
+    CUDA), sampling its grid and measuring the validation loss at its snapshot."""
     data, run = out / "toy16.zip", out / "run"
     return {
         "dataset_tool.py toy": [sys.executable, str(REPO / "dataset_tool.py"), "toy", f"--dest={data}",
@@ -239,7 +239,8 @@ def torchrun_commands(out: Path, duration: str) -> dict[str, list[str]]:
         "torchrun train_edm2.py": [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             str(REPO / "train_edm2.py"), "--preset=toy-tiny", f"--data={data}", f"--outdir={run}",
-            f"--duration={duration}", "--status=512", f"--snapshot={duration}", f"--checkpoint={duration}"],
+            f"--duration={duration}", "--status=512", f"--snapshot={duration}", f"--checkpoint={duration}",
+            "--metrics=loss", "--metrics-num=256"],
     }
 
 
@@ -264,8 +265,11 @@ def section_torchrun(probe: Probe, config: Config, record: Record, out: Path,
     for name, command in torchrun_commands(out, config.torchrun_duration).items():
         check(name, command)
     rows = [json.loads(line) for line in (out / "run" / "stats.jsonl").read_text().splitlines()]
-    record("stats_rows", len(rows))
-    record("images_per_s", rows[-1]["images_per_s"])
+    status = [row for row in rows if "images_per_s" in row]  # the metrics' rows have none
+    record("stats_rows", len(status))
+    record("images_per_s", status[-1]["images_per_s"])
+    record("metrics", [row["metrics"] for row in rows if "metrics" in row])
+    record("grids", sorted(p.name for p in (out / "run" / "samples").glob("grid-*.png")))
     snapshots = sorted(p.name for p in (out / "run").glob("network-snapshot-*.safetensors"))
     record("snapshots", snapshots)
     record("training_states", sorted(p.name for p in (out / "run").glob("training-state-*.pt")))

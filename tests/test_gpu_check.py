@@ -118,7 +118,10 @@ def test_torchrun_section_commands_and_outputs(tmp_path):
         if "train_edm2.py" in " ".join(command):  # what a finished run leaves
             run_dir = tmp_path / "f_torchrun" / "run"
             run_dir.mkdir(parents=True)
-            (run_dir / "stats.jsonl").write_text('{"images_per_s": 10.0}\n{"images_per_s": 12.5}\n')
+            (run_dir / "samples").mkdir()
+            (run_dir / "samples" / "grid-0000002.png").write_bytes(b"")
+            (run_dir / "stats.jsonl").write_text('{"images_per_s": 10.0}\n{"images_per_s": 12.5}\n'
+                                                 '{"kimg": 0.064, "metrics": {"loss256": 0.25}}\n')
             for seed, name in enumerate(names):
                 torch.manual_seed(seed)
                 snapshot.save_network(run_dir / name, tiny_precond(8, 3, 4).eval(),
@@ -135,7 +138,9 @@ def test_torchrun_section_commands_and_outputs(tmp_path):
     run_dir = tmp_path / "f_torchrun" / "run"
     assert f"--net={run_dir / names[1]}" in calls[2] and f"--gnet={run_dir / names[0]}" in calls[2]
     assert "--guidance=1.4" in calls[2]
-    assert results == {"stats_rows": 2, "images_per_s": 12.5, "training_states": [], "snapshots": names,
+    assert "--metrics=loss" in calls[1]
+    assert results == {"stats_rows": 2, "images_per_s": 12.5, "metrics": [{"loss256": 0.25}],
+                       "grids": ["grid-0000002.png"], "training_states": [], "snapshots": names,
                        "generated_images": TINY.generate_seeds, "grid": True}
     failing = lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", "NCCL error: no device")  # noqa
     with pytest.raises(RuntimeError, match="dataset_tool.py toy exited 1: NCCL error"):
