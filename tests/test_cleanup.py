@@ -2,22 +2,18 @@
 as our writers name their temporaries, and never a user's file or folder that only looks like one."""
 
 import os
-import shutil
 import socket
 from pathlib import Path
 
-import pytest
 import torch
 from click.testing import CliRunner
 
-import calculate_metrics
 import dataset_tool
 import generate
 import plot_run
 import reconstruct_phema
 import toy_example
 import train_edm2
-from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats import snapshot
 from edm2.runtime import files

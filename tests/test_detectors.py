@@ -5,7 +5,6 @@ import hashlib
 import io
 import math
 import os
-import pathlib
 import re
 import socket
 import struct

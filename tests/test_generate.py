@@ -11,7 +11,6 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from click.testing import CliRunner
