@@ -25,13 +25,13 @@ class EMAError(EDM2Error):
 
 def exp_to_std(exp: float | np.ndarray) -> float | np.ndarray:
     """Relative standard deviation sigma_rel of the power-function profile with exponent gamma."""
-    exp = np.float64(exp)
+    exp = np.asarray(exp, dtype=np.float64)
     return np.sqrt((exp + 1) / ((exp + 2) ** 2 * (exp + 3)))  # Eq. 123
 
 
 def std_to_exp(std: float | np.ndarray) -> float | np.ndarray:
     """Exponent gamma of the power-function profile with relative standard deviation sigma_rel."""
-    std = np.float64(std)
+    std = np.asarray(std, dtype=np.float64)
     inside = (std > 0) & (std < MAX_STD)
     if not np.all(inside):
         raise EMAError(f"sigma_rel must lie in (0, {MAX_STD:.4f}), got {np.ravel(std)[~np.ravel(inside)][0]}")
@@ -117,7 +117,7 @@ class PowerFunctionEMA:
 
 def power_function_response(t: np.ndarray, ofs: float, std: float) -> np.ndarray:
     """Response function p_{ofs,gamma}(t) of a snapshot taken at time ofs (Eq. 107, 121)."""
-    t = np.float64(t)
+    t = np.asarray(t, dtype=np.float64)
     exp = std_to_exp(std)
     inside = (t >= 0) & (t <= ofs)
     return np.where(inside, (exp + 1) / ofs * (np.clip(t, 0, ofs) / ofs) ** exp, 0.0)
@@ -125,7 +125,7 @@ def power_function_response(t: np.ndarray, ofs: float, std: float) -> np.ndarray
 
 def power_function_inner(a_ofs: np.ndarray, a_std: np.ndarray, b_ofs: np.ndarray, b_std: np.ndarray) -> np.ndarray:
     """Inner products <p_a, p_b> of power-function responses, broadcast over the arguments (Eq. 151)."""
-    a_ofs, b_ofs = np.float64(a_ofs), np.float64(b_ofs)
+    a_ofs, b_ofs = np.asarray(a_ofs, dtype=np.float64), np.asarray(b_ofs, dtype=np.float64)
     a_exp, b_exp = std_to_exp(a_std), std_to_exp(b_std)
     # Eq. 151 takes t_a <= t_b; otherwise the roles swap. Raising the ratio, not the times, to the
     # power avoids overflow.
@@ -137,8 +137,9 @@ def power_function_inner(a_ofs: np.ndarray, a_std: np.ndarray, b_ofs: np.ndarray
 
 def _gram(in_ofs, in_std, out_ofs, out_std) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # A (Eq. 142), B (Eq. 143, one column per target) and the targets' own norms <p_r, p_r>.
-    in_ofs, in_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(in_ofs, in_std))
-    out_ofs, out_std = (np.float64(x).reshape(-1) for x in np.broadcast_arrays(out_ofs, out_std))
+    # np.asarray, not np.float64(): NumPy 1.x turns an array of one element into a scalar (2.x warns that it will).
+    in_ofs, in_std = (np.asarray(x, dtype=np.float64).reshape(-1) for x in np.broadcast_arrays(in_ofs, in_std))
+    out_ofs, out_std = (np.asarray(x, dtype=np.float64).reshape(-1) for x in np.broadcast_arrays(out_ofs, out_std))
     a = power_function_inner(in_ofs[:, None], in_std[:, None], in_ofs[None, :], in_std[None, :])
     b = power_function_inner(in_ofs[:, None], in_std[:, None], out_ofs[None, :], out_std[None, :])
     return a, b, power_function_inner(out_ofs, out_std, out_ofs, out_std)
@@ -155,5 +156,5 @@ def solve_posthoc_coefficients(in_ofs, in_std, out_ofs, out_std) -> np.ndarray:
 def reconstruction_error(in_ofs, in_std, out_ofs, out_std, coefs: np.ndarray) -> np.ndarray:
     """Squared L2 distance of the synthesized response from each target (Eq. 134), relative to <p_r, p_r>."""
     a, b, rr = _gram(in_ofs, in_std, out_ofs, out_std)
-    x = np.float64(coefs).reshape(len(a), -1)
+    x = np.asarray(coefs, dtype=np.float64).reshape(len(a), -1)
     return (np.einsum("io,ij,jo->o", x, a, x) - 2 * np.einsum("io,io->o", x, b) + rr) / rr

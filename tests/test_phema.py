@@ -261,3 +261,14 @@ def test_reconstructing_a_stored_track_reproduces_it():
     np.testing.assert_allclose(rec[0], snapshots[-1][2], rtol=0, atol=weight_tol)
     # The stored track and the direct one went through the same float32 operations.
     np.testing.assert_allclose(rec[0], direct[0.10], rtol=0, atol=weight_tol)
+
+
+def test_one_snapshot_and_one_target_keep_their_shapes():
+    # With one snapshot every array has one element, which np.float64() turned into a scalar on NumPy 1.x (then
+    # np.linalg.solve refused a 0-d matrix; NumPy 2 keeps the array): arrays must stay arrays on both.
+    coefs = phema.solve_posthoc_coefficients([100.0], [0.05], 100.0, [0.05])
+    error = phema.reconstruction_error([100.0], [0.05], [100.0], [0.05], coefs)
+    assert phema.power_function_inner(np.ones((1, 1)), np.full((1, 1), 0.1), 1.0, 0.1).shape == (1, 1)
+    # A snapshot reconstructs its own profile alone: weight 1, no error beyond round-off.
+    assert coefs.shape == (1, 1) and coefs[0, 0] == 1.0
+    assert error.shape == (1,) and abs(error[0]) < 1e-12
