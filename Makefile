@@ -1,5 +1,6 @@
 # The virtual environment sees the system's packages, so a PyTorch that is already installed (for
-# example a CUDA build) is used as it is; only when none is importable is TORCH_SPEC installed.
+# example a CUDA build) is used as it is; only when none is importable, or it is older than the 2.8 that
+# pyproject.toml asks for, is TORCH_SPEC installed.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,8 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 8))" 2>/dev/null \
+		|| $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[test]"
 	touch $@
 

@@ -104,6 +104,11 @@ def run_steps(compile, saved=None, steps=2):
     return step.state.to_dict()
 
 
+# aot_eager's graphs round as eager does from PyTorch 2.11 (2.8's differed by up to 7e-7 after two steps of this test).
+AOT_EAGER_BITWISE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11)
+
+
+@pytest.mark.skipif(not AOT_EAGER_BITWISE, reason="aot_eager matches eager bit for bit from PyTorch 2.11")
 def test_compiled_and_eager_runs_resume_each_other(aot_eager):
     saved_eager, saved_compiled = run_steps(compile=False), run_steps(compile=True)
     # The same names: compiling the loss leaves the network and its state dict as they are.
