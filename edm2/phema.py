@@ -137,7 +137,7 @@ def power_function_inner(a_ofs: np.ndarray, a_std: np.ndarray, b_ofs: np.ndarray
 
 def _gram(in_ofs, in_std, out_ofs, out_std) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # A (Eq. 142), B (Eq. 143, one column per target) and the targets' own norms <p_r, p_r>.
-    # np.asarray, not np.float64(): NumPy 1.x turns an array of one element into a scalar (2.x warns that it will).
+    # np.asarray, not np.float64(): NumPy 1.x turns an array of one element into a scalar (2.x keeps the array).
     in_ofs, in_std = (np.asarray(x, dtype=np.float64).reshape(-1) for x in np.broadcast_arrays(in_ofs, in_std))
     out_ofs, out_std = (np.asarray(x, dtype=np.float64).reshape(-1) for x in np.broadcast_arrays(out_ofs, out_std))
     a = power_function_inner(in_ofs[:, None], in_std[:, None], in_ofs[None, :], in_std[None, :])
