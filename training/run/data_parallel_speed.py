@@ -11,7 +11,6 @@ two threads 95.8 images/s quiet and 16.6 beside two busy processes, two processe
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 
 import torch
@@ -19,24 +18,17 @@ import torch.multiprocessing as mp
 
 from edm2.runtime import distributed
 from training.run.benchmark import synthetic_step
+from training.run.checkpoint import weights_digest
 from training.step import training_step
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallelSpeed:
-    """What the processes measured: images/s of all of them together, and each rank's parameters' digest after
-    the last step (equal on every rank: they trained one model)."""
+    """What the processes measured: images/s of all of them together, and each rank's weights' digest after the
+    last step (equal on every rank: they trained one model)."""
 
     images_per_s: float
     digests: tuple[str, ...]
-
-
-def _digest(net: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes in order."""
-    sha = hashlib.sha256()
-    for param in net.parameters():
-        sha.update(param.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()
 
 
 def _worker(rank: int, port: int, results, preset: str, batch: int, processes: int, threads: int | None, steps: int,
@@ -61,7 +53,7 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
             float(loss)
             distributed.barrier()
             best = max(best, batch * steps / (time.perf_counter() - started))
-        results.put((rank, best, _digest(step.state.net)))
+        results.put((rank, best, weights_digest(step.state.net)))
 
 
 def data_parallel_speed(preset: str, batch: int, processes: int, threads: int | None = 1, steps: int = 4,
