@@ -14,8 +14,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 8))" 2>/dev/null \
-		|| $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import sys, torch; sys.exit(torch.__version__ < '2.8')" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e ".[test]"
 	touch $@
 

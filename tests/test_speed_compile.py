@@ -105,7 +105,7 @@ def run_steps(compile, saved=None, steps=2):
 
 
 # aot_eager's graphs round as eager does from PyTorch 2.11 (2.8's differed by up to 7e-7 after two steps of this test).
-AOT_EAGER_BITWISE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11)
+AOT_EAGER_BITWISE = torch.__version__ >= "2.11"  # a TorchVersion: compared as a version, not as text
 
 
 @pytest.mark.skipif(not AOT_EAGER_BITWISE, reason="aot_eager matches eager bit for bit from PyTorch 2.11")
