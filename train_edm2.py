@@ -8,6 +8,7 @@ import signal
 
 import click
 
+from cli import local_launch
 from cli.command import Command
 from cli.config import config_option
 from cli.evaluation import check_features
@@ -143,20 +144,45 @@ def config_params(values: dict, path: str) -> dict:
     return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **arch, **params}
 
 
+def run_processes(opts: TrainingOptions) -> int:
+    """The processes the run trains as (cli.local_launch.processes): one per core on a CPU unless told, of those the
+    batch splits over."""
+    return local_launch.processes(opts.processes, opts.threads, lambda count: splits(opts, count))
+
+
+def splits(opts: TrainingOptions, processes: int) -> bool:
+    """Whether the batch splits over this many processes (training.options.rounds_per_step)."""
+    try:
+        rounds_per_step(opts.batch, opts.batch_gpu, processes)
+    except OptionsError:
+        return False
+    return True
+
+
 def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, time_steps: int,
                   note: str | None) -> None:
     """The options as JSON on stdout (a valid --config); on stderr, the note on the data's encoding, if any, the
-    data, the network's size, where the run would start or resume and, with time_steps, its speed."""
-    click.echo(json.dumps(opts.to_json(), indent=2))
-    if note:
-        click.echo(note, err=True)
-    count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
-    click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
-    click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
-    click.echo(threads_note(), err=True)
+    data, the network's size, where the run would start or resume and, with time_steps, its speed. Under torchrun
+    (or --processes) every process times the steps together and the first prints."""
+    first = distributed.launched_rank() == 0
+    if first:
+        click.echo(json.dumps(opts.to_json(), indent=2))
+        if note:
+            click.echo(note, err=True)
+        count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
+        click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
+        click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
+        starting = 1 if distributed.launched() else run_processes(opts)
+        if starting > 1:
+            click.echo(local_launch.note(opts.processes, starting, "Would train as"), err=True)
+        click.echo(threads_note(starting), err=True)
     if time_steps:  # running out of memory is one line naming --batch-gpu (cli.command)
-        click.echo(timed_speed(opts, dataset, encoder, time_steps), err=True)
-    click.echo("Dry run: nothing written.", err=True)
+        with distributed.session():
+            speed = timed_speed(opts, dataset, encoder, time_steps)
+        if first:
+            click.echo(speed, err=True)
+    if first:
+        click.echo("Dry run: nothing written.", err=True)
 
 
 @click.command(cls=Command, epilog=EXAMPLES)
@@ -253,6 +279,11 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @click.option("--peak-tflops", type=field_type("peak_tflops"),
               help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
                    "on a CPU its matmul peak, measured once and cached]")
+@click.option("--processes", type=field_type("processes"), envvar="EDM2_PROCESSES",
+              help="Processes this command starts on this machine, one model trained by all (as torchrun "
+                   "--standalone --nproc_per_node would; on CUDA one per GPU): on a CPU they hold up beside other "
+                   "work far better than one process of many threads. Ignored under torchrun  [default: on a CPU "
+                   f"one per core, up to {local_launch.MAX_DEFAULT_PROCESSES}; on CUDA 1; $EDM2_PROCESSES]")
 @threads_option
 def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
@@ -268,6 +299,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     run counts its own images, so the learning rate ramps up and decays (Eq. 67) as in any run, with --lr and
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
+    local_launch.follow_launcher()
     check_before_the_data(overrides, cond, dry_run, time_steps)
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
@@ -285,10 +317,17 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
         check_derived(config or {}, opts.to_json(), (*UNET_OPTIONS, "family"))
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="--config") from None
+    processes = run_processes(opts)
     try:
-        rounds_per_step(opts.batch, opts.batch_gpu, distributed.launched_world_size())
+        rounds_per_step(opts.batch, opts.batch_gpu, processes)
     except OptionsError as e:
-        raise click.BadParameter(str(e), param_hint="'--batch' / '--batch-gpu'") from None
+        hint = "'--batch' / '--batch-gpu'" + (" / '--processes'" if opts.processes else "")
+        raise click.BadParameter(str(e), param_hint=hint) from None
+    if processes > 1 and not distributed.launched() and (time_steps or not dry_run):
+        if not dry_run:
+            files.check_writable_dir(opts.run_dir)
+        lead = "Timing the steps as" if dry_run else "Training as"
+        click.get_current_context().exit(local_launch.relaunch(__file__, processes, opts.threads, lead))
     note = unrecorded_encoding(dataset, encoder) if init is None else None
     report_init(opts, dataset)
     if dry_run:

@@ -16,6 +16,16 @@ MEMORY_OPTIONS = ("--batch-gpu", "--batch", "--channels", "--dim", "--layers")
 _OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memory|can't allocate memory", re.I)
 
 
+# Gloo's words when another process of the group ended (PyTorch raises them as a RuntimeError or a DistError).
+_LOST_PEER = re.compile(r"gloo.*Connection (reset|closed) by peer", re.I | re.S)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether error says that another process of the run's group ended: its own error, printed by it, says why."""
+    return isinstance(error, torch.distributed.DistError) or (
+        isinstance(error, RuntimeError) and bool(_LOST_PEER.search(str(error))))
+
+
 def out_of_memory(error: BaseException) -> bool:
     """Whether error is a failed allocation: torch.OutOfMemoryError (CUDA), MemoryError, or the RuntimeError of
     torch's CPU allocator."""
@@ -33,10 +43,19 @@ def memory_hint(command: click.Command) -> str:
     return f"give a smaller {listed}"
 
 
+# ctx.meta key of the arguments a command was given, as given: a command that starts its own ranks passes them on.
+ARGS = "edm2.args"
+
+
 class _OneLineErrors:
     """Mixin for click commands: EDM2Error and OSError (a full disk, a read-only folder) become click errors, and
     running out of memory one line saying which options make the work smaller; no error's message can hold a second
     line (a name with a newline in it is shown escaped: edm2.errors.shown)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Parse as click does, keeping the arguments as given in ctx.meta[ARGS]."""
+        ctx.meta[ARGS] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         """Run the command, reporting library and file-system errors as `Error: <one line>`."""
@@ -48,6 +67,9 @@ class _OneLineErrors:
             e.message = shown(e.message)
             raise
         except (RuntimeError, MemoryError) as e:
+            if lost_peer(e):
+                raise click.ClickException(shown(f"another process of this run ended ({one_line(e)}); its own "
+                                                 "error, or the signal that ended it, says why")) from None
             if not out_of_memory(e):
                 raise
             detail = one_line(e) if str(e).strip() else type(e).__name__

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-from pathlib import Path
 from typing import Callable
 
 import click
 import torch
 
-from cli import wait_policy
+from cli import local_launch, wait_policy
 from edm2.networks import Precond
 from edm2.runtime import distributed
 from edm2.runtime.limits import MAX_THREADS
@@ -63,24 +61,29 @@ def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None
         torch.set_num_threads(threads)
 
 
-def threads_note() -> str:
-    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run. A
-    single process of several threads on a CPU is told that as many processes of one thread hold up under load."""
-    threads, processes = torch.get_num_threads(), distributed.launched_world_size()
-    if click.get_current_context().meta.get(THREADS) is not None:
+def threads_note(starting: int = 1) -> str:
+    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run; with
+    starting > 1, those of the processes this command is about to start (cli.local_launch). A single process of
+    several threads on a CPU is told that as many processes of one thread hold up under load."""
+    given = click.get_current_context().meta.get(THREADS)
+    if starting > 1:
+        processes, threads = starting, given or local_launch.default_threads(starting)
+    else:
+        processes, threads = distributed.launched_world_size(), torch.get_num_threads()
+    if given is not None:
         why = "--threads"
+    elif starting > 1 or local_launch.launched_here():
+        why = "this machine's cores shared out among the processes; --threads changes it"
     elif "OMP_NUM_THREADS" in os.environ:
         why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" + (", as torchrun sets it" if processes > 1 else "")
     else:
         why = "PyTorch's default: one per core; --threads changes it"
     line = f"CPU threads: {threads} per process ({why}); {wait_policy.describe()}."
     if threads > 1 and processes == 1 and not torch.cuda.is_available():
-        # The threads of one process wait for each other at every operator; processes meet once a step. Toy-small
-        # bf16 on 2 cores beside two busy processes (scripts/bench_load.py): 2 processes of one thread kept 47% of
-        # their quiet speed, one of two threads 17%; quiet, the two were within 8% of each other.
+        # The threads of one process wait for each other at every operator; processes meet once a step
+        # (cli.local_launch).
         line += (f" On a CPU shared with other work, {threads} processes of one thread each keep far more of their "
-                 f"speed than one process of {threads} threads: torchrun --standalone --nproc_per_node={threads} "
-                 f"{Path(sys.argv[0]).name} ...")
+                 f"speed than one process of {threads} threads: --processes={threads} --threads=1")
     return line
 
 

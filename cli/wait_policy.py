@@ -20,6 +20,14 @@ if USER_POLICY is None:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # GNU OpenMP: it overrides PASSIVE's spin count of 0
 
 
+def users_environment() -> dict[str, str]:
+    """os.environ as the user set it, without the policy this module chose: the environment for another command
+    line this one starts, which chooses (and says it chose) the same."""
+    ours = {"OMP_WAIT_POLICY"} if USER_POLICY is None else set()
+    ours |= {"GOMP_SPINCOUNT"} if USER_POLICY is None and USER_SPIN is None else set()
+    return {name: value for name, value in os.environ.items() if name not in ours}
+
+
 def describe() -> str:
     """The policy in force and who chose it, for a command's start line."""
     if USER_POLICY is not None:

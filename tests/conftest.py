@@ -8,6 +8,9 @@ import os
 # PyTorch reads it, which is when CUDA first starts.
 if os.environ.get("EDM2_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# train_edm2.py starts one process per core on a CPU unless told (cli.local_launch); the tests train as one process,
+# where they can watch it, unless a test asks for more (--processes, or EDM2_PROCESSES unset).
+os.environ["EDM2_PROCESSES"] = "1"
 
 import pytest  # noqa: E402 (after hiding the GPU)
 import torch  # noqa: E402

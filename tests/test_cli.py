@@ -5,6 +5,7 @@ import math
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.command import Command, Group
@@ -15,7 +16,7 @@ from tests.helpers import assert_one_error_line
 
 
 @click.command(cls=Command)
-@click.option("--fail", type=click.Choice(["library", "disk", "bug"]))
+@click.option("--fail", type=click.Choice(["library", "disk", "bug", "peer", "dist"]))
 def command(fail):
     if fail == "library":
         raise EDM2Error("net.safetensors: not an EDM2 snapshot\n(details)")
@@ -23,6 +24,12 @@ def command(fail):
         raise OSError(errno.ENOSPC, "No space left on device", "out/000001.png")
     if fail == "bug":
         raise ZeroDivisionError("a bug stays a traceback")
+    if fail == "peer":  # as DistributedDataParallel's backward raised it when the other rank was killed (PyTorch 2.13)
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                           "[127.0.0.1]:5336: Connection reset by peer. This is typically caused by a remote worker "
+                           "hanging or bugs in the application.")
+    if fail == "dist":
+        raise torch.distributed.DistBackendError("NCCL communicator was aborted\non rank 1")
 
 
 @click.group(cls=Group)
@@ -43,6 +50,13 @@ def test_library_and_filesystem_errors_become_one_line(fail, line):
 
 def test_subcommands_of_a_group_get_one_line_too():
     assert assert_one_error_line(CliRunner().invoke(group, ["sub"])) == "Error: from a subcommand"
+
+
+@pytest.mark.parametrize("fail", ["peer", "dist"])
+def test_a_process_that_lost_its_group_says_so_in_one_line(fail):
+    # The rank whose peer ended (killed, or failed with its own error line) adds one line, not a traceback.
+    line = assert_one_error_line(CliRunner().invoke(command, ["--fail", fail]))
+    assert line.startswith("Error: another process of this run ended (") and "its own error" in line
 
 
 def test_other_exceptions_are_not_swallowed():

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 from torch.distributed.launcher.api import LaunchConfig
 
 import train_edm2
+from cli import local_launch
 from edm2.formats.snapshot import load_network, read_metadata
 from training.run import checkpoint
 from training.run.run_lock import LOCK_FILE, RunLock
@@ -233,6 +235,143 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     pattern = "network-snapshot-0000001-*.safetensors"
     ignore = ("run_dir", "workers", "status", "duration")
     assert snapshot_contents(outdir, pattern, ignore) == snapshot_contents(ddp_run[0], pattern, ignore)
+
+
+# --processes: train_edm2.py starting its own ranks (cli.local_launch), as torchrun_command's torchrun does.
+def launcher_command(data: Path, outdir: Path, *extra: str) -> list[str]:
+    """train_edm2.py starting two Gloo processes of 2 rounds x 8 images itself: torchrun_command's run."""
+    return [sys.executable, "train_edm2.py", *TRAIN_ARGS, "--processes=2", "--duration=1Ki", "--batch-gpu=8",
+            f"--data={data}", f"--outdir={outdir}", *extra]
+
+
+def start_launcher(data: Path, outdir: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """launcher_command for a 64Ki-image run that a test stops, its output in log: a pipe that nobody reads after
+    the launcher is killed would block the ranks."""
+    with open(log, "w") as out:
+        return subprocess.Popen(launcher_command(data, outdir, "--workers=1", "--status=256", "--duration=64Ki",
+                                                 *extra), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def ranks_of(launcher: int) -> dict[int, int]:
+    """{rank: process id} of the ranks a launcher started, from their environment."""
+    ranks = {}
+    for pid in process_tree(launcher)[1:]:
+        try:
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:  # ended meanwhile
+            continue
+        if environ.get("EDM2_LAUNCHER_PID") == str(launcher) and "RANK" in environ:
+            ranks.setdefault(int(environ["RANK"]), pid)  # a rank's data loader workers share its environment
+    return ranks
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and is no zombie (an orphan's zombie may wait here for a reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until_ended(pids: list[int], timeout: float = 120.0) -> None:
+    """Wait until none of pids runs; fail when the time runs out."""
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if running(pid)]
+        time.sleep(0.05)
+
+
+def test_processes_train_as_torchrun_does_bit_for_bit(train_data, ddp_run, tmp_path):
+    result = subprocess.run(launcher_command(train_data, tmp_path / "run", "--workers=0"), cwd=REPO, env=train_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "Training as 2 processes on this machine (--processes)" in result.stderr
+    assert "CPU threads: 1 per process (this machine's cores shared out among the processes" in result.stdout
+    assert result.stdout.count("2 process(es) x 2 round(s) x 8 images") == 1  # the first process reports for all
+    assert json.loads((tmp_path / "run" / "training_options.json").read_text())["processes"] == 2
+    pattern, ignore = "network-snapshot-0000001-*.safetensors", ("run_dir", "workers", "processes")
+    assert snapshot_contents(tmp_path / "run", pattern, ignore) == snapshot_contents(ddp_run[0], pattern, ignore)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_rank_with_a_training_state(sig, train_data, ddp_run, tmp_path):
+    outdir, log = tmp_path / "stopped", tmp_path / "log.txt"
+    proc = start_launcher(train_data, outdir, log)
+    wait_for(lambda: (outdir / "stats.jsonl").exists(), proc)  # the first status line (256 images)
+    proc.send_signal(sig)  # Ctrl-C reaches the launcher alone: the ranks run in a process group of their own
+    proc.wait(timeout=120)
+    output = log.read_text()
+    # SIGTERM: exit 0, as one process does; Ctrl-C: the launcher ends by SIGINT as its ranks did, so scripts stop.
+    assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGINT), output
+    assert "Traceback" not in output and "Error" not in output and output.count(f"Received {sig.name}") == 2, output
+    stopped = checkpoint.load_state(checkpoint.list_states(outdir)[0])
+    assert stopped["cur_nimg"] == stopped_at(output) >= 256 and len(set(stopped["rank_digests"])) == 1
+    if sig == signal.SIGINT:
+        return  # the resume below is the same for both
+    result = subprocess.run(launcher_command(train_data, outdir, "--workers=0"), cwd=REPO, env=train_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and f"Resuming from {checkpoint.list_states(outdir)[-1].name}" in result.stdout
+    pattern, ignore = "network-snapshot-0000001-*.safetensors", ("run_dir", "workers", "status", "duration",
+                                                                 "processes")
+    assert snapshot_contents(outdir, pattern, ignore) == snapshot_contents(ddp_run[0], pattern, ignore)
+
+
+def test_a_killed_launcher_leaves_no_rank_running(train_data, tmp_path):
+    outdir, log = tmp_path / "orphaned", tmp_path / "log.txt"
+    proc = start_launcher(train_data, outdir, log)
+    wait_for(lambda: (outdir / "stats.jsonl").exists() and len(ranks_of(proc.pid)) == 2, proc)
+    tree_ = process_tree(proc.pid)
+    proc.kill()  # as the OOM killer would
+    proc.wait(timeout=60)
+    # The kernel sends each rank SIGTERM (PR_SET_PDEATHSIG): it finishes its step, writes a training state, ends.
+    wait_until_ended(tree_)
+    output = log.read_text()
+    assert output.count("Received SIGTERM") == 2 and "Traceback" not in output, output
+    assert checkpoint.load_state(checkpoint.list_states(outdir)[0])["cur_nimg"] == stopped_at(output)
+
+
+def test_a_rank_killed_by_a_signal_stops_the_others_and_is_named(train_data, tmp_path):
+    outdir, log = tmp_path / "failed", tmp_path / "log.txt"
+    proc = start_launcher(train_data, outdir, log)
+    wait_for(lambda: (outdir / "stats.jsonl").exists() and len(ranks_of(proc.pid)) == 2, proc)
+    tree_ = process_tree(proc.pid)
+    os.kill(ranks_of(proc.pid)[1], signal.SIGKILL)  # as the OOM killer would
+    proc.wait(timeout=120)
+    output = log.read_text()
+    assert proc.returncode == 128 + signal.SIGKILL, output
+    assert "Error: process 1 of 2 was killed by SIGKILL; the others were stopped" in output, output
+    assert "Traceback" not in output, output
+    wait_until_ended(tree_)
+
+
+@pytest.mark.bad_input
+def test_processes_the_batch_does_not_split_over_are_refused_before_anything_starts(train_data, tmp_path):
+    line = assert_refused(tmp_path, lambda: cli([f"--data={train_data}", "--processes=3"], tmp_path / "run"),
+                          "--processes")
+    assert "batch 32 is not divisible by 3 process(es)" in line
+
+
+@pytest.mark.parametrize("cores, extra, processes, threads", [
+    (2, [], 2, 1), (4, [], 4, 1), (4, ["--threads=2"], 2, 2), (3, [], 2, 1), (64, [], 8, 8), (1, [], 1, None),
+])
+def test_a_cpu_run_starts_a_process_per_core_unless_told(train_data, tmp_path, monkeypatch, cores, extra, processes,
+                                                         threads):
+    # Issue 31: processes of one thread keep their speed beside other work; threads of one process do not.
+    monkeypatch.delenv("EDM2_PROCESSES")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(local_launch, "cores", lambda: cores)
+    result = cli([f"--data={train_data}", "--dry-run", *extra], tmp_path / "run")  # toy-tiny: batch 32
+    assert result.exit_code == 0, result.output
+    would = f"Would train as {processes} processes on this machine"
+    assert (would in result.output) == (processes > 1), result.output
+    if threads:
+        assert f"CPU threads: {threads} per process" in result.output
+    assert json.loads(result.stdout)["processes"] is None  # the default is stored as the default: a rerun elsewhere
+    # Under torchrun (here a group of one), torchrun's processes train, whatever --processes says.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    result = cli([f"--data={train_data}", "--dry-run", "--processes=2", *extra], tmp_path / "run")
+    assert result.exit_code == 0 and "Would train as" not in result.output, result.output
 
 
 # --ema-shard: the files of a run do not depend on it (it is no hyperparameter, and their options say it).

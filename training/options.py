@@ -18,7 +18,7 @@ from edm2.generation import MAX_SEED
 from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
 from edm2.network_args import MAX_CHANNELS, shown
 from edm2.phema import MAX_STD
-from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_THREADS, MAX_WORKERS
+from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset
 from training.presets import get_preset
@@ -123,6 +123,9 @@ class TrainingOptions:
     cpu_16bit: bool = option(SPEED, default=False)  # compute in `precision` on the CPU too (float32 there otherwise)
     # --threads: PyTorch's CPU threads per process; None: PyTorch's default.
     threads: int | None = option(SPEED, Count(1, MAX_THREADS), optional=True, default=None)
+    # --processes: ranks train_edm2.py starts itself on this machine (cli.local_launch); None: one per core on a CPU,
+    # one on CUDA. Under torchrun, torchrun's.
+    processes: int | None = option(SPEED, Count(1, MAX_PROCESSES), optional=True, default=None)
     # Where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema).
     ema_shard: bool = option(SPEED, default=False)
     # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.

@@ -20,6 +20,12 @@ class DistributedError(EDM2Error):
     """A command was started with more processes than it can use."""
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun, or a command that starts its own ranks) started this process as a rank, even of
+    a group of one."""
+    return "WORLD_SIZE" in os.environ
+
+
 def launched_world_size() -> int:
     """The number of processes torchrun started (1 for a plain `python` start), before any process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -3,4 +3,5 @@
 MAX_BATCH = 2**20  # images in one batch: a thousand times the release's largest per-GPU batch
 MAX_WORKERS = 1024  # data-loading processes per GPU
 MAX_THREADS = 1024  # PyTorch's CPU threads per process
+MAX_PROCESSES = 1024  # ranks one command line starts on its machine (train_edm2.py --processes)
 MAX_IMAGES = 10**8  # images to read, write or generate: dataset file names number them with 8 digits

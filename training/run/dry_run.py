@@ -61,25 +61,34 @@ def start_or_resume(run_dir: str | os.PathLike, duration: int) -> str:
 
 
 def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, steps: int) -> str:
-    """Images/s of `steps` training steps of a fresh network in this process, after one warm-up step (start-up,
-    compilation), and the time the rest of the run would take at that speed; nothing is written."""
-    device = distributed.device()
-    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, 1)
+    """Images/s of `steps` training steps of a fresh network, after one warm-up step (start-up, compilation), by this
+    process or, in a process group (torchrun, --processes), by all of them together as the run would train; and the
+    time the rest of the run would take at that speed; nothing is written."""
+    device, rank, world_size = distributed.device(), distributed.get_rank(), distributed.get_world_size()
+    batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
-    order = order_for(dataset, opts.seed, 0, 1, batch_gpu, 0)
+    model = None  # as training.loop trains: DistributedDataParallel averages the gradients over the processes
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            state.net, device_ids=[device.index] if device.type == "cuda" else None)
+    order = order_for(dataset, opts.seed, rank, world_size, batch_gpu, 0)
     step = TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
                         batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds,
-                        device=device)
+                        model=model, rank=rank, device=device)
     float(training_step(step))  # float(): waits for the device
+    distributed.barrier()
     started = time.perf_counter()
     for _ in range(steps):
         loss = training_step(step)
     float(loss)
+    distributed.barrier()
     rate = steps * opts.batch / (time.perf_counter() - started)
     remaining = max(opts.duration - newest_state(opts.run_dir)[1], 0)
     peak, source = peak_tflops(device, state.net.compute_dtype(device), opts.peak_tflops)
-    speed = utilization(training_flops(opts, state.net.img_channels), rate, peak, 1)
-    mfu = "" if speed["mfu"] is None else f", MFU {speed['mfu']:.1%} of {peak:.4g} TFLOP/s ({source})"
-    return (f"Timed {steps} step(s) of {opts.batch} images on one {device.type} process after a warm-up step: "
+    speed = utilization(training_flops(opts, state.net.img_channels), rate, peak, world_size)
+    each = "" if world_size == 1 else f"{world_size} x "
+    mfu = "" if speed["mfu"] is None else f", MFU {speed['mfu']:.1%} of {each}{peak:.4g} TFLOP/s ({source})"
+    who = f"one {device.type} process" if world_size == 1 else f"{world_size} {device.type} processes"
+    return (f"Timed {steps} step(s) of {opts.batch} images on {who} after a warm-up step: "
             f"{rate:.1f} images/s, {speed['tflops']:.3g} TFLOP/s{mfu}; the {remaining} images to go would take "
             f"about {hms(remaining / rate)}.")
