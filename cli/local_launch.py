@@ -4,8 +4,8 @@ watches them.
 On a CPU the ranks are processes of one thread each by default. The threads of one process meet at the end of every
 operator, so when another program takes a core every operator waits for the thread that lost it; processes meet
 once per step, in the gradients' all-reduce. Toy-small bf16 on 2 cores of a Xeon beside two busy processes
-(scripts/bench_load.py): one process of two threads kept 12-17% of its quiet speed, two processes of one thread
-35-47%, and end to end through train_edm2.py 86%; quiet, the two processes were also the faster.
+(scripts/bench_load.py): end to end through train_edm2.py, one process of two threads kept 29% of its quiet speed and
+two processes of one thread 70%; quiet, the two processes were 18% faster.
 
 The launcher validates nothing itself: the command has checked its options before it calls run_ranks, and each
 rank runs the same command line under torchrun's environment. The ranks run in a process group of their own, so
@@ -35,7 +35,7 @@ from edm2.runtime import distributed
 from training.run.signals import die_by
 
 LAUNCHER_ENV = "EDM2_LAUNCHER_PID"  # in each rank: the launcher's process id
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 # Each rank holds its own copy of the network, Adam's moments and the EMA tracks, and its own PyTorch runtime
 # (about 0.3 GB): by default no more ranks than this, the cores shared out as threads among them.
 MAX_DEFAULT_PROCESSES = 8
