@@ -113,9 +113,8 @@ def follow_launcher() -> None:
 def _rank_environment(rank: int, processes: int, port: int, threads: int) -> dict[str, str]:
     """The environment torchrun --standalone gives rank `rank` of `processes` on this machine, with `threads` CPU
     threads, and this launcher's process id."""
-    return dict(wait_policy.users_environment(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                LOCAL_WORLD_SIZE=str(processes), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                OMP_NUM_THREADS=str(threads), **{LAUNCHER_ENV: str(os.getpid())})
+    return {**wait_policy.users_environment(), **distributed.local_launch_environment(rank, processes, port),
+            "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: str(os.getpid())}
 
 
 def _status(code: int) -> int:

@@ -43,12 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_launch_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for rank `rank` of `world_size` processes on this machine meeting at
+    127.0.0.1:port, which init() and session() read."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def describe_local_launch(rank: int, world_size: int, port: int) -> None:
-    """Set this process's environment as torchrun sets it for rank `rank` of `world_size` processes on this
-    machine meeting at 127.0.0.1:port, so that init() and session() join their group (processes a script or a
-    test spawns itself)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    """Set this process's environment as torchrun sets it (local_launch_environment), so that init() and session()
+    join their group (processes a script or a test spawns itself)."""
+    os.environ.update(local_launch_environment(rank, world_size, port))
 
 
 @contextlib.contextmanager
