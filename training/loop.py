@@ -45,7 +45,7 @@ from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState, training_flops
-from training.step import TrainingStep, training_loss, training_step
+from training.step import TrainingStep, data_parallel, training_loss, training_step
 from training.run.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -132,10 +132,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
         for line in disk_report(opts, state.net, state.cur_nimg, run.path):
             if line:
                 print(line, flush=True)
-    model = None  # DistributedDataParallel averages the gradients over ranks
-    if world_size > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            state.net, device_ids=[device.index] if device.type == "cuda" else None)
+    model = data_parallel(state.net, world_size, device)
     batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
                                               state.data_order))
     return TrainingStep(

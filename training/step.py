@@ -40,6 +40,14 @@ class TrainingStep:
     device: torch.device = torch.device("cpu")
 
 
+def data_parallel(net: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module | None:
+    """net wrapped in DistributedDataParallel, which averages its gradients over the ranks, for TrainingStep.model;
+    None for one process."""
+    if world_size == 1:
+        return None
+    return torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def recipe_loss(opts: TrainingOptions, sigma_data: float) -> EDM2Loss:
     """Eq. 21's loss with the options' weighting and noise distribution: what the run trains, its snapshots record
     and its dashboard measures."""

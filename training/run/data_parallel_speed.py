@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from edm2.runtime import distributed
 from training.run.benchmark import synthetic_step
 from training.run.checkpoint import weights_digest
-from training.step import training_step
+from training.step import data_parallel, training_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
         torch.set_num_threads(threads)
     with distributed.session():
         step = synthetic_step(preset, batch // processes, torch.device("cpu"), **options)
-        model = torch.nn.parallel.DistributedDataParallel(step.state.net) if processes > 1 else None
+        model = data_parallel(step.state.net, processes, torch.device("cpu"))
         step = dataclasses.replace(step, rank=rank, model=model)
         for _ in range(warmup):
             float(training_step(step))

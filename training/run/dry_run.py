@@ -19,7 +19,7 @@ from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
 from training.run.run_lock import LOCK_FILE, RunLock
 from training.state import TrainingState, init_network, training_flops
-from training.step import TrainingStep, training_loss, training_step
+from training.step import TrainingStep, data_parallel, training_loss, training_step
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset
@@ -67,10 +67,7 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     device, rank, world_size = distributed.device(), distributed.get_rank(), distributed.get_world_size()
     batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
-    model = None  # as training.loop trains: DistributedDataParallel averages the gradients over the processes
-    if world_size > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            state.net, device_ids=[device.index] if device.type == "cuda" else None)
+    model = data_parallel(state.net, world_size, device)  # as training.loop trains
     order = order_for(dataset, opts.seed, rank, world_size, batch_gpu, 0)
     step = TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
                         batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds,
