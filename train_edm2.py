@@ -160,10 +160,11 @@ def splits(opts: TrainingOptions, processes: int) -> bool:
 
 
 def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, time_steps: int,
-                  note: str | None) -> None:
+                  note: str | None, starting: int) -> None:
     """The options as JSON on stdout (a valid --config); on stderr, the note on the data's encoding, if any, the
     data, the network's size, where the run would start or resume and, with time_steps, its speed. Under torchrun
-    (or --processes) every process times the steps together and the first prints."""
+    (or --processes) every process times the steps together and the first prints; `starting`: the processes the
+    command itself would start (1 under torchrun)."""
     first = distributed.launched_rank() == 0
     if first:
         click.echo(json.dumps(opts.to_json(), indent=2))
@@ -172,7 +173,6 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
         count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
         click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
         click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
-        starting = 1 if distributed.launched() else run_processes(opts)
         if starting > 1:
             click.echo(local_launch.note(opts.processes, starting, "Would train as"), err=True)
         click.echo(threads_note(starting), err=True)
@@ -323,15 +323,17 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     except OptionsError as e:
         hint = "'--batch' / '--batch-gpu'" + (" / '--processes'" if opts.processes else "")
         raise click.BadParameter(str(e), param_hint=hint) from None
-    if processes > 1 and not distributed.launched() and (time_steps or not dry_run):
+    starting = 1 if distributed.launched() else processes  # the processes this command starts itself
+    if starting > 1 and (time_steps or not dry_run):
         if not dry_run:
             files.check_writable_dir(opts.run_dir)
         lead = "Timing the steps as" if dry_run else "Training as"
-        click.get_current_context().exit(local_launch.relaunch(__file__, processes, opts.threads, lead))
+        click.get_current_context().exit(
+            local_launch.relaunch(__file__, processes, opts.processes, opts.threads, lead))
     note = unrecorded_encoding(dataset, encoder) if init is None else None
     report_init(opts, dataset)
     if dry_run:
-        print_dry_run(opts, dataset, encoder, time_steps, note)
+        print_dry_run(opts, dataset, encoder, time_steps, note, starting)
         return
     files.check_writable_dir(opts.run_dir)
     try:

@@ -79,13 +79,12 @@ def note(given: int | None, count: int, lead: str) -> str:
     return f"{lead} {count} processes on this machine ({why}); the first reports for all."
 
 
-def relaunch(script: str, count: int, threads: int | None, lead: str) -> int:
+def relaunch(script: str, count: int, given: int | None, threads: int | None, lead: str) -> int:
     """Say so (note, after lead), then run the current command line again as `count` ranks of `python script` with
     its arguments as given (cli.command.ARGS), each with `threads` threads or the cores shared out (run_ranks);
     their exit status."""
-    ctx = click.get_current_context()
-    click.echo(note(ctx.params.get("processes"), count, lead), err=True)
-    command = [sys.executable, str(Path(script).resolve()), *ctx.meta[ARGS]]
+    click.echo(note(given, count, lead), err=True)
+    command = [sys.executable, str(Path(script).resolve()), *click.get_current_context().meta[ARGS]]
     return run_ranks(command, count, threads or default_threads(count))
 
 
