@@ -189,13 +189,17 @@ def test_torchrun_two_gloo_processes(ddp_run):
     assert all(torch.isfinite(t.float()).all() for t in ema.values())
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...); OSError once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_tree(root: int) -> list[int]:
     """root and every process below it, from /proc."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            pid, rest = stat.read_text().split(" ", 1)
-            parents[int(pid)] = int(rest.rsplit(")", 1)[1].split()[1])
+            parents[int(stat.parent.name)] = int(stat_fields(stat.parent.name)[1])
         except (OSError, IndexError, ValueError):  # a process that ended meanwhile
             continue
     tree_ = [root]
@@ -261,7 +265,7 @@ def ranks_of(launcher: int) -> dict[int, int]:
                            Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
         except OSError:  # ended meanwhile
             continue
-        if environ.get("EDM2_LAUNCHER_PID") == str(launcher) and "RANK" in environ:
+        if environ.get(local_launch.LAUNCHER_ENV) == str(launcher) and "RANK" in environ:
             ranks.setdefault(int(environ["RANK"]), pid)  # a rank's data loader workers share its environment
     return ranks
 
@@ -269,7 +273,7 @@ def ranks_of(launcher: int) -> dict[int, int]:
 def running(pid: int) -> bool:
     """Whether a process exists and is no zombie (an orphan's zombie may wait here for a reaper)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return stat_fields(pid)[0] != "Z"
     except OSError:
         return False
 
