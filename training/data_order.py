@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import TYPE_CHECKING, Iterator
+import sys
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -129,11 +130,29 @@ def _ignore_signals(_worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def _hiding_lost_parent(hook: Callable[..., None]) -> Callable[..., None]:
+    """sys.excepthook for a data loader worker, around its previous hook: a worker talks only to its main process
+    (multiprocessing's resource sharer, whose thread reports its errors to sys.excepthook, hands that process the
+    batches' file descriptors), so a connection error there means the main process has ended, killed say. That end
+    is reported where it is watched (cli.local_launch names a killed rank), and the worker ends with it without a
+    traceback of its own. Any other error is printed as before."""
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb) -> None:
+        if not issubclass(exc_type, ConnectionError):
+            hook(exc_type, exc, tb)
+    return excepthook
+
+
+def _init_worker(worker_id: int) -> None:
+    """A data loader worker's start: the stop signals ignored, and no traceback when its main process is gone."""
+    _ignore_signals(worker_id)
+    sys.excepthook = _hiding_lost_parent(sys.excepthook)
+
+
 def data_loader(dataset: ImageFolderDataset, order: DataOrder, workers: int, device: torch.device):
     """Batches of batch_gpu (images, labels) in the given order."""
     return torch.utils.data.DataLoader(
         dataset, batch_size=order.batch_gpu, sampler=order, num_workers=workers,
-        pin_memory=device.type == "cuda", worker_init_fn=_ignore_signals if workers else None,
+        pin_memory=device.type == "cuda", worker_init_fn=_init_worker if workers else None,
         prefetch_factor=2 if workers else None,
     )
 
