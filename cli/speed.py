@@ -12,7 +12,7 @@ import torch
 
 from cli import local_launch, wait_policy
 from edm2.networks import Precond
-from edm2.runtime import distributed
+from edm2.runtime import distributed, host_memory
 from edm2.runtime.limits import MAX_THREADS
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
 from edm2.sampler import SELF
@@ -54,17 +54,20 @@ THREADS = "threads"
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, threads: int | None) -> None:
-    """Limit PyTorch's CPU threads (OpenMP included) before the command computes anything; the value stays in
-    ctx.meta[THREADS] for a command that records it (train_edm2.py, in its options)."""
+    """Limit PyTorch's CPU threads (OpenMP included) and keep freed host memory for reuse (host_memory) before the
+    command computes anything; the thread count stays in ctx.meta[THREADS] for a command that records it
+    (train_edm2.py, in its options)."""
     ctx.meta[THREADS] = threads
+    host_memory.keep_freed_memory()
     if threads is not None:
         torch.set_num_threads(threads)
 
 
 def threads_note(starting: int = 1) -> str:
-    """The CPU threads in force and who chose them, and the OpenMP wait policy: a line for the start of a run; with
-    starting > 1, those of the processes this command is about to start (cli.local_launch). A single process of
-    several threads on a CPU is told that as many processes of one thread hold up under load."""
+    """The CPU threads in force and who chose them, the OpenMP wait policy and what becomes of freed host memory: a
+    line for the start of a run; with starting > 1, those of the processes this command is about to start
+    (cli.local_launch). A single process of several threads on a CPU is told that as many processes of one thread
+    hold up under load."""
     given = click.get_current_context().meta.get(THREADS)
     if starting > 1:
         processes, threads = starting, given or local_launch.default_threads(starting)
@@ -78,7 +81,7 @@ def threads_note(starting: int = 1) -> str:
         why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" + (", as torchrun sets it" if processes > 1 else "")
     else:
         why = "PyTorch's default: one per core; --threads changes it"
-    line = f"CPU threads: {threads} per process ({why}); {wait_policy.describe()}."
+    line = f"CPU threads: {threads} per process ({why}); {wait_policy.describe()}; {host_memory.describe()}."
     if threads > 1 and processes == 1 and not torch.cuda.is_available():
         # The threads of one process wait for each other at every operator; processes meet once a step
         # (cli.local_launch).

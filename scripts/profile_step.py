@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 import training.step  # noqa: E402
+from edm2.runtime import host_memory  # noqa: E402
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
@@ -145,6 +146,7 @@ def main(preset: str, batch: int, resolution: int, precisions: str, steps: int, 
     """Profile the training step and the sampling step on the CPU."""
     if threads:
         torch.set_num_threads(threads)
+    host_memory.keep_freed_memory()  # as the command lines do
     # The generated kernels appear in the profile by name only with inductor's kernel profile on.
     torch._inductor.config.cpp.enable_kernel_profile = compiled
     report = {}
