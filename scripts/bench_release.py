@@ -9,12 +9,18 @@ the release's loop starts several processes on NCCL only, so not on a CPU). It p
 images/s, each side's speed-up over the release's float32 and its share of this CPU's float32 and bfloat16
 peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulates); the last line is JSON.
 
+A ceiling line gives the rate of a step that took no more time than its layers' convolutions and linear maps alone,
+each shape timed on its own in bfloat16 channels-last with oneDNN (forward and backward): no setting of the step
+can pass it, so its share of the bfloat16 peak bounds the step's. On the 2-core Xeon with AMX the toy networks'
+narrow layers (16 and 32 channels) run at about a quarter (toy-tiny) and two fifths (toy-small) of that peak.
+
     git clone https://github.com/NVlabs/edm2 ../edm2-release   # its training loop also imports psutil
     python scripts/bench_release.py --release=../edm2-release --threads=2
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 import json
@@ -24,9 +30,11 @@ from typing import Callable
 
 import click
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 from edm2.eval.benchmark import seconds_per_call, tflops  # noqa: E402
+from edm2.layers import mpconvs  # noqa: E402
 from edm2.runtime import host_memory  # noqa: E402
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
@@ -45,11 +53,43 @@ OURS = {
     "bf16 compiled": dict(precision="bf16", cpu_16bit=True, compile=True, channels_last=True),
 }
 CPU = torch.device("cpu")
+# The rate of a step that took only its layers' time alone (layer_seconds): no setting of the step reaches it.
+CEILING = "ceiling: its layers alone, bf16"
 
 
 def our_settings(compiled: bool) -> dict[str, dict]:
     """The settings of OURS measured: all, or with compiled False those that do not compile."""
     return {name: settings for name, settings in OURS.items() if compiled or not settings["compile"]}
+
+
+def layer_seconds(net: torch.nn.Module, batch: int, resolution: int, steps: int, rounds: int) -> float:
+    """Seconds per step of batch images that net's MPConv layers (its convolutions and linear layers) take alone in
+    bfloat16, channels-last, forward and backward (input and weight gradients): each distinct shape of a forward
+    pass timed on its own, the best of `rounds` windows of `steps` calls. A floor under the 16-bit training step's
+    time, which computes these and more; so the counted FLOPs over it bound the step's share of the peak."""
+    shapes = collections.Counter()
+    hooks = [layer.register_forward_hook(lambda layer, args, out: shapes.update([(args[0].shape, layer.weight.shape)]))
+             for layer in mpconvs(net)]
+    with torch.no_grad():
+        net(torch.randn(batch, net.img_channels, resolution, resolution), torch.ones(batch),
+            torch.eye(net.label_dim)[torch.arange(batch) % net.label_dim])
+    for hook in hooks:
+        hook.remove()
+    total = 0.0
+    for (x_shape, w_shape), count in shapes.items():
+        x = torch.randn(x_shape, dtype=torch.bfloat16)
+        x = (x.to(memory_format=torch.channels_last) if x.ndim == 4 else x).requires_grad_()
+        w = torch.randn(w_shape, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(layer_output(x, w).shape, dtype=torch.bfloat16)
+        seconds = min(seconds_per_call(lambda: layer_output(x, w).backward(grad), steps, warmup=1, device=CPU)
+                      for _ in range(rounds))
+        total += count * seconds
+    return total
+
+
+def layer_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An MPConv layer's product of input x and (normalized, scaled) weight w: a convolution or a linear map."""
+    return F.conv2d(x, w, padding=w.shape[-1] // 2) if w.ndim == 4 else x @ w.t()
 
 
 def release_module(release: Path, relative: str, name: str):
@@ -122,6 +162,7 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
         **{f"ours {name}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps))
            for name, s in ours.items()},
     })
+    rates[CEILING] = batch / layer_seconds(ours["fp32"].state.net, batch, resolution, steps, rounds)
     if processes > 1:
         for name, settings in our_settings(compiled).items():
             if settings["cpu_16bit"]:
