@@ -1,5 +1,6 @@
 """Training-step speed on a quiet and on a busy CPU, for each OpenMP wait policy, thread count and process count;
-then train_edm2.py end to end, with its defaults (a process per core on a CPU) and as one process of all cores.
+then train_edm2.py end to end, with its defaults (a process per core on a CPU), as one process of all cores, and with
+glibc's malloc left to hand freed memory back to the kernel (edm2.runtime.host_memory).
 
 Each setting runs in fresh processes (OpenMP reads its wait policy once, when PyTorch loads it), as
 training.run.data_parallel_speed measures: one process of some threads, or --processes processes of one thread
@@ -58,14 +59,16 @@ def measure(policy: str | None, processes: int, threads: int | None, **settings)
     return data_parallel_speed(processes=processes, threads=threads, **settings).images_per_s
 
 
-def end_to_end(data: Path, duration: str, extra: list[str], precision: str, cpu_16bit: bool) -> float:
+def end_to_end(data: Path, duration: str, extra: list[str], env: dict[str, str], precision: str,
+               cpu_16bit: bool) -> float:
     """Images/s after the first status line of a fresh `train_edm2.py --preset=toy-small` run on data, with the
-    environment the user gave this script (the command line chooses its own wait policy and processes)."""
+    environment the user gave this script and env (the command line chooses its own wait policy and processes)."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, str(REPO / "train_edm2.py"), "--preset=toy-small", f"--data={data}",
                    f"--outdir={tmp}/run", f"--duration={duration}", "--status=1Ki", "--snapshot=0", "--checkpoint=0",
                    "--grid=0", f"--precision={precision}", *(["--cpu-16bit"] if cpu_16bit else []), *extra]
-        subprocess.run(command, env=cli.wait_policy.users_environment(), check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(command, env={**cli.wait_policy.users_environment(), **env}, check=True,
+                       stdout=subprocess.DEVNULL)
         rates = read_stats(Path(tmp) / "run")["images_per_s"][1:]
     return sum(rates) / len(rates)
 
@@ -94,7 +97,8 @@ def toy_data(folder: Path) -> Path:
 def main(preset: str, resolution: int, batch: int, steps: int, rounds: int, precision: str, cpu_16bit: bool,
          processes: int, busy: int, e2e_duration: str) -> None:
     """Print images/s quiet and loaded for ACTIVE, PASSIVE and the default waiting at 1 and the default threads,
-    and for --processes processes of one thread; then train_edm2.py's, with its defaults and as one process."""
+    and for --processes processes of one thread; then train_edm2.py's, with its defaults, as one process and with
+    glibc's malloc defaults."""
     settings = dict(preset=preset, resolution=resolution, batch=batch, steps=steps, rounds=rounds,
                     precision=precision, cpu_16bit=cpu_16bit)
     cases = [("ACTIVE", 1, None), ("ACTIVE", 1, 1), ("PASSIVE", 1, 1), ("PASSIVE", 1, None), (None, 1, 1),
@@ -108,15 +112,18 @@ def main(preset: str, resolution: int, batch: int, steps: int, rounds: int, prec
                 name = f"{labels[case]} {'busy' if load else 'quiet'}"
                 results[name] = measure(*case, **settings)
                 print(f"{name:<52} {results[name]:8.1f} images/s", flush=True)
-    e2e = {"train_edm2.py, its defaults": [], "train_edm2.py --processes=1": ["--processes=1"]}
+    # (options, environment): MALLOC_TOP_PAD_ at glibc's own default counts as the user's malloc setting, so the
+    # command leaves glibc's defaults as they are (edm2.runtime.host_memory).
+    e2e = {"train_edm2.py, its defaults": ([], {}), "train_edm2.py --processes=1": (["--processes=1"], {}),
+           "train_edm2.py, glibc's malloc defaults": ([], {"MALLOC_TOP_PAD_": str(128 << 10)})}
     if e2e_duration != "0":
         with tempfile.TemporaryDirectory() as tmp:
             data = toy_data(Path(tmp))
             for load in (0, busy):
                 with busy_processes(load):
-                    for label, extra in e2e.items():
+                    for label, (extra, env) in e2e.items():
                         name = f"{label} {'busy' if load else 'quiet'}"
-                        results[name] = end_to_end(data, e2e_duration, extra, precision, cpu_16bit)
+                        results[name] = end_to_end(data, e2e_duration, extra, env, precision, cpu_16bit)
                         print(f"{name:<52} {results[name]:8.1f} images/s", flush=True)
     for label in [*labels.values(), *(e2e if e2e_duration != "0" else ())]:
         quiet, loaded = results[f"{label} quiet"], results[f"{label} busy"]

@@ -144,7 +144,7 @@ def best_of(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, 
 
 
 def training_rates(release: Path, preset: str, resolution: int, batch: int, steps: int, rounds: int,
-                   compiled: bool, processes: int, kept: bool) -> dict:
+                   compiled: bool, processes: int) -> dict:
     """images/s of the release's float32 step and of ours in our_settings(compiled), the 16-bit ones also as
     `processes` processes of one thread (torchrun's way; the release's loop runs several processes on NCCL only)."""
     networks = release_module(release, "training/networks_edm2.py", "release_networks_edm2")
@@ -167,8 +167,7 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
         for name, settings in our_settings(compiled).items():
             if settings["cpu_16bit"]:
                 rates[f"ours {name}, {processes} processes"] = data_parallel_speed(
-                    preset, batch, processes, steps=steps, rounds=rounds, resolution=resolution,
-                    keep_freed_memory=kept, **settings,
+                    preset, batch, processes, steps=steps, rounds=rounds, resolution=resolution, **settings,
                 ).images_per_s
     return dict(rates=rates, flops_per_image=flops)
 
@@ -205,25 +204,23 @@ def sampling_rates(release: Path, preset: str, resolution: int, batch: int, roun
 @click.option("--threads", type=click.IntRange(min=1), help="PyTorch CPU threads  [default: PyTorch's]")
 @click.option("--compiled/--no-compiled", default=True, show_default=True,
               help="Also measure ours compiled (--compile --channels-last; about a minute of compiling per network)")
-@click.option("--keep-freed-memory/--no-keep-freed-memory", default=True, show_default=True,
-              help="Keep freed memory for reuse as the command lines do (edm2.runtime.host_memory), for both sides")
 @click.option("--processes", type=click.IntRange(min=1),
               help="Also measure ours in 16 bits as this many processes of one thread, after the rest  [default: "
                    "the threads; 1: not]")
 def main(release: Path, presets: str, resolution: int, batch: int, steps: int, rounds: int,
-         threads: int | None, compiled: bool, keep_freed_memory: bool, processes: int | None) -> None:
+         threads: int | None, compiled: bool, processes: int | None) -> None:
     """Time the release and this project side by side on this CPU."""
     if threads:
         torch.set_num_threads(threads)
-    kept = keep_freed_memory and host_memory.keep_freed_memory()
+    host_memory.keep_freed_memory()  # as the command lines do, for both sides: they share this process
     processes = processes or torch.get_num_threads()
     peaks = {p: measure_cpu_tflops(dtype) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     click.echo(f"{torch.get_num_threads()} threads; peak (matmul or 3x3 convolution) fp32 "
                f"{peaks['fp32'] * 1e3:.1f} GFLOP/s, bf16 {peaks['bf16'] * 1e3:.1f} GFLOP/s; "
                f"{host_memory.describe()}")
-    report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, freed_memory_kept=kept, presets={})
+    report = dict(threads=torch.get_num_threads(), peak_tflops=peaks, presets={})
     for preset in presets.split(","):
-        train = training_rates(release, preset, resolution, batch, steps, rounds, compiled, processes, kept)
+        train = training_rates(release, preset, resolution, batch, steps, rounds, compiled, processes)
         sample = sampling_rates(release, preset, resolution, batch, rounds, compiled)
         report["presets"][preset] = dict(training=train, sampling=sample)
         base = train["rates"]["release fp32"]

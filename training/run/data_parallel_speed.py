@@ -32,13 +32,12 @@ class DataParallelSpeed:
 
 
 def _worker(rank: int, port: int, results, preset: str, batch: int, processes: int, threads: int | None, steps: int,
-            warmup: int, rounds: int, keep_freed_memory: bool, options: dict) -> None:
-    """One rank: join the group as torchrun's environment describes it, keep freed memory if told (as
-    train_edm2.py's ranks do), warm up, time `rounds` windows of `steps` steps between barriers, report (rank, best
-    images/s of all ranks together, digest)."""
+            warmup: int, rounds: int, options: dict) -> None:
+    """One rank: join the group as torchrun's environment describes it, keep freed memory as train_edm2.py's ranks
+    do, warm up, time `rounds` windows of `steps` steps between barriers, report (rank, best images/s of all ranks
+    together, digest)."""
     distributed.describe_local_launch(rank, processes, port)
-    if keep_freed_memory:
-        host_memory.keep_freed_memory()
+    host_memory.keep_freed_memory()
     if threads:
         torch.set_num_threads(threads)
     with distributed.session():
@@ -60,18 +59,16 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
 
 
 def data_parallel_speed(preset: str, batch: int, processes: int, threads: int | None = 1, steps: int = 4,
-                        warmup: int = 2, rounds: int = 3, keep_freed_memory: bool = True,
-                        **options) -> DataParallelSpeed:
+                        warmup: int = 2, rounds: int = 3, **options) -> DataParallelSpeed:
     """Images/s of `preset`'s training step at `batch` images over `processes` CPU processes of `threads` threads
     (None: PyTorch's default, under the OpenMP settings of os.environ, which the processes inherit), the best of
     `rounds` windows of `steps` steps after `warmup` untimed ones (which compile, where options compile), keeping
-    freed memory as the command lines do (edm2.runtime.host_memory) unless told not to; options are
-    synthetic_step's (resolution, precision, cpu_16bit, compile, channels_last, ...)."""
+    freed memory as the command lines do (edm2.runtime.host_memory); options are synthetic_step's (resolution,
+    precision, cpu_16bit, compile, channels_last, ...)."""
     if batch % processes:
         raise ValueError(f"batch {batch} does not split over {processes} processes")
     results = mp.get_context("spawn").SimpleQueue()
-    args = (distributed.free_port(), results, preset, batch, processes, threads, steps, warmup, rounds,
-            keep_freed_memory, options)
+    args = (distributed.free_port(), results, preset, batch, processes, threads, steps, warmup, rounds, options)
     mp.start_processes(_worker, args=args, nprocs=processes, join=True, start_method="spawn")
     reports = sorted(results.get() for _ in range(processes))
     return DataParallelSpeed(images_per_s=reports[0][1], digests=tuple(digest for _, _, digest in reports))
