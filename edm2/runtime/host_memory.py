@@ -4,12 +4,13 @@ PyTorch's CPU tensors come from malloc. glibc's malloc maps blocks of more than 
 such blocks are freed) straight from the kernel and unmaps them on free, and hands the top of its heap back once
 more than twice that lies free there. A training step that frees and reallocates the same activations every step
 then faults every page of them in again. On 2 cores of a Xeon with AMX, in a fresh process: the compiled bfloat16
-toy-tiny step at 32x32 took ~10,000 page faults and ~25 ms of kernel time per step (toy-small ~30,000 and ~65 ms,
-a fifth of its time), and `train_edm2.py --preset=toy-small --precision=bf16 --cpu-16bit` on 16x16 toy data ran at
-208 images/s against 286 with the blocks kept, 124 against 211 beside two busy processes (scripts/bench_load.py). With blocks up to 32 MiB kept in the heap and the heap never
-trimmed, a step takes no faults: the process keeps the memory of its largest step (the compiled toy-small step:
-662 MB against 507, flat over 300 steps), as PyTorch's CUDA allocator does. How much a process gains depends on
-what it freed before (glibc raises its threshold to the largest block freed), so it is measured in fresh processes."""
+toy-tiny step at 32x32 took ~10,000 page faults and ~25 ms of kernel time per step (toy-small ~30,000 and ~65 ms, a
+fifth of its time), and `train_edm2.py --preset=toy-small --precision=bf16 --cpu-16bit` on 16x16 toy data ran at 208
+images/s against 286 with the blocks kept, 124 against 211 beside two busy processes (scripts/bench_load.py). With
+blocks up to 32 MiB kept in the heap and the heap never trimmed, a step takes no faults: the process keeps the
+memory of its largest step (the compiled toy-small step: 662 MB against 507, flat over 300 steps), as PyTorch's CUDA
+allocator does. How much a process gains depends on what it freed before (glibc raises its threshold to the largest
+block freed), so it is measured in fresh processes."""
 
 from __future__ import annotations
 
