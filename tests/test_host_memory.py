@@ -44,7 +44,8 @@ def faults_per_step(how: str, **env: str) -> tuple[bool, float]:
 
 def env_without_malloc() -> dict[str, str]:
     """This process's environment without a malloc setting of the user's."""
-    return {k: v for k, v in os.environ.items() if k not in host_memory.USER_SETTINGS and k != "GLIBC_TUNABLES"}
+    return {k: v for k, v in os.environ.items()
+            if k not in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD")}
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc")
@@ -65,8 +66,12 @@ def test_a_users_malloc_setting_is_left_as_it_is():
 
 def test_the_start_line_says_what_becomes_of_freed_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "_kept", True)
-    for name in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES"):
+    for name in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD"):
         monkeypatch.delenv(name, raising=False)
     assert host_memory.describe().startswith("freed memory up to 32 MiB a block kept for reuse")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
     assert host_memory.describe() == "malloc's settings as set (GLIBC_TUNABLES)"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")  # not malloc's
+    assert host_memory.describe().startswith("freed memory up to 32 MiB")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert host_memory.describe() == "malloc's settings as set (LD_PRELOAD)"

@@ -27,16 +27,20 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = (1 << 31) - 1
 # The user's own malloc settings, which we leave as they are: glibc reads these when a process starts.
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+# Allocators a user may preload in glibc's place (Intel's advice for PyTorch on CPUs): they keep their own settings.
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 _kept = False
 
 
 def users_settings() -> str | None:
-    """The malloc setting the user made in the environment (a MALLOC_*_ variable, or glibc.malloc in
-    GLIBC_TUNABLES), or None."""
+    """The malloc setting the user made in the environment (a MALLOC_*_ variable, glibc.malloc in GLIBC_TUNABLES,
+    or another allocator preloaded: jemalloc, tcmalloc, mimalloc), or None."""
     given = [name for name in USER_SETTINGS if name in os.environ]
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         given.append("GLIBC_TUNABLES")
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in PRELOADED_ALLOCATORS):
+        given.append("LD_PRELOAD")
     return given[0] if given else None
 
 
