@@ -11,8 +11,10 @@ peaks (the rate of the training step's counted FLOPs, 3 x 2 x multiply-accumulat
 
 A ceiling line gives the rate of a step that took no more time than its layers' convolutions and linear maps alone,
 each shape timed on its own in bfloat16 channels-last with oneDNN (forward and backward): no setting of the step
-can pass it, so its share of the bfloat16 peak bounds the step's. On the 2-core Xeon with AMX the toy networks'
-narrow layers (16 and 32 channels) run at about a quarter (toy-tiny) and two fifths (toy-small) of that peak.
+can go much past it (the separate timings hold each call's Python overhead, so scripts/profile_step.py puts the
+convolutions 5-10% faster within a compiled step), and its share of the bfloat16 peak bounds the step's about as
+closely. On the 2-core Xeon with AMX the toy networks' narrow layers (16 and 32 channels) run at about a quarter
+(toy-tiny) and two fifths (toy-small) of that peak.
 
     git clone https://github.com/NVlabs/edm2 ../edm2-release   # its training loop also imports psutil
     python scripts/bench_release.py --release=../edm2-release --threads=2
@@ -53,7 +55,7 @@ OURS = {
     "bf16 compiled": dict(precision="bf16", cpu_16bit=True, compile=True, channels_last=True),
 }
 CPU = torch.device("cpu")
-# The rate of a step that took only its layers' time alone (layer_seconds): no setting of the step reaches it.
+# The rate of a step that took only its layers' time alone (layer_seconds): no setting of the step gets much past it.
 CEILING = "ceiling: its layers alone, bf16"
 
 
@@ -65,8 +67,10 @@ def our_settings(compiled: bool) -> dict[str, dict]:
 def layer_seconds(net: torch.nn.Module, batch: int, resolution: int, steps: int, rounds: int) -> float:
     """Seconds per step of batch images that net's MPConv layers (its convolutions and linear layers) take alone in
     bfloat16, channels-last, forward and backward (input and weight gradients): each distinct shape of a forward
-    pass timed on its own, the best of `rounds` windows of `steps` calls. A floor under the 16-bit training step's
-    time, which computes these and more; so the counted FLOPs over it bound the step's share of the peak."""
+    pass timed on its own, the best of `rounds` windows of `steps` calls. Nearly a floor under the 16-bit training
+    step's time, which computes these and more (each separate call also pays its Python overhead, and the first
+    layer an input gradient the step skips); so the counted FLOPs over it nearly bound the step's share of the
+    peak."""
     shapes = collections.Counter()
     hooks = [layer.register_forward_hook(lambda layer, args, out: shapes.update([(args[0].shape, layer.weight.shape)]))
              for layer in mpconvs(net)]
