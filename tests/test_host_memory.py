@@ -4,7 +4,6 @@ does not fault their pages in again."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -12,8 +11,6 @@ import pytest
 
 from edm2.runtime import host_memory
 from tests.helpers import REPO
-
-GLIBC = platform.libc_ver()[0] == "glibc"
 
 # Eager training steps of toy-tiny (batch 8, 16x16, one thread): after three, the page faults of five more.
 STEPS = """
@@ -44,11 +41,10 @@ def faults_per_step(how: str) -> tuple[bool, float]:
 
 def env_without_malloc() -> dict[str, str]:
     """This process's environment without a malloc setting of the user's."""
-    return {k: v for k, v in os.environ.items()
-            if k not in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD")}
+    return {k: v for k, v in os.environ.items() if k not in host_memory.ENVIRONMENT}
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc's malloc")
+@pytest.mark.skipif(not host_memory.glibc(), reason="glibc's malloc")
 def test_a_training_step_reuses_kept_memory_without_faulting_its_pages_in_again():
     # ~1,100 faults per step by default and ~45 kept on glibc 2.36 (the compiled bf16 toy-tiny step at 32x32:
     # ~10,000 and none, ~25 ms of kernel time a step saved).
@@ -68,7 +64,7 @@ def test_a_users_malloc_setting_is_left_as_it_is(monkeypatch):
 
 def test_the_start_line_says_what_becomes_of_freed_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "_kept", True)
-    for name in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD"):
+    for name in host_memory.ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     assert host_memory.describe().startswith("freed memory up to 32 MiB a block kept for reuse")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")

@@ -7,9 +7,9 @@ import json
 import os
 import shutil
 import signal
-import threading
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ policy that keeps a shared CPU's threads from spinning."""
 
 import ast
 import json
-import platform
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from edm2.formats.snapshot import load_network
 from edm2.networks import count_macs
 from edm2.plots.run import dashboard_figure
 import training.loop
-from edm2.runtime import speed, utilization
+from edm2.runtime import host_memory, speed, utilization
 from tests.helpers import REPO, run_training, toy_tiny_options, train_command, train_env
 from training.run.dashboard import read_stats
 
@@ -134,7 +133,7 @@ def test_the_start_says_the_threads_and_the_wait_policy(train_data, tmp_path, po
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "CPU threads: 1 per process (--threads)" in result.stderr and said in result.stderr
-    if platform.libc_ver()[0] == "glibc":  # edm2.runtime.host_memory
+    if host_memory.glibc():
         assert "freed memory up to 32 MiB a block kept for reuse" in result.stderr
     # GNU OpenMP reads a set GOMP_SPINCOUNT over the policy's spin: a user's policy keeps its own.
     probe = subprocess.run([sys.executable, "-c", "import cli.wait_policy, os; print(os.environ['OMP_WAIT_POLICY'], "

@@ -29,6 +29,8 @@ TRIM_THRESHOLD = (1 << 31) - 1
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 # Allocators a user may preload in glibc's place (Intel's advice for PyTorch on CPUs): they keep their own settings.
 PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# Every variable users_settings reads.
+ENVIRONMENT = (*USER_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD")
 
 _kept = False
 
@@ -44,11 +46,16 @@ def users_settings() -> str | None:
     return given[0] if given else None
 
 
+def glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc keep_freed_memory sets."""
+    return platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc to keep freed blocks up to MMAP_THRESHOLD for reuse and never trim its heap, unless the
     user set malloc's settings; whether this process now keeps them (False on other C libraries)."""
     global _kept
-    if _kept or users_settings() or platform.libc_ver()[0] != "glibc":
+    if _kept or users_settings() or not glibc():
         return _kept
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -60,8 +67,9 @@ def keep_freed_memory() -> bool:
 
 def describe() -> str:
     """What this process does with freed memory and who chose it, for a command's start line."""
-    if users_settings():
-        return f"malloc's settings as set ({users_settings()})"
+    users = users_settings()
+    if users:
+        return f"malloc's settings as set ({users})"
     if _kept:
         return (f"freed memory up to {MMAP_THRESHOLD >> 20} MiB a block kept for reuse (our default: handed back to the "
                 "kernel, every step faulted its pages in again; MALLOC_TRIM_THRESHOLD_ overrides)")
