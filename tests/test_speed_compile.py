@@ -9,6 +9,10 @@ import os
 import pytest
 import torch
 import torch._inductor.config
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import saved_tensors_hooks
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from edm2.encoders import StandardRGBEncoder
 from edm2.generation import generate_images
@@ -16,6 +20,7 @@ from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime import speed
+from edm2.runtime.inductor_passes import RecomputeCPUMasks
 from training import step as step_module
 from training.run.benchmark import synthetic_step
 from training.state import adam
@@ -64,13 +69,19 @@ def inductor_vs_eager():
     # 8x8 with 16 channels, not the tiniest 4x4 with 8: torch 2.13's AVX2 code for the latter's 16-pixel,
     # one-head attention tiles computes NaN in the fused loss (ATEN_CPU_CAPABILITY=avx2; AVX-512 is right).
     eager = loss_step(tiniest(resolution=8, channels=16), EDM2Loss(), seed=3)
-    with torch._inductor.config.patch(inductor_vector_width()):
+    saved_dtypes = []  # of every tensor the compiled graph keeps for its backward pass
+
+    def pack(tensor):
+        saved_dtypes.append(tensor.dtype)
+        return tensor
+
+    with torch._inductor.config.patch(inductor_vector_width()), saved_tensors_hooks(pack, lambda tensor: tensor):
         compiled = loss_step(tiniest(resolution=8, channels=16), speed.compile_loss(EDM2Loss()), seed=3)
-    return eager, compiled
+    return eager, compiled, saved_dtypes
 
 
 def test_inductor_loss_gradients_and_adam_step_match_eager(inductor_vs_eager):
-    (loss, grads, params), (loss_c, grads_c, params_c) = inductor_vs_eager
+    (loss, grads, params), (loss_c, grads_c, params_c), _ = inductor_vs_eager
     # Inductor fuses the elementwise chains and reorders reductions (weight norms, pixel norms, softmax); every
     # float32 operation rounds with relative error eps = 1.2e-7, and a path through this network has about 40
     # operations, so outputs agree to ~40 eps = 5e-6 relative: rtol 2e-5. The same noise was drawn (outside the
@@ -86,6 +97,26 @@ def test_inductor_loss_gradients_and_adam_step_match_eager(inductor_vs_eager):
         clear = g.abs() > 1e-4 * g.abs().max()
         torch.testing.assert_close(p_c[clear], p[clear], rtol=1e-6, atol=1e-6)
         assert ((p_c - p).abs() <= 2 * 0.01 + 1e-6).all()
+
+
+def test_the_compiled_step_recomputes_its_masks_instead_of_saving_them(inductor_vs_eager):
+    # The clamps' and norms' gradient masks: torch 2.13's CPU code moves booleans element by element, so the
+    # compiled graph keeps the activations (bf16 or float32) and compares them again in its backward kernels.
+    saved_dtypes = inductor_vs_eager[2]
+    assert saved_dtypes and torch.bool not in saved_dtypes
+
+
+def test_only_cpu_boolean_values_are_tagged_for_recomputation():
+    graph = make_fx(lambda x: (x.clamp(-1, 1), x >= 0))(torch.randn(3)).graph
+    RecomputeCPUMasks()(graph)
+    tags = {node.name: node.meta.get("recompute") for node in graph.nodes}
+    assert tags["ge"] == CheckpointPolicy.MUST_RECOMPUTE and tags["clamp"] is None and tags["x_1"] is None
+    compare = next(node for node in graph.nodes if node.name == "ge")
+    del compare.meta["recompute"]
+    with FakeTensorMode():
+        compare.meta["val"] = torch.empty(3, dtype=torch.bool, device="cuda")  # CUDA's kernels handle booleans
+    RecomputeCPUMasks()(graph)
+    assert "recompute" not in compare.meta
 
 
 @pytest.fixture

@@ -58,7 +58,12 @@ def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., 
     Outside the graph, in eager mode: the noise levels and noise, drawn in the order loss_fn draws them so that a
     compiled run consumes exactly the random numbers of an eager one.
     """
-    compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend)
+    # Imported here: inductor (and with it dynamo) takes about a second to import, which commands that do not compile
+    # should not pay.
+    from edm2.runtime.inductor_passes import RecomputeCPUMasks
+
+    options = {"joint_custom_post_pass": RecomputeCPUMasks()} if backend == "inductor" else None
+    compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend, options=options)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         sigma = loss_fn.sample_sigma(images.shape[0], images.device)
