@@ -106,6 +106,23 @@ def test_the_compiled_step_recomputes_its_masks_instead_of_saving_them(inductor_
     assert saved_dtypes and torch.bool not in saved_dtypes
 
 
+def test_a_recomputed_dropout_mask_is_the_one_the_forward_pass_drew():
+    # A random mask must come back from the random values the forward pass drew, never from a second draw:
+    # the partitioner saves the (unrecomputable) random tensor and compares it again.
+    def dropped(x):
+        y = torch.nn.functional.dropout(x, p=0.5, training=True)
+        return y, (3 * y).clamp(-1, 1).sum()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch._inductor.config.patch(inductor_vector_width()):
+        compiled = torch.compile(dropped, options={"joint_custom_post_pass": RecomputeCPUMasks()})
+        y, loss = compiled(x)
+        loss.backward()
+    # d loss / dx = 3 / (1 - p) where the element was kept and 3 y within the clamp, else 0.
+    assert 0.3 < (y != 0).float().mean() < 0.7
+    assert torch.equal(x.grad, 6.0 * ((y != 0) & ((3 * y).abs() <= 1)).float())
+
+
 def test_only_cpu_boolean_values_are_tagged_for_recomputation():
     graph = make_fx(lambda x: (x.clamp(-1, 1), x >= 0))(torch.randn(3)).graph
     RecomputeCPUMasks()(graph)
