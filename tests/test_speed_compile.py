@@ -1,6 +1,7 @@
 """torch.compile against eager: one inductor compile of the tiniest network's training graph (tens of seconds on
-two cores, so once per module), and the cheap 'aot_eager' backend (the same captured graphs, eager kernels) for
-state-dict names, resume across compile on and off, and the compiled sampler."""
+two cores, so once per module) and one of a small dropout function, for the masks the compiled backward recomputes;
+and the cheap 'aot_eager' backend (the same captured graphs, eager kernels) for state-dict names, resume across
+compile on and off, and the compiled sampler."""
 
 import copy
 import functools

@@ -14,12 +14,12 @@ class RecomputeCPUMasks(CustomGraphPass):
     The gradients of clip (each block's clamp at clip_act = 256, as in the release's networks_edm2.py) and of the
     norms' guard against zero multiply by masks. Left to itself, the partitioner saves such a mask: at one byte an
     element it is the smallest thing to keep. But the CPU code torch 2.13 generates stores and loads boolean vectors
-    element by element (at::vec has no vectorized bool path): 1.3 ms to store and 2.3 ms to load 1M elements, where
-    comparing the saved activation again takes 0.1 ms. Tagged must-recompute (the selective checkpointing tag that
-    the partitioner honours), the masks are compared inside the backward kernels. The backward then compares the
-    activation as saved, rounded to the compute dtype as eager compares it, where a saved mask held inductor's
-    unrounded float comparison; the two differ only for values within one rounding of the clip bound. CUDA's kernels
-    handle booleans natively and are left as they are.
+    element by element (at::vec has no vectorized bool path): on 2 threads of a Xeon, 1.3 ms to store and 2.3 ms to
+    load 1M elements, where comparing the activation again takes 0.1 ms. Tagged must-recompute (the selective
+    checkpointing tag that the partitioner honours), the masks are compared inside the backward kernels, from the
+    saved activation or its recomputed inputs. Where the saved activation is rounded to the compute dtype (as eager
+    rounds it), a mask can differ from the forward pass's unrounded comparison, for values within one rounding of
+    the bound. CUDA's kernels handle booleans natively and are left as they are.
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
