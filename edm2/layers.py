@@ -121,9 +121,15 @@ class MPConv(torch.nn.Module):
         channels regrouped (deinterleaved)."""
         w = normalized_weight(self.weight) if self.normalized_once is None else self.normalized_once
         w = deinterleaved((w * (gain / math.sqrt(w[0].numel()))).to(x.dtype), interleave)
-        if w.ndim == 2:
-            return x @ w.t()
-        return F.conv2d(x, w, padding=w.shape[-1] // 2)
+        return conv_or_linear(x, w)
+
+
+def conv_or_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x through weight w as a layer applies it, without bias: a linear map for a 2-D weight [out, in], else a
+    convolution padded to keep the resolution."""
+    if w.ndim == 2:
+        return x @ w.t()
+    return F.conv2d(x, w, padding=w.shape[-1] // 2)
 
 
 def normalized_weight(weight: torch.Tensor) -> torch.Tensor:

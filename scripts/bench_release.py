@@ -32,11 +32,10 @@ from typing import Callable
 
 import click
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 from edm2.eval.benchmark import seconds_per_call, tflops  # noqa: E402
-from edm2.layers import mpconvs  # noqa: E402
+from edm2.layers import conv_or_linear, mpconvs  # noqa: E402
 from edm2.runtime import host_memory  # noqa: E402
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
@@ -84,16 +83,11 @@ def layer_seconds(net: torch.nn.Module, batch: int, resolution: int, steps: int,
         x = torch.randn(x_shape, dtype=torch.bfloat16)
         x = (x.to(memory_format=torch.channels_last) if x.ndim == 4 else x).requires_grad_()
         w = torch.randn(w_shape, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn(layer_output(x, w).shape, dtype=torch.bfloat16)
-        seconds = min(seconds_per_call(lambda: layer_output(x, w).backward(grad), steps, warmup=1, device=CPU)
+        grad = torch.randn(conv_or_linear(x, w).shape, dtype=torch.bfloat16)
+        seconds = min(seconds_per_call(lambda: conv_or_linear(x, w).backward(grad), steps, warmup=1, device=CPU)
                       for _ in range(rounds))
         total += count * seconds
     return total
-
-
-def layer_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """An MPConv layer's product of input x and (normalized, scaled) weight w: a convolution or a linear map."""
-    return F.conv2d(x, w, padding=w.shape[-1] // 2) if w.ndim == 4 else x @ w.t()
 
 
 def release_module(release: Path, relative: str, name: str):

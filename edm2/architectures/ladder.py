@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from edm2 import families, network_args
-from edm2.layers import ArchitectureError, FourierFeatures, MPConv, deinterleaved, resample, self_attention
+from edm2.layers import (ArchitectureError, FourierFeatures, MPConv, conv_or_linear, deinterleaved, resample,
+                         self_attention)
 
 CONFIGS = ("B", "C", "D", "E")
 
@@ -91,7 +92,7 @@ class UniformConv(torch.nn.Module):
     def forward(self, x: torch.Tensor, interleave: int = 1) -> torch.Tensor:
         """Apply the raw weight; with interleave, its output channels regrouped (edm2.layers.deinterleaved)."""
         w = deinterleaved(self.weight.to(x.dtype), interleave)
-        return x @ w.t() if w.ndim == 2 else F.conv2d(x, w, padding=w.shape[-1] // 2)
+        return conv_or_linear(x, w)
 
 
 class BiasedLayer(torch.nn.Module):
