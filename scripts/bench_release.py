@@ -13,8 +13,8 @@ A ceiling line gives the rate of a step that took no more time than its layers' 
 each shape timed on its own in bfloat16 channels-last with oneDNN (forward and backward): no setting of the step
 can go much past it (the separate timings hold each call's Python overhead, so scripts/profile_step.py puts the
 convolutions 5-10% faster within a compiled step), and its share of the bfloat16 peak bounds the step's about as
-closely. On the 2-core Xeon with AMX the toy networks' narrow layers (16 and 32 channels) run at about a quarter
-(toy-tiny) and two fifths (toy-small) of that peak.
+closely. On 2 cores of Xeons with AMX the toy networks' narrow layers (16 and 32 channels) run at a fifth to a
+quarter (toy-tiny) and a quarter to two fifths (toy-small) of that peak, depending on the host.
 
     git clone https://github.com/NVlabs/edm2 ../edm2-release   # its training loop also imports psutil
     python scripts/bench_release.py --release=../edm2-release --threads=2

@@ -21,7 +21,7 @@ from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime import speed
-from edm2.runtime.inductor_passes import RecomputeCPUMasks
+from edm2.runtime.inductor_passes import RecomputeCPUMasks, training_options
 from training import step as step_module
 from training.run.benchmark import synthetic_step
 from training.state import adam
@@ -116,7 +116,7 @@ def test_a_recomputed_dropout_mask_is_the_one_the_forward_pass_drew():
 
     x = torch.randn(64, 64, requires_grad=True)
     with torch._inductor.config.patch(inductor_vector_width()):
-        compiled = torch.compile(dropped, options={"joint_custom_post_pass": RecomputeCPUMasks()})
+        compiled = torch.compile(dropped, options=training_options())  # compile_loss's
         y, loss = compiled(x)
         loss.backward()
     # d loss / dx = 3 / (1 - p) where the element was kept and 3 y within the clamp, else 0.

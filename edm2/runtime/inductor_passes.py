@@ -1,4 +1,5 @@
-"""A graph pass for torch.compile's inductor backend: how the compiled training step keeps what its backward needs."""
+"""A graph pass for torch.compile's inductor backend: how the compiled training step keeps what its backward needs,
+and the inductor options that apply it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ class RecomputeCPUMasks(CustomGraphPass):
     def uuid(self) -> bytes:
         """This file's hash: inductor's graph cache keys on it, so cached graphs are rebuilt when the pass changes."""
         return get_hash_for_files((__file__,))
+
+
+def training_options() -> dict[str, object]:
+    """torch.compile's inductor options for a training graph: RecomputeCPUMasks after the joint graph's own passes."""
+    return {"joint_custom_post_pass": RecomputeCPUMasks()}

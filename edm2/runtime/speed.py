@@ -60,9 +60,9 @@ def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., 
     """
     # Imported here: inductor (and with it dynamo) takes about a second to import, which commands that do not compile
     # should not pay.
-    from edm2.runtime.inductor_passes import RecomputeCPUMasks
+    from edm2.runtime.inductor_passes import training_options
 
-    options = {"joint_custom_post_pass": RecomputeCPUMasks()} if backend == "inductor" else None
+    options = training_options() if backend == "inductor" else None
     compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend, options=options)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
