@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch._inductor.config
+from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -21,7 +22,7 @@ from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime import speed
-from edm2.runtime.inductor_passes import RecomputeCPUMasks, training_options
+from edm2.runtime.inductor_options import RecomputeCPUMasks, training_options
 from training import step as step_module
 from training.run.benchmark import synthetic_step
 from training.state import adam
@@ -77,12 +78,13 @@ def inductor_vs_eager():
         return tensor
 
     with torch._inductor.config.patch(inductor_vector_width()), saved_tensors_hooks(pack, lambda tensor: tensor):
-        compiled = loss_step(tiniest(resolution=8, channels=16), speed.compile_loss(EDM2Loss()), seed=3)
-    return eager, compiled, saved_dtypes
+        compiled, codes = run_and_get_code(loss_step, tiniest(resolution=8, channels=16),
+                                           speed.compile_loss(EDM2Loss(), CPU), seed=3)
+    return eager, compiled, saved_dtypes, codes
 
 
 def test_inductor_loss_gradients_and_adam_step_match_eager(inductor_vs_eager):
-    (loss, grads, params), (loss_c, grads_c, params_c), _ = inductor_vs_eager
+    (loss, grads, params), (loss_c, grads_c, params_c), _, _ = inductor_vs_eager
     # Inductor fuses the elementwise chains and reorders reductions (weight norms, pixel norms, softmax); every
     # float32 operation rounds with relative error eps = 1.2e-7, and a path through this network has about 40
     # operations, so outputs agree to ~40 eps = 5e-6 relative: rtol 2e-5. The same noise was drawn (outside the
@@ -107,6 +109,20 @@ def test_the_compiled_step_recomputes_its_masks_instead_of_saving_them(inductor_
     assert saved_dtypes and torch.bool not in saved_dtypes
 
 
+def test_the_compiled_step_runs_its_kernels_from_cpp_on_the_cpu(inductor_vs_eager):
+    # The forward and the backward graph each call their kernels from inductor's C++ wrapper, not from Python.
+    codes = inductor_vs_eager[3]
+    assert len(codes) == 2 and all("CppWrapperCodeCache" in code for code in codes)
+
+
+def test_sampling_networks_compile_with_the_cpp_wrapper_on_the_cpu_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda net, **kwargs: calls.append(kwargs))
+    speed.compile_network(tiniest(), CPU)
+    speed.compile_network(tiniest(), torch.device("cuda"))  # only its options are asked for: no GPU needed
+    assert calls[0]["options"] == {"cpp_wrapper": True} and not calls[1]["options"]
+
+
 def test_a_recomputed_dropout_mask_is_the_one_the_forward_pass_drew():
     # A random mask must come back from the random values the forward pass drew, never from a second draw:
     # the partitioner saves the (unrecomputable) random tensor and compares it again.
@@ -116,7 +132,7 @@ def test_a_recomputed_dropout_mask_is_the_one_the_forward_pass_drew():
 
     x = torch.randn(64, 64, requires_grad=True)
     with torch._inductor.config.patch(inductor_vector_width()):
-        compiled = torch.compile(dropped, options=training_options())  # compile_loss's
+        compiled = torch.compile(dropped, options=training_options(CPU))  # compile_loss's
         y, loss = compiled(x)
         loss.backward()
     # d loss / dx = 3 / (1 - p) where the element was kept and 3 y within the clamp, else 0.
@@ -185,7 +201,7 @@ def test_compiled_sampling_network_keeps_its_names_and_images(aot_eager):
 
 
 def test_a_compiled_network_in_training_mode_computes_with_the_forced_weights_and_writes_none(aot_eager):
-    eager, compiled = tiniest(), speed.compile_network(tiniest())
+    eager, compiled = tiniest(), speed.compile_network(tiniest(), CPU)
     images, sigma, labels = torch.randn(3, 2, 4, 4), torch.tensor([0.5, 1.0, 2.0]), torch.eye(2)[[0, 1, 1]]
     initial = [p.detach().clone() for p in eager.parameters()]
     for net in (eager, compiled):

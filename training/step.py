@@ -57,7 +57,7 @@ def recipe_loss(opts: TrainingOptions, sigma_data: float) -> EDM2Loss:
 def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | Callable:
     """recipe_loss, compiled with the network when the run compiles."""
     loss_fn = recipe_loss(opts, sigma_data)
-    return compile_loss(loss_fn) if opts.compiles(device) else loss_fn
+    return compile_loss(loss_fn, device) if opts.compiles(device) else loss_fn
 
 
 def training_step(step: TrainingStep) -> torch.Tensor:

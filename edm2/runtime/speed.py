@@ -42,27 +42,29 @@ def cpu_16bit_units() -> str | None:
     return None
 
 
-def compile_network(net: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
-    """Compile net's forward in place (torch.compile, one graph per input shape); returns net.
+def compile_network(net: torch.nn.Module, device: torch.device, backend: str = "inductor") -> torch.nn.Module:
+    """Compile net's forward on device in place (torch.compile, one graph per input shape); returns net.
 
     In place (nn.Module.compile), not wrapped: parameter and state-dict names stay those of the eager network.
     The backend 'aot_eager' captures the same graphs but runs them with eager kernels (quick to compile: tests).
     """
-    net.compile(dynamic=False, backend=backend)
+    # Imported here: inductor (and with it dynamo) takes about a second to import, which commands that do not compile
+    # should not pay.
+    from edm2.runtime.inductor_options import device_options
+
+    net.compile(dynamic=False, backend=backend, options=device_options(device) if backend == "inductor" else None)
     return net
 
 
-def compile_loss(loss_fn: EDM2Loss, backend: str = "inductor") -> Callable[..., torch.Tensor]:
-    """loss_fn(net, images, labels) with the network and the loss arithmetic compiled into one graph.
+def compile_loss(loss_fn: EDM2Loss, device: torch.device, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """loss_fn(net, images, labels) on device with the network and the loss arithmetic compiled into one graph.
 
     Outside the graph, in eager mode: the noise levels and noise, drawn in the order loss_fn draws them so that a
     compiled run consumes exactly the random numbers of an eager one.
     """
-    # Imported here: inductor (and with it dynamo) takes about a second to import, which commands that do not compile
-    # should not pay.
-    from edm2.runtime.inductor_passes import training_options
+    from edm2.runtime.inductor_options import training_options  # here, as in compile_network
 
-    options = training_options() if backend == "inductor" else None
+    options = training_options(device) if backend == "inductor" else None
     compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend, options=options)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,5 +136,5 @@ class SamplingSpeed:
         if self.uses_channels_last(device):
             to_channels_last(net)
         if self.compiles(device):
-            compile_network(net)
+            compile_network(net, device)
         return net
