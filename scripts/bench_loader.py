@@ -21,7 +21,6 @@ in the paper's Table 3, about 147 per GPU. Example:
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
