@@ -61,7 +61,7 @@ def kind_of(name: str) -> str:
 def phases_recorded():
     """Wrap the step's phases in record_function ranges named by PHASES, for the profiler."""
     module = training.step
-    originals = {name: getattr(module, name) for name in ("force_weight_normalization", "optimizer_step")}
+    original = module.force_weight_normalization
 
     def labelled(label: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
@@ -69,13 +69,11 @@ def phases_recorded():
                 return fn(*args, **kwargs)
         return call
 
-    module.force_weight_normalization = labelled("weight normalization", originals["force_weight_normalization"])
-    module.optimizer_step = labelled("Adam", originals["optimizer_step"])
+    module.force_weight_normalization = labelled("weight normalization", original)
     try:
         yield labelled
     finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
+        module.force_weight_normalization = original
 
 
 def profile_steps(preset: str, batch: int, resolution: int, precision: str, steps: int, compiled: bool) -> dict:
@@ -86,9 +84,11 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
         batches, ema_update = step.batches, step.state.ema.update
         step.state.ema.update = labelled("EMA", ema_update)
         step = dataclasses.replace(step, batches=iter(labelled("data", lambda: next(batches)), None),
-                                   loss_fn=labelled("forward", step.loss_fn))
+                                   loss_fn=labelled("forward", step.loss_fn),
+                                   update=labelled("Adam", step.update or training.step.optimizer_step))
         whole = labelled("step", lambda: float(training.step.training_step(step)))
-        whole()  # warm-up (and compiling)
+        for _ in range(2):  # warm-up: compiling the loss, and on Adam's second step its compiled update
+            whole()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 whole()

@@ -153,10 +153,55 @@ def test_only_cpu_boolean_values_are_tagged_for_recomputation():
     assert "recompute" not in compare.meta
 
 
+def test_the_compiled_optimizer_step_is_adams_from_any_learning_rate_without_recompiling():
+    nets = [tiniest(seed=1), tiniest(seed=1)]
+    optimizers = [adam(net.parameters(), CPU) for net in nets]
+    updates = [step_module.optimizer_step, step_module.compile_optimizer_step(CPU)]
+    rates = (0.01, 0.02, 0.005, 0.01)  # the first step creates Adam's state eagerly, the second compiles
+    largest_gradient = 0.0
+    torch._dynamo.utils.counters.clear()
+    for i, lr in enumerate(rates):
+        for net, optimizer, update in zip(nets, optimizers, updates):
+            generator = torch.Generator().manual_seed(i)
+            for param in net.parameters():
+                param.grad = torch.randn(param.shape, generator=generator)
+            largest = max(net.parameters(), key=torch.numel)
+            largest_gradient = max([largest_gradient, *(param.grad.abs().max().item() for param in net.parameters())])
+            largest.grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # zeroed first
+            with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+                update(net, optimizer, lr)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once, whatever the rate
+    eps, steps = torch.finfo(torch.float32).eps, len(rates)
+    for p_c, p in zip(nets[1].parameters(), nets[0].parameters()):
+        assert p_c.grad is None and p.grad is None
+        # Adam moves a weight by lr m / (sqrt(v) + eps), with |m| / sqrt(v) below 2.4 for betas 0.9 and 0.99; the
+        # graph rounds that update in other steps (capturable Adam: six roundings, bias corrections in float32), so
+        # per step the two differ by about 6 eps x 2.4 lr, and the weight's sum may round 1 ulp apart.
+        atol = steps * (16 * eps * max(rates) + eps * p.abs().max().item())
+        torch.testing.assert_close(p_c, p, rtol=0, atol=atol)
+    states = [optimizer.state_dict() for optimizer in optimizers]
+    assert states[1]["param_groups"] == states[0]["param_groups"]  # the learning rate recorded as a float
+    for s_c, s in zip(states[1]["state"].values(), states[0]["state"].values()):
+        assert s_c.keys() == s.keys() and torch.equal(s_c["step"], s["step"])
+        # m sums decayed gradients, which cancel: its error is relative to the largest gradient, one rounding or
+        # two a step; v sums squares, which do not cancel: relative to itself.
+        torch.testing.assert_close(s_c["exp_avg"], s["exp_avg"], rtol=0, atol=steps * 2 * eps * largest_gradient)
+        torch.testing.assert_close(s_c["exp_avg_sq"], s["exp_avg_sq"], rtol=steps * 3 * eps, atol=0)
+
+
+def test_runs_compile_their_optimizer_step_on_the_cpu_only():
+    assert synthetic_step("toy-tiny", 4, CPU, resolution=8, compile=False).update is None
+    compiled = synthetic_step("toy-tiny", 4, CPU, resolution=8, compile=True)
+    assert compiled.update is not None
+    assert step_module.training_update(compiled.opts, torch.device("cuda")) is None  # CUDA's Adam: one fused kernel
+
+
 @pytest.fixture
 def aot_eager(monkeypatch):
-    """Make the training and sampling setup compile with the 'aot_eager' backend."""
+    """Make the training and sampling setup compile with the 'aot_eager' backend, and Adam run eagerly (the compiled
+    optimizer step rounds its bias corrections in float32, eager Adam in Python doubles)."""
     monkeypatch.setattr(step_module, "compile_loss", functools.partial(speed.compile_loss, backend="aot_eager"))
+    monkeypatch.setattr(step_module, "compile_optimizer_step", lambda device: step_module.optimizer_step)
     monkeypatch.setattr(speed, "compile_network", functools.partial(speed.compile_network, backend="aot_eager"))
 
 

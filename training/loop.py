@@ -45,7 +45,7 @@ from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState, training_flops
-from training.step import TrainingStep, data_parallel, training_loss, training_step
+from training.step import TrainingStep, data_parallel, training_loss, training_step, training_update
 from training.run.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
                                               state.data_order))
     return TrainingStep(
         state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=batches,
-        opts=opts, rounds=rounds, model=model, rank=rank, device=device,
+        opts=opts, rounds=rounds, model=model, rank=rank, device=device, update=training_update(opts, device),
     )
 
 

@@ -14,7 +14,7 @@ from edm2.networks import Precond
 from training.options import TrainingOptions
 from training.presets import PRESETS
 from training.state import TrainingState
-from training.step import TrainingStep, training_loss
+from training.step import TrainingStep, training_loss, training_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,8 @@ def synthetic_step(preset: str, batch_gpu: int, device: torch.device, rounds: in
     state = TrainingState.create(opts, encoder.out_channels(data.channels), device)
     state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
     return TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-                        batches=data.batches(batch_gpu), opts=opts, rounds=rounds, device=device)
+                        batches=data.batches(batch_gpu), opts=opts, rounds=rounds, device=device,
+                        update=training_update(opts, device))
 
 
 def preset_network(preset: str, label_dim: int | None = None) -> Precond:
