@@ -85,7 +85,7 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
         step.state.ema.update = labelled("EMA", ema_update)
         step = dataclasses.replace(step, batches=iter(labelled("data", lambda: next(batches)), None),
                                    loss_fn=labelled("forward", step.loss_fn),
-                                   update=labelled("Adam", step.update or training.step.optimizer_step))
+                                   update=labelled("Adam", step.update))
         whole = labelled("step", lambda: float(training.step.training_step(step)))
         for _ in range(2):  # warm-up: compiling the loss, and on Adam's second step its compiled update
             whole()

@@ -106,8 +106,8 @@ def test_a_loss_that_turns_non_finite_stops_and_leaves_the_last_good_files_untou
     outdir = tmp_path / "run"
     shutil.copytree(good_run, outdir)
     before = digests(outdir)
-    make_loss = training.loop.training_loss
-    monkeypatch.setattr(training.loop, "training_loss", lambda *args: (
+    make_loss = training.step.training_loss
+    monkeypatch.setattr(training.step, "training_loss", lambda *args: (
         lambda net, images, labels: make_loss(*args)(net, images * 1e30, labels)))
     assert stopped(train(train_data, outdir, "--duration=256")) == (
         160, "the training loss since the last status line is inf")

@@ -45,7 +45,7 @@ from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState, training_flops
-from training.step import TrainingStep, data_parallel, training_loss, training_step, training_update
+from training.step import TrainingStep, data_parallel, training_step
 from training.run.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -135,10 +135,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
     model = data_parallel(state.net, world_size, device)
     batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
                                               state.data_order))
-    return TrainingStep(
-        state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder, batches=batches,
-        opts=opts, rounds=rounds, model=model, rank=rank, device=device, update=training_update(opts, device),
-    )
+    return TrainingStep.of_run(state, opts, encoder, batches, device=device, rounds=rounds, model=model, rank=rank)
 
 
 def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> str:

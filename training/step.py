@@ -43,7 +43,17 @@ class TrainingStep:
     model: torch.nn.Module | None = None  # state.net wrapped in DistributedDataParallel; None: state.net
     rank: int = 0
     device: torch.device = torch.device("cpu")
-    update: OptimizerStep | None = None  # compile_optimizer_step's (training_update); None: optimizer_step
+    update: OptimizerStep = dataclasses.field(default_factory=lambda: optimizer_step)  # Adam's step
+
+    @classmethod
+    def of_run(cls, state: TrainingState, opts: TrainingOptions, encoder: Encoder, batches: Iterator, *,
+               device: torch.device, rounds: int = 1, model: torch.nn.Module | None = None,
+               rank: int = 0) -> TrainingStep:
+        """The step a run of opts takes on device: its loss (training_loss) and Adam's step (training_update)
+        compiled where the run compiles."""
+        return cls(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
+                   batches=batches, opts=opts, rounds=rounds, model=model, rank=rank, device=device,
+                   update=training_update(opts, device))
 
 
 def data_parallel(net: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module | None:
@@ -66,10 +76,10 @@ def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device
     return compile_loss(loss_fn, device) if opts.compiles(device) else loss_fn
 
 
-def training_update(opts: TrainingOptions, device: torch.device) -> OptimizerStep | None:
-    """TrainingStep.update: compile_optimizer_step when the run compiles on the CPU; None (optimizer_step) elsewhere,
+def training_update(opts: TrainingOptions, device: torch.device) -> OptimizerStep:
+    """TrainingStep.update: compile_optimizer_step when the run compiles on the CPU; optimizer_step elsewhere,
     CUDA's Adam being one fused kernel already."""
-    return compile_optimizer_step(device) if opts.compiles(device) and device.type == "cpu" else None
+    return compile_optimizer_step(device) if opts.compiles(device) and device.type == "cpu" else optimizer_step
 
 
 def training_step(step: TrainingStep) -> torch.Tensor:
@@ -81,7 +91,7 @@ def training_step(step: TrainingStep) -> torch.Tensor:
         seeds=[round_seed(opts.seed, step.rank, state.cur_nimg, r) for r in range(step.rounds)],
         label_dropout=opts.label_dropout,
     )
-    (step.update or optimizer_step)(state.net, state.optimizer, lr)                                 # Adam
+    step.update(state.net, state.optimizer, lr)                                                     # Adam
     state.cur_nimg += opts.batch
     state.ema.update(state.cur_nimg, opts.batch)                                                    # Eq. 119/127
     return loss

@@ -14,7 +14,7 @@ from edm2.networks import Precond
 from training.options import TrainingOptions
 from training.presets import PRESETS
 from training.state import TrainingState
-from training.step import TrainingStep, training_loss, training_update
+from training.step import TrainingStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +62,7 @@ def synthetic_step(preset: str, batch_gpu: int, device: torch.device, rounds: in
     )
     state = TrainingState.create(opts, encoder.out_channels(data.channels), device)
     state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
-    return TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-                        batches=data.batches(batch_gpu), opts=opts, rounds=rounds, device=device,
-                        update=training_update(opts, device))
+    return TrainingStep.of_run(state, opts, encoder, data.batches(batch_gpu), device=device, rounds=rounds)
 
 
 def preset_network(preset: str, label_dim: int | None = None) -> Precond:

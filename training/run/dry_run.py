@@ -19,7 +19,7 @@ from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
 from training.run.run_lock import LOCK_FILE, RunLock
 from training.state import TrainingState, init_network, training_flops
-from training.step import TrainingStep, data_parallel, training_loss, training_step, training_update
+from training.step import TrainingStep, data_parallel, training_step
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset
@@ -70,9 +70,8 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
     model = data_parallel(state.net, world_size, device)  # as training.loop trains
     order = order_for(dataset, opts.seed, rank, world_size, batch_gpu, 0)
-    step = TrainingStep(state=state, loss_fn=training_loss(opts, state.net.sigma_data, device), encoder=encoder,
-                        batches=iter(data_loader(dataset, order, opts.workers, device)), opts=opts, rounds=rounds,
-                        model=model, rank=rank, device=device, update=training_update(opts, device))
+    step = TrainingStep.of_run(state, opts, encoder, iter(data_loader(dataset, order, opts.workers, device)),
+                               device=device, rounds=rounds, model=model, rank=rank)
     for _ in range(2):
         float(training_step(step))  # float(): waits for the device
     distributed.barrier()
