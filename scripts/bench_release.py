@@ -43,11 +43,11 @@ from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_imag
 from training.presets import PRESETS  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
 from training.run.data_parallel_speed import data_parallel_speed  # noqa: E402
-from training.step import training_step  # noqa: E402
+from training.step import WARMUP_STEPS, training_step  # noqa: E402
 
 LABELS = 6  # the toy presets' classes
 # Our settings measured: float32 as the release computes; bfloat16 (--precision=bf16 --cpu-16bit); and that with
-# --compile --channels-last, whose first two calls (untimed, the warm-up) compile the loss and Adam's update.
+# --compile --channels-last, whose first calls (untimed, WARMUP_STEPS of them) compile the loss and Adam's update.
 OURS = {
     "fp32": dict(precision="fp32", cpu_16bit=False, compile=False, channels_last=False),
     "bf16": dict(precision="bf16", cpu_16bit=True, compile=False, channels_last=False),
@@ -160,8 +160,7 @@ def training_rates(release: Path, preset: str, resolution: int, batch: int, step
     flops = training_flops_per_image(ours["fp32"].state.net)
     rates = best_of(rounds, {
         "release fp32": lambda: images_per_s(theirs, batch, steps),
-        # Two warm-up steps: a compiled step compiles its loss on the first, Adam's update on the second.
-        **{f"ours {name}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps, warmup=2))
+        **{f"ours {name}": (lambda s=s: images_per_s(lambda: float(training_step(s)), batch, steps, WARMUP_STEPS))
            for name, s in ours.items()},
     })
     rates[CEILING] = batch / layer_seconds(ours["fp32"].state.net, batch, resolution, steps, rounds)

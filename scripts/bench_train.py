@@ -18,7 +18,7 @@ from edm2.runtime.utilization import training_flops_per_image
 from training.run.benchmark import synthetic_step
 from training.run.outputs import max_memory_gb
 from training.presets import PRESETS
-from training.step import training_step
+from training.step import WARMUP_STEPS, training_step
 
 
 @click.command(epilog="""\b
@@ -34,8 +34,8 @@ Examples:
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="Accumulation rounds per step")
 @click.option("--resolution", type=click.IntRange(min=8), help="Data resolution  [default: 64, toy presets 16]")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed optimizer steps")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Untimed steps first (compiling happens in the first)")
+@click.option("--warmup", type=click.IntRange(min=0), default=WARMUP_STEPS, show_default=True,
+              help="Untimed steps first (those that compile: the loss, then on the CPU Adam's update)")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile  [default: on CUDA only]")
 @click.option("--channels-last/--no-channels-last", default=None, help="NHWC convolutions  [default: on CUDA only]")
 @click.option("--checkpoint-activations", is_flag=True, help="Recompute block activations in the backward pass")

@@ -87,7 +87,7 @@ def profile_steps(preset: str, batch: int, resolution: int, precision: str, step
                                    loss_fn=labelled("forward", step.loss_fn),
                                    update=labelled("Adam", step.update))
         whole = labelled("step", lambda: float(training.step.training_step(step)))
-        for _ in range(2):  # warm-up: compiling the loss, and on Adam's second step its compiled update
+        for _ in range(training.step.WARMUP_STEPS):  # warm-up: compiling
             whole()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):

@@ -43,7 +43,7 @@ def test_says_whether_it_would_start_or_resume_and_from_what(train_data, referen
 def test_time_steps_estimates_speed_and_total_time_and_writes_nothing(train_data, tmp_path):
     result = dry_run(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--time-steps=2", "--peak-tflops=0.5")
     line = next(line for line in result.stderr.splitlines() if line.startswith("Timed "))
-    match = re.fullmatch(r"Timed 2 step\(s\) of 32 images on one cpu process after two warm-up steps: ([\d.]+) images/s, "
+    match = re.fullmatch(r"Timed 2 step\(s\) of 32 images on one cpu process after 2 warm-up steps: ([\d.]+) images/s, "
                          r"([\d.e-]+) TFLOP/s, MFU ([\d.]+)% of 0\.5 TFLOP/s \(--peak-tflops\); "
                          r"the 2048 images to go would take about (\d+)h(\d\d)m(\d\d)s\.", line)
     assert match, line

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # An optimizer step: (net, optimizer, lr) -> None, as optimizer_step.
 OptimizerStep = Callable[[torch.nn.Module, torch.optim.Optimizer, float], None]
+# The steps a run spends compiling, where it compiles: its loss on the first, on the CPU Adam's update
+# (compile_optimizer_step) on the second. Whatever times steps starts after them.
+WARMUP_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from edm2.runtime import distributed, host_memory
 from training.run.benchmark import synthetic_step
 from training.run.checkpoint import weights_digest
-from training.step import data_parallel, training_step
+from training.step import WARMUP_STEPS, data_parallel, training_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
 
 
 def data_parallel_speed(preset: str, batch: int, processes: int, threads: int | None = 1, steps: int = 4,
-                        warmup: int = 2, rounds: int = 3, **options) -> DataParallelSpeed:
+                        warmup: int = WARMUP_STEPS, rounds: int = 3, **options) -> DataParallelSpeed:
     """Images/s of `preset`'s training step at `batch` images over `processes` CPU processes of `threads` threads
     (None: PyTorch's default, under the OpenMP settings of os.environ, which the processes inherit), the best of
     `rounds` windows of `steps` steps after `warmup` untimed ones (which compile, where options compile), keeping

@@ -19,7 +19,7 @@ from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
 from training.run.run_lock import LOCK_FILE, RunLock
 from training.state import TrainingState, init_network, training_flops
-from training.step import TrainingStep, data_parallel, training_step
+from training.step import WARMUP_STEPS, TrainingStep, data_parallel, training_step
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset
@@ -61,10 +61,9 @@ def start_or_resume(run_dir: str | os.PathLike, duration: int) -> str:
 
 
 def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encoder, steps: int) -> str:
-    """Images/s of `steps` training steps of a fresh network, after two warm-up steps (start-up; compiling: the loss on
-    the first, Adam's compiled update on the second, where the run compiles on the CPU), by this
-    process or, in a process group (torchrun, --processes), by all of them together as the run would train; and the
-    time the rest of the run would take at that speed; nothing is written."""
+    """Images/s of `steps` training steps of a fresh network, after WARMUP_STEPS warm-up steps (start-up, compiling),
+    by this process or, in a process group (torchrun, --processes), by all of them together as the run would train;
+    and the time the rest of the run would take at that speed; nothing is written."""
     device, rank, world_size = distributed.device(), distributed.get_rank(), distributed.get_world_size()
     batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
@@ -72,7 +71,7 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     order = order_for(dataset, opts.seed, rank, world_size, batch_gpu, 0)
     step = TrainingStep.of_run(state, opts, encoder, iter(data_loader(dataset, order, opts.workers, device)),
                                device=device, rounds=rounds, model=model, rank=rank)
-    for _ in range(2):
+    for _ in range(WARMUP_STEPS):
         float(training_step(step))  # float(): waits for the device
     distributed.barrier()
     started = time.perf_counter()
@@ -87,6 +86,6 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     each = "" if world_size == 1 else f"{world_size} x "
     mfu = "" if speed["mfu"] is None else f", MFU {speed['mfu']:.1%} of {each}{peak:.4g} TFLOP/s ({source})"
     who = f"one {device.type} process" if world_size == 1 else f"{world_size} {device.type} processes"
-    return (f"Timed {steps} step(s) of {opts.batch} images on {who} after two warm-up steps: "
+    return (f"Timed {steps} step(s) of {opts.batch} images on {who} after {WARMUP_STEPS} warm-up steps: "
             f"{rate:.1f} images/s, {speed['tflops']:.3g} TFLOP/s{mfu}; the {remaining} images to go would take "
             f"about {hms(remaining / rate)}.")
