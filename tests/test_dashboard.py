@@ -322,6 +322,6 @@ def test_the_dashboards_loss_mean_is_named_apart_from_the_sweeps_validation_loss
     assert "validation/loss" not in numbers and numbers[LOSS_MEAN_TAG] == pytest.approx(sum(levels["weighted_error"]) / 11)
     density = np.exp(-0.5 * np.linspace(-2.5, 2.5, 11) ** 2)
     assert density[[0, -1]].sum() / density.sum() == pytest.approx(0.018, abs=5e-4)
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "dynamics.md").read_text()
     explained = readme[readme.index("**Three losses, three names.**"):][:900]
     assert all(name in explained for name in ("`train/loss`", f"`{LOSS_MEAN_TAG}`", "The sweep's `loss`", "Eq. 14"))

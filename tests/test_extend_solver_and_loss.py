@@ -32,8 +32,8 @@ from tests.helpers import (REPO, TRAIN_ARGS, assert_refused, read_pngs, tiny_pre
 
 
 def readme_example(title: str) -> tuple[str, str, str]:
-    """(text, function block, row block) of the README's Extending subsection with this title."""
-    text = (REPO / "README.md").read_text()
+    """(text, function block, row block) of the Extending subsection (docs/extending.md) with this title."""
+    text = (REPO / "docs" / "extending.md").read_text()
     section = text[text.index(f"### {title}\n"):]
     section = section[:re.search(r"\n##", section[4:]).start() + 4]
     function, row = re.findall(r"```python\n(.*?)```", section, flags=re.S)

@@ -93,12 +93,12 @@ def test_a_gradient_through_the_jvp_reaches_the_weights(checkpoint):
 
 
 def test_the_readmes_jvp_lines_run_as_written():
-    block = next(b for b in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    block = next(b for b in re.findall(r"```python\n(.*?)```", (REPO / "docs" / "api.md").read_text(), flags=re.S)
                  if "torch.func.jvp" in b)
     net = randomized(tiny_precond(dropout=0)).double().train()
     x, sigma, labels, dx, dsigma = inputs(torch.float64)
     namespace = dict(torch=torch, edm2=edm2, net=net, x=x, sigma=sigma, labels=labels, dx=dx, dsigma=dsigma)
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/api.md", "exec"), namespace)
     expected = jvp(network(torch.float64, checkpoint=False), torch.float64)
     torch.testing.assert_close((namespace["d"], namespace["u"]), expected[0], rtol=0, atol=0)
     torch.testing.assert_close((namespace["dd"], namespace["du"]), expected[1], rtol=0, atol=0)

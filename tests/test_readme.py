@@ -1,4 +1,5 @@
-"""README.md stays true: every command in it parses, and the quickstart runs end to end."""
+"""README.md and its docs/ pages stay true: every command in them parses, their Python blocks run, and the
+quickstart runs end to end."""
 
 import contextlib
 import importlib.util
@@ -20,10 +21,14 @@ from PIL import Image
 
 from tests.helpers import REPO
 
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 
-def readme_commands() -> list[str]:
-    """Every `python ...` / `torchrun ...` line of README's bash blocks, continuations joined."""
-    text = (REPO / "README.md").read_text()
+
+def readme_commands(pages: list[Path] = PAGES) -> list[str]:
+    """Every `python ...` / `torchrun ...` line of the pages' bash blocks (README and docs/ by default),
+    continuations joined."""
+    text = "\n".join(page.read_text() for page in pages)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -50,11 +55,12 @@ def click_entry_point(script: Path) -> click.Command:
 
 
 def test_readme_has_the_workflow_commands():
-    scripts = {script_and_args(c)[0].name for c in readme_commands()}
+    # The README itself keeps the workflow's commands; the docs pages add to them.
+    scripts = {script_and_args(c)[0].name for c in readme_commands([README])}
     assert {"train_edm2.py", "reconstruct_phema.py", "generate.py", "calculate_metrics.py",
             "dataset_tool.py"} <= scripts
-    assert "make demo" in (REPO / "README.md").read_text()
-    assert "make test" in (REPO / "README.md").read_text()
+    assert "make demo" in README.read_text()
+    assert "make test" in README.read_text()
 
 
 @pytest.mark.parametrize("command", readme_commands())
@@ -100,32 +106,44 @@ def test_demo_runs_end_to_end(tmp_path):
 
 
 def readme_python_block(module: str) -> str:
-    """The one Python block of the README that imports from `module`."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    """The one Python block of README.md and docs/*.md that imports from `module`."""
+    blocks = re.findall(r"```python\n(.*?)```", "\n".join(page.read_text() for page in PAGES), flags=re.S)
     matching = [block for block in blocks if f"from {module} import" in block]
-    assert len(matching) == 1, f"{len(matching)} README Python blocks import from {module}"
+    assert len(matching) == 1, f"{len(matching)} Python blocks of the README and docs/ import from {module}"
     return matching[0]
 
 
+def page_section(heading: str) -> str:
+    """The text under the one heading (of any level) of README.md and docs/*.md that reads `heading`, up to the
+    next heading."""
+    sections = [text.split("\n", 1)[1].split("\n#", 1)[0] for page in PAGES
+                for text in re.split(r"^(?=#+ )", page.read_text(), flags=re.M) if text.startswith("#")
+                and text.split("\n", 1)[0].lstrip("#").strip() == heading]
+    assert len(sections) == 1, f"{len(sections)} headings read {heading!r}"
+    return sections[0]
+
+
 def test_readme_python_api_runs_on_a_training_run(reference_run, tmp_path, monkeypatch):
-    # The README's Python block, run as written in a folder whose training-runs/toy-small is a real (toy-tiny) run.
+    # The Python API's post-hoc block (docs/api.md), run as written in a folder whose training-runs/toy-small is a
+    # real (toy-tiny) run.
     blocks = [readme_python_block("edm2.posthoc")]
     (tmp_path / "training-runs").mkdir()
     (tmp_path / "training-runs" / "toy-small").symlink_to(reference_run, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
+        exec(compile(blocks[0], "docs/api.md", "exec"), {"__name__": "readme"})
     lines = printed.getvalue().splitlines()
     assert [line.split()[:2] for line in lines] == [["0.03", "2048"], ["0.15", "2048"]]
     assert all(line.endswith("torch.Size([8, 3, 8, 8])") for line in lines)
 
 
 def test_readme_any_model_posthoc_ema_runs(tmp_path, monkeypatch):
-    # The README's plain-PyTorch loop, run as written: ten saves of two tracks, then a synthesized EMA loaded.
+    # The Python API's plain-PyTorch loop (docs/api.md), run as written: ten saves of two tracks, then a synthesized
+    # EMA loaded.
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}
-    exec(compile(readme_python_block("edm2.anyema"), "README.md", "exec"), namespace)
+    exec(compile(readme_python_block("edm2.anyema"), "docs/api.md", "exec"), namespace)
     saved = sorted(p.name for p in (tmp_path / "ema-snapshots").iterdir())
     assert saved == [f"ema-{step:09d}-{std}.safetensors" for step in range(100, 1001, 100) for std in ("0.050", "0.100")]
     state = namespace["synthesize"]("ema-snapshots", std=0.08)
@@ -146,10 +164,9 @@ def importable_prefix(name: str) -> tuple[object, list[str]]:
 
 
 def test_every_code_name_in_the_readme_exists():
-    # The Python API and the table of equations name modules, classes and functions as `edm2.x.y`.
-    readme = (REPO / "README.md").read_text()
-    headings = ("## Python API", "## The paper in the code")
-    sections = [readme.split(heading, 1)[1].split("\n#", 1)[0] for heading in headings]
+    # The Python API (docs/api.md) and the table of equations (README) name modules, classes and functions as
+    # `edm2.x.y`.
+    sections = [page_section(heading) for heading in ("Python API", "The paper in the code")]
     names = set(re.findall(r"`((?:edm2|training|cli)\.[\w.]+)[`(]", "".join(sections)))
     missing = []
     for name in sorted(names):

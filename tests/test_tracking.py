@@ -132,9 +132,9 @@ def test_tensorboard_holds_the_dashboards_numbers_and_the_grids(tracked_run):
 
 
 def readme_tag_patterns() -> list[str]:
-    """The tag names the README's experiment-tracking paragraph lists, as regular expressions: upper-case
+    """The tag names docs/dynamics.md's experiment-tracking paragraph lists, as regular expressions: upper-case
     placeholders (S, BLOCK, LAYER) stand for any text."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "dynamics.md").read_text()
     listed = text[text.index("under these tags:"):text.index("training options once as hyperparameters")]
     names = re.findall(r"`([^`]+)`", listed)
     assert len(names) >= 8, names
