@@ -20,7 +20,7 @@ from edm2.encoders import Encoder
 from edm2.errors import one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
-from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
+from edm2.loss import DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, UNCERTAINTIES, WEIGHTINGS
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
@@ -210,6 +210,8 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
               help="Training noise distribution (edm2.loss.NOISE_DISTRIBUTIONS), placed by --P_mean and --P_std")
 @click.option("--loss-weighting", type=TableChoice(WEIGHTINGS), default=DEFAULT_WEIGHTING, show_default=True,
               help="Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it")
+@click.option("--uncertainty", type=TableChoice(UNCERTAINTIES), default=DEFAULT_UNCERTAINTY, show_default=True,
+              help="u(sigma) (edm2.loss.UNCERTAINTIES): learned (Eq. 21) absorbs any --loss-weighting; off trains lambda L")
 @click.option("--lr", type=field_type("lr"), help="Learning rate alpha_ref  [default: preset]")
 @click.option("--decay", type=field_type("decay"), help="Learning rate decay t_ref in iterations, 0 = none  "
               "[default: preset]")

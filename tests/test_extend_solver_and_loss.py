@@ -1,6 +1,6 @@
 """README's Extending examples, applied to the one file each names and run end to end: a solver (its order, its
-evaluations, generate.py) and a loss weighting (train_edm2.py, the snapshot's record, calculate_metrics.py sweep
-against a computation by hand); and the loss records' bad input."""
+evaluations, generate.py) and a loss weighting (train_edm2.py with the uncertainty off, the snapshot's record,
+calculate_metrics.py sweep against a computation by hand); and the loss records' bad input."""
 
 import json
 import math
@@ -103,15 +103,19 @@ def test_a_run_trained_with_the_readmes_weighting_is_validated_with_it(train_dat
     run = tmp_path / "run"
     result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, "--workers=0", "--duration=512", "--snapshot=512",
                                                   "--checkpoint=512", "--grid=0", f"--data={train_data}",
-                                                  f"--outdir={run}", f"--loss-weighting={name}"])
+                                                  f"--outdir={run}", f"--loss-weighting={name}",
+                                                  "--uncertainty=off"])
     assert result.exit_code == 0, result.output
     [snapshot] = run.glob("network-snapshot-*-0.100.safetensors")
     metadata = read_metadata(snapshot)
-    assert metadata["loss"] == dict(weighting=name, noise="log-normal", P_mean=-0.8, P_std=1.6)  # toy-tiny's
-    assert json.loads((run / "training_options.json").read_text())["loss_weighting"] == name
-    # The dashboard's loss per noise level: lambda(sigma) L(D; sigma) with the run's weighting.
+    assert metadata["loss"] == dict(weighting=name, noise="log-normal", uncertainty="off", P_mean=-0.8,
+                                    P_std=1.6)  # toy-tiny's
+    options = json.loads((run / "training_options.json").read_text())
+    assert (options["loss_weighting"], options["uncertainty"]) == (name, "off")
+    # The dashboard's loss per noise level: lambda(sigma) L(D; sigma) with the run's weighting, and no u.
     training = json.loads((run / "plots" / "training.json").read_text())
-    assert training["weighting"] == name
+    assert (training["weighting"], training["uncertainty"]) == (name, "off")
+    assert all("u" not in row for row in training["noise_levels"])
     # Must show 2: the sweep's validation loss is the one computed by hand with the run's weighting.
     num = 24
     result = CliRunner().invoke(calculate_metrics.main, [
@@ -155,14 +159,18 @@ def test_a_snapshot_without_the_loss_names_means_edm2s(reference_run, train_data
 
 
 @pytest.mark.bad_input
-def test_a_snapshot_naming_an_unregistered_weighting_is_refused_in_one_line(reference_run, train_data, tmp_path):
-    run = copy_with_loss(reference_run, tmp_path / "run", {"weighting": "lpips"})
-    assert_refused(tmp_path, lambda: sweep_loss(run, train_data, tmp_path / "out"),
-                   "--indir", "loss weighting 'lpips' is not registered", "edm2")
+@pytest.mark.parametrize("loss, fragments", [
+    ({"weighting": "lpips"}, ("loss weighting 'lpips' is not registered", "edm2")),
+    ({"uncertainty": "sometimes"}, ("uncertainty 'sometimes' is not registered", "learned, off"))])
+def test_a_snapshot_naming_an_unregistered_loss_is_refused_in_one_line(reference_run, train_data, tmp_path, loss,
+                                                                       fragments):
+    run = copy_with_loss(reference_run, tmp_path / "run", loss)
+    assert_refused(tmp_path, lambda: sweep_loss(run, train_data, tmp_path / "out"), "--indir", *fragments)
 
 
 @pytest.mark.bad_input
-@pytest.mark.parametrize("option, value", [("--loss-weighting", "lpips"), ("--noise-dist", "uniform")])
+@pytest.mark.parametrize("option, value", [("--loss-weighting", "lpips"), ("--noise-dist", "uniform"),
+                                           ("--uncertainty", "sometimes")])
 def test_an_unknown_loss_name_is_refused_in_one_line(train_data, tmp_path, option, value):
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
         *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", f"{option}={value}"]), option, value)

@@ -27,7 +27,8 @@ def test_a_resumed_run_keeps_the_recipe_and_the_network_and_nothing_else():
     # The hyperparameters runs were made with, so that their training_options.json still resume.
     assert set(HYPERPARAMETERS) == {
         "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg", "ema_stds",
-        "network", "precision", "ls", "seed", "dataset", "init", "label_dropout", "loss_weighting", "noise_dist"}
+        "network", "precision", "ls", "seed", "dataset", "init", "label_dropout", "loss_weighting", "noise_dist",
+        "uncertainty"}
     assert "encoder" not in HYPERPARAMETERS
 
 

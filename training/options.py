@@ -15,7 +15,8 @@ from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
 from edm2.families import DEFAULT_FAMILY
 from edm2.generation import MAX_SEED
-from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
+from edm2.loss import (DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, UNCERTAINTIES,
+                       WEIGHTINGS)
 from edm2.network_args import MAX_CHANNELS, shown
 from edm2.phema import MAX_STD
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
@@ -36,7 +37,8 @@ MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count o
 DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,000; the paper's 50,000 come after)
 
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
-ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE}
+ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE,
+                         "uncertainty": DEFAULT_UNCERTAINTY}
 
 # Eq. 16 draws ln(sigma) = P_mean + P_std * z. torch's normal draws come from uniforms of at most 53 bits, so
 # |z| <= sqrt(-2 ln 2**-53) ~ 8.57 (Box-Muller); within |ln(sigma)| <= 40, sigma**2 and the (sigma * sigma_data)**2
@@ -110,6 +112,8 @@ class TrainingOptions:
     loss_weighting: str = option(RECIPE, default=DEFAULT_WEIGHTING)
     # The training noise levels, a name in edm2.loss.NOISE_DISTRIBUTIONS (Eq. 16)
     noise_dist: str = option(RECIPE, default=DEFAULT_NOISE)
+    # Whether the loss learns u(sigma), a name in edm2.loss.UNCERTAINTIES (learned: Eq. 21; off: Eq. 14's lambda L)
+    uncertainty: str = option(RECIPE, default=DEFAULT_UNCERTAINTY)
     workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2)
     # Training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter).
     keep_states: int = option(REPORTING, Count(0, MAX_KEPT_STATES), default=0)
@@ -224,7 +228,8 @@ def _check_recipe(opts: TrainingOptions) -> None:
     snapshot."""
     get_preset(opts.preset)
     check_noise_levels(opts.P_mean, opts.P_std)
-    for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS)):
+    for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS),
+                        ("uncertainty", UNCERTAINTIES)):
         _require(getattr(opts, name) in table, name, getattr(opts, name), f"one of {', '.join(table)}")
     ema_std = Real(0, MAX_STD, low_open=True, high_open=True)
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),

@@ -68,9 +68,9 @@ def data_parallel(net: torch.nn.Module, world_size: int, device: torch.device) -
 
 
 def recipe_loss(opts: TrainingOptions, sigma_data: float) -> EDM2Loss:
-    """Eq. 21's loss with the options' weighting and noise distribution: what the run trains, its snapshots record
-    and its dashboard measures."""
-    return EDM2Loss(opts.P_mean, opts.P_std, sigma_data, opts.loss_weighting, opts.noise_dist)
+    """Eq. 21's loss (Eq. 14's weighted error with the uncertainty off) with the options' weighting, noise
+    distribution and uncertainty: what the run trains, its snapshots record and its dashboard measures."""
+    return EDM2Loss(opts.P_mean, opts.P_std, sigma_data, opts.loss_weighting, opts.noise_dist, opts.uncertainty)
 
 
 def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | Callable:

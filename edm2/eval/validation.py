@@ -3,7 +3,8 @@
 The validation loss is Eq. 14: the denoising error of Eq. 13 weighted by lambda(sigma) (Eq. 15 for EDM2's
 weighting), in expectation over the training distribution of noise levels (Eq. 16, ln(sigma) ~ N(P_mean, P_std^2),
 for EDM2's). Both are the network's own training loss (an edm2.loss.EDM2Loss, rebuilt from a snapshot's record by
-edm2.loss.recorded_loss), never defaults. It is reported per element (Eq. 13's squared norm divided by the number
+edm2.loss.recorded_loss), never defaults. With the uncertainty off, Eq. 14 is the expected training loss itself;
+with it learned (Eq. 21), u(sigma) is left out, as Eq. 14 leaves it out. It is reported per element (Eq. 13's squared norm divided by the number
 of elements), so with EDM2's weighting a denoiser that returns c_skip(sigma) x, as an initialized EDM2 network
 does, scores exactly 1 on data of variance sigma_data^2.
 
@@ -107,12 +108,13 @@ def sigma_grid(P_mean: float, P_std: float, num: int = 11, spread: float = 2.5) 
 
 
 def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, labels: torch.Tensor | None,
-                   sigmas: Sequence[float], loss: EDM2Loss) -> tuple[list[float], list[float]]:
+                   sigmas: Sequence[float], loss: EDM2Loss) -> tuple[list[float], list[float] | None]:
     """At each sigma, lambda(sigma) L(D; sigma) (Eq. 13 per element, on the batch y with unit noise n; lambda the
-    weighting of the network's training loss) and u(sigma).
+    weighting of the network's training loss) and u(sigma); None for u when the loss does not learn it (the
+    network's u head was never trained, so its values mean nothing).
 
     At the optimum of Eq. 21 over u, e^u(sigma) equals lambda(sigma) L(D; sigma): the first list is what the
-    uncertainty u(sigma) learns to predict.
+    uncertainty u(sigma) learns to predict. With the uncertainty off, it is the training loss at sigma.
     """
     weight = loss.weight
     errors, logvars = [], []
@@ -122,4 +124,4 @@ def loss_per_sigma(net: torch.nn.Module, y: torch.Tensor, noise: torch.Tensor, l
             error = (denoised.to(torch.float64) - y.to(torch.float64)).square().mean()
             errors.append(float(weight(torch.tensor(sigma, dtype=torch.float64)) * error))
             logvars.append(float(logvar.flatten()[0]))
-    return errors, logvars
+    return errors, logvars if loss.learns_u else None

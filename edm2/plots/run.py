@@ -13,6 +13,7 @@ import numpy as np
 
 from edm2 import plots
 from edm2.eval.magnitudes import bucket
+from edm2.loss import DEFAULT_UNCERTAINTY, UNCERTAINTIES
 
 # No mathtext anywhere: plain-text labels, and plain tick labels on log axes (matplotlib's default ones are
 # mathtext). Its parser (pyparsing) leaves reference cycles of exceptions and their tracebacks, which keep the
@@ -34,13 +35,17 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
 
     data['noise_levels'] rows hold, per sigma of data['sigma'], lambda(sigma) L(D; sigma) ('weighted_error')
     and the learned u(sigma) ('u'); the panels show Eq. 21's halves lambda/e^u L and u, and u against ln(lambda L).
+    A run trained with the uncertainty off (data['uncertainty'], learned when absent) has no u: its loss is
+    lambda L (Eq. 14), drawn alone.
     """
+    learned = UNCERTAINTIES[data.get("uncertainty", DEFAULT_UNCERTAINTY)].learned
     figure = plots.new_figure(11, 6.5, layout=None)  # redrawn at every snapshot: fixed margins save time
     axes = figure.subplot_mosaic([["loss", "loss", "lr", "lr", "speed", "speed"],
                                   ["halves", "halves", "halves", "fit", "fit", "fit"]])
     figure.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.08, hspace=0.35, wspace=1.2)
     stats = data["stats"]
-    for key, name, label, ylabel in (("loss", "loss", "training loss (Eq. 21)", "loss"),
+    loss_title = "training loss (Eq. 21)" if learned else "training loss (λL, Eq. 14; uncertainty off)"
+    for key, name, label, ylabel in (("loss", "loss", loss_title, "loss"),
                                      ("lr", "lr", "learning rate (Eq. 67)", "learning rate"),
                                      ("speed", "images_per_s", "images/s", "images/s")):
         ax = axes[key]
@@ -59,7 +64,7 @@ def dashboard_figure(data: dict) -> matplotlib.figure.Figure:
                            va="bottom", fontsize=8)
     rows = data.get("noise_levels") or []
     if rows:
-        _noise_level_panels(axes["halves"], axes["fit"], data, rows[-1])
+        _noise_level_panels(axes["halves"], axes["fit"], data, rows[-1], learned)
     else:
         for key in ("halves", "fit"):
             axes[key].text(0.5, 0.5, "no noise-level records in this run", ha="center", va="center",
@@ -100,20 +105,29 @@ def shade(k: int, j: int, count: int) -> tuple[float, float, float]:
     return tuple(base + (1 - base) * mix)
 
 
-def _noise_level_panels(halves, fit, data: dict, row: dict) -> None:
-    """Eq. 21's two halves against sigma, and u(sigma) beside ln(lambda L), for one snapshot's row."""
-    sigma, error, u = (np.asarray(v, dtype=np.float64) for v in (data["sigma"], row["weighted_error"], row["u"]))
-    scaled = error / np.exp(u)
-    halves.plot(sigma, scaled, "o-", color="C1", markersize=3, label="λ(σ) L(σ) / exp u(σ)")
-    halves.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ)")
-    halves.plot(sigma, scaled + u, "--", color="0.4", linewidth=1, label="sum: the loss at σ")
-    fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label="ln λ(σ) L(σ), measured")
-    fit.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ), learned")
+def _noise_level_panels(halves, fit, data: dict, row: dict, learned: bool) -> None:
+    """Eq. 21's two halves against sigma, and u(sigma) beside ln(lambda L), for one snapshot's row; for a run that
+    did not learn u, its loss lambda L (Eq. 14) against sigma, and no u."""
+    sigma, error = (np.asarray(v, dtype=np.float64) for v in (data["sigma"], row["weighted_error"]))
     snapshot = f"EMA σ_rel={data['ema_std']:.3f} at kimg {row['kimg']:.1f}"
-    halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9, y=TITLE_Y)
-    fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9, y=TITLE_Y)
+    if not learned:
+        halves.plot(sigma, error, "o-", color="C1", markersize=3, label="λ(σ) L(σ): the loss at σ")
+        halves.set_title(f"Eq. 14 per noise level, {snapshot}", fontsize=9, y=TITLE_Y)
+        fit.text(0.5, 0.5, "no u(σ): trained with the uncertainty off", ha="center", va="center",
+                 transform=fit.transAxes)
+        fit.set_axis_off()
+    else:
+        u = np.asarray(row["u"], dtype=np.float64)
+        scaled = error / np.exp(u)
+        halves.plot(sigma, scaled, "o-", color="C1", markersize=3, label="λ(σ) L(σ) / exp u(σ)")
+        halves.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ)")
+        halves.plot(sigma, scaled + u, "--", color="0.4", linewidth=1, label="sum: the loss at σ")
+        fit.plot(sigma, np.log(error), "o-", color="C3", markersize=3, label="ln λ(σ) L(σ), measured")
+        fit.plot(sigma, u, "s-", color="C2", markersize=3, label="u(σ), learned")
+        halves.set_title(f"Eq. 21 per noise level, {snapshot}", fontsize=9, y=TITLE_Y)
+        fit.set_title(f"optimum of Eq. 21: u = ln λL, {snapshot}", fontsize=9, y=TITLE_Y)
     low, high = math.exp(data["P_mean"] - data["P_std"]), math.exp(data["P_mean"] + data["P_std"])
-    for ax in (halves, fit):
+    for ax in (halves, fit) if learned else (halves,):
         ax.axvspan(low, high, color="0.9", zorder=0, label="training σ, ±1 std")
         ax.set(xscale="log", xlabel="σ")
         ax.xaxis.set_major_formatter(PLAIN)

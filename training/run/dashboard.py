@@ -4,8 +4,9 @@ alone.
 
 Files, each written atomically:
   plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
-                         per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma', and
-                         the image counts where the run resumed ('resumes')
+                         per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma' (no u
+                         for a run trained with the uncertainty off, 'uncertainty': 'off'), and the image counts
+                         where the run resumed ('resumes')
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
   plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
@@ -27,7 +28,7 @@ import torch
 from edm2.errors import EDM2Error, one_line
 from edm2.eval.magnitudes import block_output_rms, weight_rms
 from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
-from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING
+from edm2.loss import DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING
 from edm2.runtime import bounded_json, files
 from training.run.run_dir import STATS_FILE
 from training.step import recipe_loss
@@ -179,11 +180,14 @@ class Dashboard:
         samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, self.loss)
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
-        # Another loss is another measurement; EDM2's is named by its absence, as in the records of earlier versions.
+        # Another loss is another measurement; EDM2's is named by its absence, as in the records of earlier versions,
+        # and so is the learned uncertainty, which all of those had.
         names = {k: v for k, v in self.loss.record().items() if k in ("weighting", "noise")}
+        names = {} if names == dict(weighting=DEFAULT_WEIGHTING, noise=DEFAULT_NOISE) else names
+        if self.loss.uncertainty != DEFAULT_UNCERTAINTY:
+            names["uncertainty"] = self.loss.uncertainty
         self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, ema_std=opts.ema_stds[0], probe=probe,
-                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[],
-                             **({} if names == dict(weighting=DEFAULT_WEIGHTING, noise=DEFAULT_NOISE) else names))
+                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[], **names)
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         earlier = self._earlier_rows(TRAINING_JSON, self.training, ("noise_levels", "resumes"), cur_nimg)
@@ -215,7 +219,8 @@ class Dashboard:
         y, sigma, noise, labels = self.batch
         errors, logvars = loss_per_sigma(net, y, noise, labels, self.training["sigma"], self.loss)
         activations = block_output_rms(net, y + sigma * noise, sigma, labels)
-        for key, records, row in (("noise_levels", self.training, dict(weighted_error=errors, u=logvars)),
+        levels = dict(weighted_error=errors, **({} if logvars is None else dict(u=logvars)))
+        for key, records, row in (("noise_levels", self.training, levels),
                                   ("rows", self.magnitudes, dict(activations=activations, weights=weight_rms(net)))):
             records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
         save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
@@ -230,12 +235,13 @@ class Dashboard:
 
 def snapshot_numbers(sigma: list[float], levels: dict, magnitudes: dict) -> dict[str, float]:
     """A snapshot's numbers for the trackers from its records: the plain mean over the grid's noise levels of
-    lambda(sigma) L(D; sigma) on the probe batch (LOSS_MEAN_TAG), that loss and u(sigma) at each level, and the
-    magnitudes."""
+    lambda(sigma) L(D; sigma) on the probe batch (LOSS_MEAN_TAG), that loss and u(sigma) at each level (no u for a
+    run that did not learn it), and the magnitudes."""
     errors = [float(e) for e in levels["weighted_error"]]
     numbers = {LOSS_MEAN_TAG: sum(errors) / len(errors)}
-    for s, error, u in zip(sigma, errors, levels["u"]):
+    for s, error in zip(sigma, errors):
         numbers[f"noise_level/loss/sigma={s:.3g}"] = error
+    for s, u in zip(sigma, levels.get("u", ())):
         numbers[f"noise_level/u/sigma={s:.3g}"] = float(u)
     for kind in ("activations", "weights"):
         numbers.update({f"magnitudes/{kind}/{name}": float(value) for name, value in magnitudes[kind].items()})
