@@ -1,7 +1,9 @@
 """The sampler's solvers (Heun, Euler, DPM-Solver++(2M), ancestral Euler): convergence order against exact solutions,
 the release's Heun kept bitwise, evaluations counted, guidance per step."""
 
+import importlib.util
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from edm2 import sampler
 from edm2.generation import seeded_inputs
-from tests.helpers import tiny_precond
+from tests.helpers import REPO, tiny_precond
 
 SIGMA_MIN, SIGMA_MAX = 0.002, 80.0
 STEPS = (8, 16, 32, 64)
@@ -283,3 +285,16 @@ def test_euler_ancestral_images_depend_on_their_seed_and_not_their_batch(schedul
 def test_euler_ancestral_takes_no_churn():
     with pytest.raises(sampler.SamplerError, match="S_churn=1: solver euler-ancestral takes no churn; churn needs heun"):
         sampler.edm_sampler(gaussian_denoiser, NOISE, num_steps=4, solver="euler-ancestral", S_churn=1.0)
+
+
+def test_the_nfe_benchmark_measures_the_ode_solvers_and_leaves_out_a_stochastic_one(capsys, monkeypatch):
+    # scripts/bench_solvers.py measures the distance to the ODE's solution, which an SDE's samples do not approach:
+    # doubling the steps of euler-ancestral would run to --max-steps for nothing.
+    spec = importlib.util.spec_from_file_location("bench_solvers_script", REPO / "scripts" / "bench_solvers.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    result = bench.nfe_to_heun_63(lambda solver, steps: sampler.edm_sampler(
+        gaussian_denoiser, NOISE, num_steps=steps, dtype=torch.float64, solver=solver), ref_steps=64, max_steps=64)
+    assert list(result["solvers"]) == ODE_SOLVERS
+    assert "euler-ancestral: stochastic" in capsys.readouterr().out
