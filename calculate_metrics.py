@@ -15,7 +15,7 @@ import torch
 from cli import evaluation, sweep as sweep_cli, tensor_sweep
 from cli.command import Group
 from cli.config import config_option
-from cli.solver import solver_option
+from cli.solver import schedule_option, solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_SEED_OPTION, Guidance, Integer, SigmaInterval
 from edm2.encoders import Encoder, EncoderError
@@ -251,6 +251,7 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], e.g. "
               "0.28,5.42 (Kynkaanniemi et al. 2024)  [default: every step]", type=SigmaInterval(), default=None)
 @solver_option
+@schedule_option
 @click.option("--ref", "ref_path", help="Reference statistics", metavar="NPZ|PKL|URL", required=True)
 @metric_options(batch_default=32)
 @click.option("--num", "num_images", help="Number of images to generate", metavar="INT", type=Integer(2, MAX_IMAGES),
@@ -261,8 +262,9 @@ def calc(images_path: str, ref_path: str, metrics: list[str], batch_size: int, i
 @sampling_speed_options
 @threads_option
 def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval: tuple[float, float] | None,
-        solver: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None, dinov2: str | None, num_images: int,
-        seed: int, seed_sets: int | list, results_path: Path | None, speed: SamplingSpeed) -> None:
+        solver: str, schedule: str, ref_path: str, metrics: list[str], batch_size: int, inception: str | None,
+        dinov2: str | None, num_images: int, seed: int, seed_sets: int | list, results_path: Path | None,
+        speed: SamplingSpeed) -> None:
     """Calculate metrics of a network with the default sampler settings, without saving images."""
     check_generation_options(gnet_path, guidance, guidance_interval, seed, num_images)
     sets = evaluation.seed_sets(seed_sets, seed, num_images)
@@ -277,7 +279,7 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
         detectors = load_detectors(metrics, {"fid": inception, "fd_dinov2": dinov2}, device)
         check_dimensions(reference, ref_path, detectors)
         net, gnet = apply_speed(speed, net, gnet, device)
-        sampler = dict(guidance=guidance, guidance_interval=guidance_interval, solver=solver)
+        sampler = dict(guidance=guidance, guidance_interval=guidance_interval, solver=solver, schedule=schedule)
         per_set = []
         for seeds in sets:  # one feature pass per disjoint seed set
             images = (batch for _, batch, _ in generate_images(net, encoder, seeds, gnet=gnet, batch_size=batch_size,
@@ -301,13 +303,13 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
           seed: int, gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
-          solver: str, dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
+          solver: str, schedule: str, dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
     """Metrics across EMA lengths (paper Figure 5) and guidance strengths (Figure 14) of a run, each network
     reconstructed in memory once and measured at every strength; resumable."""
     distances = [metric for metric in metrics if metric != "loss"]
     check_generation_options(gnet_path, max(guidance), guidance_interval, seed, num_images)
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
-                                       guidance_interval, solver)
+                                       guidance_interval, solver, schedule)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
     with distributed.session(), sweep_cli.held_outputs(plan):
         samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
@@ -322,7 +324,7 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
             check_dimensions(reference, ref_path, detectors)
         measure = Measure(metrics, plan.encoder, range(seed, seed + num_images), batch_size, device, detectors,
                           reference, samples, gnet,
-                          dict(guidance_interval=guidance_interval, solver=solver))
+                          dict(guidance_interval=guidance_interval, solver=solver, schedule=schedule))
         main_rank = distributed.is_main()
         run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
                   plan.save if main_rank else None, report=click.echo, guidances=guidance)

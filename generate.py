@@ -16,7 +16,7 @@ import torch
 
 from cli.command import Command
 from cli.config import config_option
-from cli.solver import solver_option
+from cli.solver import schedule_option, solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import Guidance, Integer, Number, SeedList, SigmaInterval
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
@@ -35,7 +35,7 @@ T = TypeVar("T")
 # --class and --steps: ImageNet has 1000 classes; the paper samples with 32 steps.
 MAX_STEPS = 10**4
 # The sampler's settings whose options have their names: its errors (NAME=VALUE) name them as --NAME=VALUE.
-SAMPLER_OPTIONS = ("sigma_min", "sigma_max", "rho", "guidance", "S_churn", "S_min", "S_max", "S_noise")
+SAMPLER_OPTIONS = ("sigma_min", "sigma_max", "rho", "guidance", "S_churn", "S_min", "S_max", "S_noise", "schedule")
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -186,9 +186,11 @@ Examples:
 @click.option("--batch", "batch_size", type=Integer(1, MAX_BATCH), default=32, show_default=True, help="Images per batch and process")
 @click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=32, show_default=True, help="Sampling steps")
 @solver_option
+@schedule_option
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
 @click.option("--sigma_max", type=Number(min=0, min_open=True), default=80, show_default=True, help="Highest noise level")
-@click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True, help="Time step exponent")
+@click.option("--rho", type=Number(min=0, min_open=True), default=7, show_default=True,
+              help="Time step exponent of --schedule=edm (EDM Eq. 5)")
 @click.option("--guidance", type=Guidance(), help="Guidance strength w of Eq. 152; 1 = no guidance [default: from preset, else 1]")
 @click.option("--S_churn", "S_churn", type=Number(min=0), default=0, show_default=True, help="Stochasticity strength")
 @click.option("--S_min", "S_min", type=Number(min=0), default=0, show_default=True, help="Stochasticity from this noise level")

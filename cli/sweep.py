@@ -15,7 +15,7 @@ import click
 import torch
 
 from cli.evaluation import GuidanceList
-from cli.solver import solver_option
+from cli.solver import recorded, schedule_option, solver_option
 from cli.types import MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
 
 from edm2 import posthoc
@@ -68,6 +68,7 @@ def options(fn: Callable) -> Callable:
         click.option("--guidance-interval", help="Guide only the steps whose sigma lies in (SIGMA_LO, SIGMA_HI], "
                      "as in gen  [default: every step]", type=SigmaInterval()),
         solver_option,
+        schedule_option,
         click.option("--dest", help="Folder for ema-sweep.json and ema-sweep.png  [default: INDIR/plots]",
                      metavar="DIR", type=click.Path(path_type=Path)),
         click.option("--save", "save_dir", help="Also save every reconstruction here, named as by reconstruct_phema.py",
@@ -81,7 +82,7 @@ def options(fn: Callable) -> Callable:
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
                   gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
-                  solver: str) -> dict:
+                  solver: str, schedule: str) -> dict:
     """Refuse metrics without their input (the generation options are calculate_metrics.check_generation_options');
     returns the settings a results file records (its rows record the training times and EMA lengths, so a rerun
     may add either)."""
@@ -90,11 +91,10 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
         raise click.BadParameter("--metrics=loss needs the dataset to measure it on", param_hint="--data")
     if distances and ref_path is None:
         raise click.BadParameter(f"--metrics={','.join(distances)} needs reference statistics", param_hint="--ref")
-    # Heun's results files predate --solver and stay resumable: only another solver is recorded (and so refused
-    # by, or refusing, a file of another solver). Files of one guidance strength predate lists and record a number.
+    # Files of one guidance strength predate lists and record a number.
     guidance = guidance[0] if len(guidance) == 1 else guidance
     return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
-                guidance_interval=guidance_interval, **({} if solver == "heun" else {"solver": solver}))
+                guidance_interval=guidance_interval, **recorded(solver, schedule))
 
 
 @dataclasses.dataclass

