@@ -120,8 +120,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             background: str | None) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
 
-    Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
-    DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
+    Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
+    by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -135,8 +135,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
         --resolution=64 --transform=center-crop-dhariwal
     """
-    given = encoding is not None or bool(encoding_settings)
-    encoder = make_encoder(encoding or "pixels", encoding_settings) if given else None
+    encoder = make_encoder(encoding or "pixels", encoding_settings) if encoding or encoding_settings else None
     if is_shards(dest):
         tar_only(source, resolution, transform)
         if alpha != "drop" or labels_path is not None:
@@ -162,19 +161,24 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             except ImageSizeError as e:
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
-    skipped = len(images.names[:max_images]) - written
+    report_converted(dest, written, len(images.names[:max_images]) - written,
+                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
+
+
+def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
+                     colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
+    """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
-    click.echo(f"wrote {written} {kind[with_alpha(mode) if alpha == 'keep' else mode]} images to {shown(dest)}"
-               + (f" ({skipped} skipped)" if skipped else ""))
+    click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
     if transparent:
         click.echo(f"{transparent} of {written} images had transparent pixels: " + {
             "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
                     "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
             "keep": "their alpha is kept as the last channel",
             "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
-    if images.classes:
+    if classes:
         click.echo("classes (dataset.json's numbers and names):")
-        for folder, label in sorted(images.classes.items(), key=lambda item: item[1]):
+        for folder, label in sorted(classes.items(), key=lambda item: item[1]):
             click.echo(f"  {label}: {shown(folder)}")
 
 

@@ -4,7 +4,6 @@ of --arch and the architecture options or of the --init snapshot, each refused i
 from __future__ import annotations
 
 import click
-import numpy as np
 from click.core import ParameterSource
 
 from edm2 import families
@@ -38,15 +37,15 @@ def choose_encoder(dataset: ImageData) -> Encoder:
     image, _ = dataset[0]
     channels = dataset.num_channels
     if dataset.encoding is not None:
-        where = f"{dataset.path}: {dataset.record_file} records"
         try:
             encoder = encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
             if encoder.stored_dtype != image.dtype:
-                raise EncoderSettingsError(f"{dataset.encoding!r}, which stores {encoder.stored_dtype}, but its "
+                raise EncoderSettingsError(f"the encoding {dataset.encoding!r} stores {encoder.stored_dtype}, but the "
                                            f"samples are {image.dtype}")
             encoder.out_channels(channels)
         except EncoderSettingsError as e:
-            raise click.BadParameter(f"{where} {e}", param_hint="--data") from None
+            raise click.BadParameter(f"{dataset.path}: {dataset.record_file}: {e} (encoding {dataset.encoding!r})",
+                                     param_hint="--data") from None
         return encoder
     encoder = RELEASE_ENCODINGS[PIXELS if image.dtype == PIXELS else LATENTS]()
     if encoder.stored_dtype == PIXELS:

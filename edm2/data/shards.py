@@ -2,11 +2,12 @@
 
 A dataset is a folder (by convention NAME.shards) holding index.json and shard-KKKKKK.bin. The index records
 what the samples are (an edm2.encoders.ENCODINGS name, "pixels" for uint8 images, "stability-vae" for the VAE's
-mean/std latents, ..., and its settings), their dtype (the one its Encoder class stores) and CHW shape, the label classes (0 for none), the count and the samples per shard; it does not
-grow with the dataset. Shard k holds samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the
-dataset's id, k, its first sample, its count, bytes per sample), the samples back to back, then one int32
-label per sample when labeled. A process maps at most MAX_OPEN_SHARDS shards at a time, so its own memory does
-not depend on the number of samples, and the page cache is shared by every process of a machine.
+mean/std latents, ..., and its settings), their dtype (the one its Encoder class stores) and CHW shape, the label
+classes (0 for none), the count and the samples per shard; it does not grow with the dataset. Shard k holds
+samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the dataset's id, k, its first sample, its
+count, bytes per sample), the samples back to back, then one int32 label per sample when labeled. A process maps
+at most MAX_OPEN_SHARDS shards at a time, so its own memory does not depend on the number of samples, and the page
+cache is shared by every process of a machine.
 """
 
 from __future__ import annotations
