@@ -201,9 +201,9 @@ def vae_encoder(encoding: str, settings: dict, vae: str | None, batch: int, para
                         param_hint)
 
 
-def vae_hint(vae: str | None) -> str:
-    """The option that named the VAE, for a VAE that cannot load."""
-    return "'--vae'" if vae is not None else "'--encoding-settings'"
+def vae_hint(vae: str | None, otherwise: str = "'--encoding-settings'") -> str:
+    """The option that named the VAE, for a VAE that cannot load: --vae when given."""
+    return "'--vae'" if vae is not None else otherwise
 
 
 @main.command()
@@ -286,7 +286,7 @@ def decode(source: Path, dest: Path, vae: str | None, batch: int, max_images: in
         if not hasattr(encoder, "decode_raw"):
             raise click.BadParameter(f"{source} records {record['encoding']!r}, no VAE encoding that decodes raw "
                                      f"latents", param_hint="'--source'")
-        ready(encoder, vae_hint(vae))
+        ready(encoder, vae_hint(vae, "'--source'"))
         with dataset_writer(dest) as writer:
             writer.encoding = StandardRGBEncoder().dataset_record()
             for idx, image in tqdm(decoded_images(dataset, encoder, count, batch, distributed.device()),
