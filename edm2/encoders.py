@@ -23,6 +23,7 @@ PIXELS = "uint8"  # the stored dtype of encodings whose datasets hold PNG pixels
 LATENTS = "float32"  # the stored dtype of encodings whose datasets hold .npy latents
 MAX_LATENT_CHANNELS = 1024
 MAX_NAME_CHARS = 4096
+MAX_VAE_BATCH = 1 << 20  # images per VAE call, as edm2.runtime.limits.MAX_BATCH bounds a batch
 
 
 class EncoderError(EDM2Error):
@@ -199,8 +200,9 @@ class StabilityVAEEncoder(Encoder):
                                        f"{bias.shape}")
         if not isinstance(vae_name, str) or not 0 < len(vae_name) <= MAX_NAME_CHARS:
             raise EncoderSettingsError(f"vae_name={vae_name!r:.80}: expected a hub name or a directory")
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-            raise EncoderSettingsError(f"batch_size must be a positive integer, got {batch_size!r:.40}")
+        if (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
+                or not 1 <= batch_size <= MAX_VAE_BATCH):
+            raise EncoderSettingsError(f"batch_size must be an integer in [1, {MAX_VAE_BATCH}], got {batch_size!r:.40}")
         self.vae_name = str(vae_name)
         self.scale = scale
         self.bias = bias

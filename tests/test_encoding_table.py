@@ -211,3 +211,32 @@ def test_datasets_recorded_before_and_without_a_record_still_load(tmp_path):
     assert_ok(result)
     assert "records no encoding" in result.output and "taken as stability-vae" in result.output
     assert_one_error_line(train(latent_dataset(tmp_path / "six", 6), tmp_path / "run6"), "6 channel(s)")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("encoding, settings", [
+    ("stability-vae", {"raw_mean": "abcd"}), ("stability-vae", {"raw_mean": [[1, 2, 3, 4]]}),
+    ("stability-vae", {"raw_mean": [True, 0, 0, 0]}), ("stability-vae", {"final_std": 0}),
+    ("stability-vae", {"batch_size": 2 ** 30}), ("stability-vae", {"vae_name": ""}), ("stability-vae", {"vae_name": 5}),
+    ("stability-vae", {"raw_mean": [0.0] * 2000, "raw_std": [1.0] * 2000}),
+    ("diffusers-vae", {"vae_name": "v", "latent_channels": 2.0, "raw_mean": 0, "raw_std": 1}),
+    ("diffusers-vae", {"vae_name": "v", "latent_channels": 2, "raw_mean": [0], "raw_std": 1}),
+    ("diffusers-vae", {"vae_name": "v", "latent_channels": 2, "raw_mean": 0, "raw_std": -1}),
+    ("linear-rgb", {"gamma": "2.2"}), ("pixels", {"gamma": 2.2}),
+])
+def test_every_recorded_setting_is_checked_when_read(encoding, settings):
+    with pytest.raises(EncoderSettingsError) as info:
+        encoder_for_dataset(encoding, settings)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+def test_the_second_vae_normalizes_by_the_statistics_it_is_given():
+    encoder = DiffusersVAEEncoder("unused", latent_channels=3, raw_mean=[0.1, -0.2, 0.3], raw_std=1.5)
+    # As the Stability VAE's (paper Appendix B.1): scale = final_std / raw_std and bias = final_mean - raw_mean *
+    # scale, in float32 (a division, then a product and a subtraction: within 3 roundings of the exact values).
+    u32 = 2.0 ** -24
+    assert np.allclose(encoder.scale, np.full(3, 0.5 / 1.5), rtol=u32 * 1.001, atol=0)
+    assert np.allclose(encoder.bias, -np.array([0.1, -0.2, 0.3]) * 0.5 / 1.5, rtol=3 * u32 * 1.001, atol=0)
+    assert encoder.out_channels(6) == 3 and encoder.stored_dtype == "float32"
+    with pytest.raises(EncoderSettingsError, match="give 3"):
+        encoder.out_channels(8)
