@@ -13,7 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from cli.command import Group
-from cli.datasets import claimed_dest, convert_shards, encode_shards, is_shards, load_vae, open_dataset, tar_only
+from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode_shards, encodings_storing, is_shards,
+                          make_encoder, open_dataset, ready, recorded_encoding, tar_only)
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
@@ -24,7 +25,7 @@ from edm2.data.tar_source import is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
-from edm2.encoders import DEFAULT_VAE, ENCODINGS, StandardRGBEncoder
+from edm2.encoders import DEFAULT_VAE, LATENTS, PIXELS, Encoder, StandardRGBEncoder
 from edm2.errors import EDM2Error, one_line, shown
 from edm2.runtime import distributed
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
@@ -100,9 +101,11 @@ def main() -> None:
               "a resumed write)  [default: about 256 MiB of samples]")
 @click.option("--channels", type=click.Choice(list(CHANNEL_MODES)), default="auto", show_default=True,
               help="PNG channels: 1 (grayscale), 3 (RGB), or auto: 1 when every source image is grayscale, else 3.")
-@click.option("--encoding", type=click.Choice([name for name, cls in ENCODINGS.items() if cls.stores_pixels]),
-              default="pixels", show_default=True, help="What the network sees of the PNGs, recorded in dataset.json "
-              "(edm2.encoders.ENCODINGS)")
+@click.option("--encoding", type=click.Choice(encodings_storing(PIXELS)), help="What the network sees of the PNGs, "
+              "recorded in dataset.json (edm2.encoders.ENCODINGS)  [default: pixels; shards of a dataset: the one "
+              "it records]")
+@click.option("--encoding-settings", type=EncodingSettings(), default="{}", help="The encoding's settings (its "
+              "constructor's arguments) as a JSON object, recorded with it, e.g. '{\"gamma\": 1.8}' for linear-rgb")
 @click.option("--alpha", type=click.Choice(ALPHA_MODES), default="drop", show_default=True,
               help="Transparency: drop it (the colours it hid show, often black), keep it as one more channel "
                    "(RGBA; LA for grayscale), or composite the images onto --background.")
@@ -113,11 +116,12 @@ def main() -> None:
               "--alpha=composite  [default: white]")
 def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transform: str | None,
             max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str,
-            encoding: str, alpha: str, labels_path: Path | None, background: str | None) -> None:
+            encoding: str | None, encoding_settings: dict, alpha: str, labels_path: Path | None,
+            background: str | None) -> None:
     """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
 
-    Into shards, the source is a dataset (its PNG or NPY samples as they are; resumable by shard in
-    DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
+    Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
+    by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -131,13 +135,14 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     python dataset_tool.py convert --source=imagenet/train --dest=datasets/img64.zip \\
         --resolution=64 --transform=center-crop-dhariwal
     """
+    encoder = make_encoder(encoding or "pixels", encoding_settings) if encoding or encoding_settings else None
     if is_shards(dest):
         tar_only(source, resolution, transform)
-        if encoding != "pixels" or alpha != "drop" or labels_path is not None:
+        if alpha != "drop" or labels_path is not None:
             raise click.BadParameter("a shard dataset holds its source's samples and labels as they are; convert to "
-                                     "a PNG dataset for --encoding, --alpha or --labels", param_hint="'--dest'")
+                                     "a PNG dataset for --alpha or --labels", param_hint="'--dest'")
         with distributed.session(single_process=True):
-            return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size)
+            return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size, encoder)
     if is_tar_source(source):
         raise click.BadParameter(f"{source}: tar shards convert into shards: --dest=NAME.shards", param_hint="'--dest'")
     colour = alpha_background(alpha, background)
@@ -146,7 +151,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         images = image_source(source, labels_path)
         mode = choose_mode(images, channels, max_images)
         with dataset_writer(dest) as writer:
-            writer.encoding = ENCODINGS[encoding]().dataset_record()
+            writer.encoding = (encoder or StandardRGBEncoder()).dataset_record()
             try:
                 written, transparent = convert_images(images, writer, transform_image, max_images, workers,
                                                       on_skip=report_skip if on_error == "skip" else None, mode=mode,
@@ -156,27 +161,32 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             except ImageSizeError as e:
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
-    skipped = len(images.names[:max_images]) - written
+    report_converted(dest, written, len(images.names[:max_images]) - written,
+                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
+
+
+def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
+                     colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
+    """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
-    click.echo(f"wrote {written} {kind[with_alpha(mode) if alpha == 'keep' else mode]} images to {shown(dest)}"
-               + (f" ({skipped} skipped)" if skipped else ""))
+    click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
     if transparent:
         click.echo(f"{transparent} of {written} images had transparent pixels: " + {
             "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
                     "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
             "keep": "their alpha is kept as the last channel",
             "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
-    if images.classes:
+    if classes:
         click.echo("classes (dataset.json's numbers and names):")
-        for folder, label in sorted(images.classes.items(), key=lambda item: item[1]):
+        for folder, label in sorted(classes.items(), key=lambda item: item[1]):
             click.echo(f"  {label}: {shown(folder)}")
 
 
 def vae_options(command: Callable) -> Callable:
     """The --vae, --batch and --max-images options of encode and decode."""
     for option in reversed([
-        click.option("--vae", default=DEFAULT_VAE, show_default=True,
-                     help="diffusers AutoencoderKL: hub name or local directory."),
+        click.option("--vae", help="diffusers AutoencoderKL: hub name or local directory (the encoding's vae_name)  "
+                     f"[default: the encoding's, {DEFAULT_VAE} for stability-vae]"),
         click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=Integer(1, MAX_BATCH),
                      help="Images per VAE call (per process)."),
         click.option("--max-images", type=Integer(1, MAX_IMAGES), help="Process only the first N images."),
@@ -185,22 +195,40 @@ def vae_options(command: Callable) -> Callable:
     return command
 
 
+def vae_encoder(encoding: str, settings: dict, vae: str | None, batch: int, param_hint: str) -> Encoder:
+    """The encoder of a VAE encoding with its settings, --vae (its vae_name, if given) and --batch (its batch_size)."""
+    return make_encoder(encoding, dict(settings, **({"vae_name": vae} if vae is not None else {}), batch_size=batch),
+                        param_hint)
+
+
+def vae_hint(vae: str | None, otherwise: str = "'--encoding-settings'") -> str:
+    """The option that named the VAE, for a VAE that cannot load: --vae when given."""
+    return "'--vae'" if vae is not None else otherwise
+
+
 @main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
               help="Dataset of RGB PNGs (directory or ZIP), e.g. from convert.")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @vae_options
+@click.option("--encoding", type=click.Choice(encodings_storing(LATENTS)), default="stability-vae", show_default=True,
+              help="The VAE encoding of the latents, recorded in dataset.json (edm2.encoders.ENCODINGS)")
+@click.option("--encoding-settings", type=EncodingSettings(), default="{}", help="The encoding's settings (its "
+              "constructor's arguments) as a JSON object, recorded with it, e.g. '{\"vae_name\": \"DIR\", "
+              "\"latent_channels\": 16, \"raw_mean\": 0.0, \"raw_std\": 1.0}' for diffusers-vae")
 @click.option("--workers", default=2, show_default=True, type=Integer(0, MAX_WORKERS),
               help="Data-loading processes per GPU process.")
 @click.option("--shard-size", type=Integer(1, MAX_IMAGES), help="Shard destinations: samples per shard (the unit of "
               "a resumed write)  [default: about 256 MiB of samples]")
 @click.option("--resolution", type=Resolution(), help="Tar sources: output size N (before encoding).")
 @click.option("--transform", type=click.Choice(TRANSFORMS), help="Tar sources: crop/resize mode (needs --resolution).")
-def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None, workers: int,
-           shard_size: int | None, resolution: tuple[int, int] | None, transform: str | None) -> None:
-    """Encode pixels into 8-channel float32 VAE mean/std latents (NNNNN/img-mean-std-IIIIIIII.npy, or shards).
+def encode(source: Path, dest: Path, vae: str | None, batch: int, max_images: int | None, encoding: str,
+           encoding_settings: dict, workers: int, shard_size: int | None, resolution: tuple[int, int] | None,
+           transform: str | None) -> None:
+    """Encode pixels into float32 VAE mean/std latents (NNNNN/img-mean-std-IIIIIIII.npy, or shards): 8 channels for
+    the Stability VAE, twice the latent channels of another (--encoding=diffusers-vae).
 
-    A --dest named NAME.shards gets a shard dataset (encoding "stability-vae"); its source may also be
+    A --dest named NAME.shards gets a shard dataset (of the encoding and its settings); its source may also be
     webdataset tar shards (a .tar file or a folder of them), resized by --resolution
     and --transform. Progress is kept by shard in DEST.partial/ and resumed the same way.
 
@@ -213,17 +241,23 @@ def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
         --dest=datasets/img512-sd.zip
     """
     tar_only(source, resolution, transform)
+    for name, option in [("vae_name", "--vae"), ("batch_size", "--batch")]:
+        if name in encoding_settings and (name == "batch_size" or vae is not None):
+            raise click.BadParameter(f"gives {name}, which {option} gives", param_hint="'--encoding-settings'")
+    encoder = vae_encoder(encoding, encoding_settings, vae, batch, "'--encoding-settings'")
     if is_shards(dest):
         with distributed.session(), claimed_dest(dest, "encode"):
-            return encode_shards(source, dest, vae, batch, (max_images, shard_size), transform_for(transform, resolution))
+            ready(encoder, vae_hint(vae))
+            return encode_shards(source, dest, encoder, batch, (max_images, shard_size),
+                                 transform_for(transform, resolution))
     if is_tar_source(source):
         raise click.BadParameter(f"{source}: tar shards encode into shards: --dest=NAME.shards", param_hint="'--dest'")
     with distributed.session(), claimed_dest(dest, "encode"):
         dataset = open_dataset(source, ".png")
         count = min(len(dataset), max_images or len(dataset))
         manifest = {"source": str(source.resolve()), "images": count, "image_shape": dataset.image_shape,
-                    "vae": vae}
-        encoder = load_vae(vae, batch)  # before the progress folder exists
+                    "encoding": encoder.dataset_record()}
+        ready(encoder, vae_hint(vae))  # before the progress folder exists
         encode_dataset(dataset, dest, encoder, count, batch, workers, manifest, report=click.echo)
         if distributed.is_main():
             click.echo(f"wrote {count} latents to {dest}")
@@ -234,8 +268,9 @@ def encode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
               help="Latent dataset of mean/std .npy files (directory or ZIP).")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory of PNGs.")
 @vae_options
-def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | None) -> None:
-    """Decode the mean of each stored latent back to a PNG, to look at a latent dataset.
+def decode(source: Path, dest: Path, vae: str | None, batch: int, max_images: int | None) -> None:
+    """Decode the mean of each stored latent back to a PNG, to look at a latent dataset, by the VAE encoding it
+    records (--vae another VAE).
 
     \b
     python dataset_tool.py decode --source=datasets/img512-sd.zip --dest=out/decoded --max-images=100
@@ -246,7 +281,12 @@ def decode(source: Path, dest: Path, vae: str, batch: int, max_images: int | Non
             raise click.BadParameter(f"{source} has {dataset.num_channels} channels; mean/std latents have an "
                                      f"even count", param_hint="'--source'")
         count = min(len(dataset), max_images or len(dataset))
-        encoder = load_vae(vae, batch)
+        record = recorded_encoding(dataset, LATENTS, source)
+        encoder = vae_encoder(record["encoding"], record.get("encoding_settings", {}), vae, batch, "'--source'")
+        if not hasattr(encoder, "decode_raw"):
+            raise click.BadParameter(f"{source} records {record['encoding']!r}, no VAE encoding that decodes raw "
+                                     f"latents", param_hint="'--source'")
+        ready(encoder, vae_hint(vae, "'--source'"))
         with dataset_writer(dest) as writer:
             writer.encoding = StandardRGBEncoder().dataset_record()
             for idx, image in tqdm(decoded_images(dataset, encoder, count, batch, distributed.device()),

@@ -1,9 +1,11 @@
-"""What dataset_tool.py's commands share: a claimed destination, source datasets (folders, ZIPs, shards) and the
-VAE, and writing shard datasets (resumable by shard) from datasets or webdataset tar shards."""
+"""What dataset_tool.py's commands share: a claimed destination, source datasets (folders, ZIPs, shards), the
+encoder of --encoding and --encoding-settings, and writing shard datasets (resumable by shard) from datasets or
+webdataset tar shards."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -16,8 +18,72 @@ from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
 from edm2.data.shards import ShardDataset, is_shard_dataset
 from edm2.data.tar_source import TarSource, is_tar_source
-from edm2.encoders import EncoderError, StabilityVAEEncoder
-from edm2.runtime import distributed, files, locks
+from edm2.encoders import (ENCODINGS, LATENTS, PIXELS, RELEASE_ENCODINGS, Encoder, EncoderError, EncoderSettingsError,
+                           encoder_for_dataset)
+from edm2.errors import one_line
+from edm2.runtime import bounded_json, distributed, files, locks
+
+MAX_SETTINGS_BYTES = 1 << 16
+
+
+class EncodingSettings(click.ParamType):
+    """--encoding-settings: a JSON object of the encoding's constructor arguments, within bounded_json's bounds."""
+
+    name = "JSON"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> dict:
+        if isinstance(value, dict):
+            return value
+        try:
+            settings = bounded_json.parse(str(value), "JSON", max_bytes=MAX_SETTINGS_BYTES)
+        except bounded_json.JSONFileError as e:
+            self.fail(str(e), param, ctx)
+        if not isinstance(settings, dict):
+            self.fail(f"expected a JSON object of settings, e.g. '{{\"gamma\": 1.8}}', not a "
+                      f"{type(settings).__name__}", param, ctx)
+        return settings
+
+
+def encodings_storing(dtype: str) -> list[str]:
+    """The names of ENCODINGS whose datasets store samples of dtype (PIXELS or LATENTS)."""
+    return [name for name, cls in ENCODINGS.items() if cls.stored_dtype == dtype]
+
+
+def make_encoder(encoding: str, settings: dict, param_hint: str = "'--encoding-settings'") -> Encoder:
+    """The encoder of --encoding with --encoding-settings, checked by its own constructor before any work."""
+    cls = ENCODINGS[encoding]
+    try:
+        return cls(**settings)
+    except (TypeError, EncoderSettingsError) as e:
+        takes = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", *cls.run_settings)]
+        raise click.BadParameter(f"--encoding={encoding}: {one_line(e)} (it takes "
+                                 f"{', '.join(takes) or 'no settings'})", param_hint=param_hint) from None
+
+
+def ready(encoder: Encoder, param_hint: str) -> Encoder:
+    """The encoder with what it needs loaded now (a VAE), so that one that cannot load fails before any work."""
+    try:
+        encoder.init(distributed.device())
+    except EncoderError as e:
+        raise click.BadParameter(str(e), param_hint=param_hint) from None
+    return encoder
+
+
+def recorded_encoding(dataset: ImageFolderDataset | ShardDataset, dtype: str, source: Path) -> dict:
+    """What a source dataset records that it holds (Encoder.dataset_record's form), checked against the table and
+    its samples' dtype; for one that records none, the release's rule (RELEASE_ENCODINGS)."""
+    if dataset.encoding is None and dtype in RELEASE_ENCODINGS:
+        return {"encoding": RELEASE_ENCODINGS[dtype].encoding}
+    if dataset.encoding is None:
+        raise click.BadParameter(f"{source} holds {dtype} samples and records no encoding", param_hint="'--source'")
+    try:
+        encoder = encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
+    except EncoderSettingsError as e:
+        raise click.BadParameter(f"{source}: {dataset.record_file}: {e}", param_hint="'--source'") from None
+    if encoder.stored_dtype != dtype:
+        raise click.BadParameter(f"{source}: {dataset.record_file} records {dataset.encoding!r}, which stores "
+                                 f"{encoder.stored_dtype}, but its samples are {dtype}", param_hint="'--source'")
+    return encoder.dataset_record()
 
 
 @contextlib.contextmanager
@@ -45,8 +111,9 @@ def open_dataset(source: Path, suffix: str) -> ImageFolderDataset | ShardDataset
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="'--source'") from None
     if isinstance(dataset, ShardDataset):
-        if dataset.encoding != ("pixels" if suffix == ".png" else "stability-vae"):
-            raise click.BadParameter(f"{source} holds {dataset.encoding} shards, expected "
+        stored = ENCODINGS[dataset.encoding].stored_dtype
+        if suffix and stored != (PIXELS if suffix == ".png" else LATENTS):
+            raise click.BadParameter(f"{source} holds {dataset.encoding} shards ({stored}), expected "
                                      f"{'pixels' if suffix == '.png' else 'latents'}", param_hint="'--source'")
     elif not dataset.fnames[0].lower().endswith(suffix):
         raise click.BadParameter(f"{source} holds {Path(dataset.fnames[0]).suffix} files, expected {suffix}",
@@ -81,38 +148,35 @@ def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.n
 
 
 def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
-                   max_images: int | None, shard_size: int | None) -> None:
-    """convert into a shard dataset (resumable): from tar shards, or from a dataset (a ZIP's PNG or NPY files)."""
+                   max_images: int | None, shard_size: int | None, encoder: Encoder | None) -> None:
+    """convert into a shard dataset (resumable): from tar shards, in the encoding given (pixels by default), or from
+    a dataset (a ZIP's PNG or NPY files), in the encoding it records."""
     with claimed_dest(dest, "convert"):
         samples = open_shard_source(source, transform_image, "")
         first = samples.pixels(0, 1)[0] if isinstance(samples, TarSource) else samples[0][0]
-        encoding = "pixels" if first.dtype == np.uint8 else "stability-vae"
+        if isinstance(samples, TarSource):
+            encoding = (encoder or RELEASE_ENCODINGS[PIXELS]()).dataset_record()
+        elif encoder is not None:
+            raise click.BadParameter(f"{source} is a dataset: its shards keep the encoding it records",
+                                     param_hint="'--encoding'")
+        else:
+            encoding = recorded_encoding(samples, str(first.dtype), source)
         index = source_index(samples, encoding, list(first.shape), {"source": str(source.resolve())}, max_images,
                              shard_size)
         convert_to_shards(samples, dest, index, report=click.echo)
-    click.echo(f"wrote {index['count']} {encoding} samples of shape {'x'.join(map(str, first.shape))} to {dest}")
+    click.echo(f"wrote {index['count']} {index['encoding']} samples of shape {'x'.join(map(str, first.shape))} to "
+               f"{dest}")
 
 
-def encode_shards(source: Path, dest: Path, vae: str, batch: int, sizes: tuple[int | None, int | None],
+def encode_shards(source: Path, dest: Path, encoder: Encoder, batch: int, sizes: tuple[int | None, int | None],
                   transform_image: Callable[[np.ndarray], np.ndarray]) -> None:
-    """encode into a latent shard dataset, over every process (resumable by shard); sizes: (--max-images,
-    --shard-size)."""
+    """encode into a latent shard dataset of the encoder's encoding, over every process (resumable by shard); sizes:
+    (--max-images, --shard-size)."""
     samples = open_shard_source(source, transform_image, ".png")
-    encoder = load_vae(vae, batch)
     first = samples.pixels(0, 1) if isinstance(samples, TarSource) else samples[0][0][None]
     shape = list(encoder.encode_pixels(torch.from_numpy(first).to(distributed.device())).shape[1:])
-    identity = {"source": str(source.resolve()), "vae": vae, "batch": batch}
-    index = source_index(samples, "stability-vae", shape, identity, *sizes)
+    identity = {"source": str(source.resolve()), "batch": batch}
+    index = source_index(samples, encoder.dataset_record(), shape, identity, *sizes)
     encode_to_shards(samples, dest, index, encoder, batch, report=click.echo)
     if distributed.is_main():
-        click.echo(f"wrote {index['count']} latents to {dest}")
-
-
-def load_vae(vae: str, batch: int) -> StabilityVAEEncoder:
-    """The encoder with its VAE loaded now, so that a VAE that cannot load fails before any work."""
-    encoder = StabilityVAEEncoder(vae, batch_size=batch)
-    try:
-        encoder.init(distributed.device())
-    except EncoderError as e:
-        raise click.BadParameter(str(e), param_hint="'--vae'") from None
-    return encoder
+        click.echo(f"wrote {index['count']} {index['encoding']} latents to {dest}")

@@ -4,13 +4,12 @@ of --arch and the architecture options or of the --init snapshot, each refused i
 from __future__ import annotations
 
 import click
-import numpy as np
 from click.core import ParameterSource
 
 from edm2 import families
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.data.sources import open_data
-from edm2.encoders import Encoder, EncoderSettingsError, StabilityVAEEncoder, StandardRGBEncoder, encoder_for_dataset
+from edm2.encoders import LATENTS, PIXELS, RELEASE_ENCODINGS, Encoder, EncoderSettingsError, encoder_for_dataset
 from edm2.errors import SnapshotError, one_line
 from edm2.runtime import files
 from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
@@ -30,20 +29,27 @@ def open_dataset(data: str, cond: bool) -> ImageData:
 
 
 def choose_encoder(dataset: ImageData) -> Encoder:
-    """The encoder of the encoding the dataset records (dataset.json "encoding", edm2.encoders.ENCODINGS); for a
-    dataset written by the release or an earlier version, which records none, the rule they imply (see
+    """The encoder of the encoding the dataset records (dataset.json "encoding", edm2.encoders.ENCODINGS), its
+    settings checked against the data's dtype and channels before any training work; for a dataset written by the
+    release or an earlier version, which records none, the rule they imply (RELEASE_ENCODINGS, see
     unrecorded_encoding): StandardRGBEncoder for PNG data of any channel count, StabilityVAEEncoder for 8-channel
     mean/std latents."""
-    if dataset.encoding is not None:
-        try:
-            return encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
-        except EncoderSettingsError as e:
-            raise click.BadParameter(f"{dataset.path}: {e}", param_hint="--data") from None
     image, _ = dataset[0]
     channels = dataset.num_channels
-    if image.dtype == np.uint8:
-        return StandardRGBEncoder()
-    encoder = StabilityVAEEncoder()
+    if dataset.encoding is not None:
+        try:
+            encoder = encoder_for_dataset(dataset.encoding, dataset.encoding_settings)
+            if encoder.stored_dtype != image.dtype:
+                raise EncoderSettingsError(f"the encoding {dataset.encoding!r} stores {encoder.stored_dtype}, but the "
+                                           f"samples are {image.dtype}")
+            encoder.out_channels(channels)
+        except EncoderSettingsError as e:
+            raise click.BadParameter(f"{dataset.path}: {dataset.record_file}: {e} (encoding {dataset.encoding!r})",
+                                     param_hint="--data") from None
+        return encoder
+    encoder = RELEASE_ENCODINGS[PIXELS if image.dtype == PIXELS else LATENTS]()
+    if encoder.stored_dtype == PIXELS:
+        return encoder
     if channels != 2 * len(encoder.scale):
         raise click.BadParameter(
             f"{dataset.path}: .npy latents have {channels} channel(s); expected {2 * len(encoder.scale)} "
@@ -58,7 +64,7 @@ def unrecorded_encoding(dataset: ImageData, encoder: Encoder) -> str | None:
     if dataset.encoding is not None:
         return None
     return (f"{dataset.path}: dataset.json records no encoding (written by the release or an earlier version); "
-            f"its {'PNG images' if encoder.encoding == 'pixels' else '.npy latents'} are taken as {encoder.encoding}")
+            f"its {'PNG images' if encoder.stored_dtype == PIXELS else '.npy latents'} are taken as {encoder.encoding}")
 
 
 def network_options(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,

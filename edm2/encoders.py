@@ -1,4 +1,4 @@
-"""Conversions between uint8 pixels and network inputs: RGB scaling, or Stability VAE latents.
+"""Conversions between uint8 pixels and network inputs: RGB scaling, or the latents of a diffusers VAE.
 
 Pixels are first encoded into "raw latents" (what a dataset stores), then into the normalized
 "final latents" the network sees; decoding goes from final latents straight back to pixels.
@@ -6,9 +6,12 @@ Pixels are first encoded into "raw latents" (what a dataset stores), then into t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +19,11 @@ import torch
 from edm2.errors import EDM2Error, one_line
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-mse"
+PIXELS = "uint8"  # the stored dtype of encodings whose datasets hold PNG pixels
+LATENTS = "float32"  # the stored dtype of encodings whose datasets hold .npy latents
+MAX_LATENT_CHANNELS = 1024
+MAX_NAME_CHARS = 4096
+MAX_VAE_BATCH = 1 << 20  # images per VAE call, as edm2.runtime.limits.MAX_BATCH bounds a batch
 
 
 class EncoderError(EDM2Error):
@@ -28,10 +36,20 @@ class EncoderSettingsError(EncoderError, ValueError):
 
 class Encoder:
     """Common interface: encode = encode_latents(encode_pixels(x)); `encoding` is the name under which ENCODINGS
-    registers the class and a dataset records what it holds (dataset.json "encoding")."""
+    registers the class and a dataset records what it holds (dataset.json "encoding").
+
+    An encoding's settings are its constructor's named arguments, recorded as each encoder is built (so a subclass
+    cannot leave one out): a dataset records them (dataset_record) and encoder_for_dataset passes them back.
+    """
 
     encoding = ""
-    stores_pixels = False  # whether a dataset of this encoding stores PNG pixels (dataset_tool.py convert writes it)
+    stored_dtype = PIXELS  # what its datasets store: PIXELS (PNG files, uint8 shards) or LATENTS (.npy, float32)
+    run_settings: frozenset[str] = frozenset()  # arguments that say how to run it, not what a dataset holds
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _recording(cls.__dict__["__init__"])
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 NCHW pixels -> float32 network input."""
@@ -54,8 +72,9 @@ class Encoder:
         raise NotImplementedError
 
     def config(self) -> dict:
-        """JSON-serializable settings; encoder_from_config() rebuilds the encoder."""
-        raise NotImplementedError
+        """JSON-serializable settings, the class and every constructor argument; encoder_from_config() rebuilds the
+        encoder."""
+        return {"class": type(self).__name__, **self.__dict__.get("_settings", {})}
 
     def dataset_record(self) -> dict:
         """What a dataset of this encoding records in dataset.json: its name and the settings that rebuild it."""
@@ -63,18 +82,67 @@ class Encoder:
         return {"encoding": self.encoding, **({"encoding_settings": settings} if settings else {})}
 
     def settings(self) -> dict:
-        """The constructor arguments that a dataset records (encoder_for_dataset passes them back)."""
-        return {}
+        """The constructor arguments that a dataset records (all but run_settings; encoder_for_dataset passes them
+        back)."""
+        return {name: value for name, value in self.__dict__.get("_settings", {}).items()
+                if name not in self.run_settings}
 
     def init(self, device: torch.device) -> None:
         """Load now, onto device, what decoding needs (pixels need nothing), so that it fails before any sampling."""
+
+
+def _plain(value: object) -> object:
+    """A setting as JSON holds it: sequences as lists, NumPy numbers as Python's."""
+    if isinstance(value, (tuple, list, np.ndarray)):
+        return [_plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _recording(init: Callable) -> Callable:
+    """init, recording its named arguments (defaults included) as the encoder's settings before it runs; the
+    outermost constructor's are kept when a subclass's calls its parent's."""
+    signature = inspect.signature(init)
+    unnamed = [p.name for p in list(signature.parameters.values())[1:]
+               if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unnamed:
+        raise TypeError(f"{init.__qualname__}: an encoder's settings are named arguments, which {unnamed[0]!r} is "
+                        f"not; a dataset could not record it")
+
+    @functools.wraps(init)
+    def recording_init(self, *args, **kwargs):
+        if "_settings" not in self.__dict__:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            self._settings = {name: _plain(value) for name, value in list(bound.arguments.items())[1:]}
+        init(self, *args, **kwargs)
+    return recording_init
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _numbers(name: str, values: object, count: int | None = None, positive: bool = False) -> list[float]:
+    """A setting that holds one finite number per latent channel (count of them when given)."""
+    ok = (isinstance(values, (list, tuple, np.ndarray)) and 1 <= len(values) <= MAX_LATENT_CHANNELS
+          and all(_is_number(v) and (v > 0 or not positive) for v in values))
+    if not ok or (count is not None and len(values) != count):
+        length = f"{count}" if count is not None else f"1 to {MAX_LATENT_CHANNELS}"
+        raise EncoderSettingsError(f"{name}={_plain(values)!r:.80}: expected {length} finite "
+                                   f"{'positive ' if positive else ''}numbers, one per latent channel")
+    return [float(v) for v in values]
+
+
+def _number(name: str, value: object, positive: bool = False) -> float:
+    if not _is_number(value) or (positive and value <= 0):
+        raise EncoderSettingsError(f"{name}={value!r:.80}: expected a finite {'positive ' if positive else ''}number")
+    return float(value)
 
 
 class StandardRGBEncoder(Encoder):
     """RGB pixels scaled to [-1, 1] (release)."""
 
     encoding = "pixels"
-    stores_pixels = True
 
     def encode_pixels(self, x: torch.Tensor) -> torch.Tensor:
         """Pixels are stored as they are."""
@@ -92,23 +160,25 @@ class StandardRGBEncoder(Encoder):
         """RGB datasets feed the network as they are."""
         return in_channels
 
-    def config(self) -> dict:
-        """No settings beyond the class."""
-        return {"class": "StandardRGBEncoder"}
-
 
 class StabilityVAEEncoder(Encoder):
-    """Latents of a diffusers AutoencoderKL, normalized as in paper Appendix B.1 (sigma_data = 0.5).
+    """Latents of a diffusers AutoencoderKL, normalized as in paper Appendix B.1 (sigma_data = 0.5):
+    final = (raw - raw_mean) / raw_std * final_std + final_mean, per latent channel.
 
     The VAE is loaded on first use, onto the device of the input, and is never pickled.
     """
 
     encoding = "stability-vae"
+    stored_dtype = LATENTS
+    run_settings = frozenset({"batch_size"})
 
     def __init__(self, vae_name: str = DEFAULT_VAE,
                  raw_mean: Sequence[float] = (5.81, 3.25, 0.12, -2.15),
                  raw_std: Sequence[float] = (4.17, 4.62, 3.71, 3.28),
                  final_mean: float = 0.0, final_std: float = 0.5, batch_size: int = 8):
+        raw_mean = _numbers("raw_mean", raw_mean)
+        raw_std = _numbers("raw_std", raw_std, count=len(raw_mean), positive=True)
+        final_mean, final_std = _number("final_mean", final_mean), _number("final_std", final_std, positive=True)
         # float32 arithmetic as in the release, so scale/bias equal the values its pickles store.
         scale = np.float32(final_std) / np.asarray(raw_std, dtype=np.float32)
         bias = np.float32(final_mean) - np.asarray(raw_mean, dtype=np.float32) * scale
@@ -119,6 +189,7 @@ class StabilityVAEEncoder(Encoder):
                         batch_size: int = 8) -> StabilityVAEEncoder:
         """Encoder with final = raw * scale + bias given directly (as the release's pickles store it)."""
         encoder = cls.__new__(cls)
+        encoder._settings = {"vae_name": str(vae_name), "batch_size": batch_size}  # its normalization: config()
         encoder._setup(vae_name, np.asarray(scale, dtype=np.float32), np.asarray(bias, dtype=np.float32),
                        batch_size)
         return encoder
@@ -127,8 +198,11 @@ class StabilityVAEEncoder(Encoder):
         if scale.shape != bias.shape or scale.ndim != 1:
             raise EncoderSettingsError(f"scale and bias must be equal-length vectors, got {scale.shape} and "
                                        f"{bias.shape}")
-        if int(batch_size) < 1:
-            raise EncoderSettingsError(f"batch_size must be positive, got {batch_size}")
+        if not isinstance(vae_name, str) or not 0 < len(vae_name) <= MAX_NAME_CHARS:
+            raise EncoderSettingsError(f"vae_name={vae_name!r:.80}: expected a hub name or a directory")
+        if (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
+                or not 1 <= batch_size <= MAX_VAE_BATCH):
+            raise EncoderSettingsError(f"batch_size must be an integer in [1, {MAX_VAE_BATCH}], got {batch_size!r:.40}")
         self.vae_name = str(vae_name)
         self.scale = scale
         self.bias = bias
@@ -144,7 +218,12 @@ class StabilityVAEEncoder(Encoder):
 
     def _vae_on(self, device: torch.device):
         if self._vae is None:
-            self._vae = load_vae(self.vae_name)
+            vae = load_vae(self.vae_name)
+            channels = getattr(vae.config, "latent_channels", len(self.scale))
+            if channels != len(self.scale):
+                raise EncoderError(f"the VAE '{self.vae_name}' has {channels} latent channels; the encoding "
+                                   f"{self.encoding!r} is set for {len(self.scale)}")
+            self._vae = vae
         if next(self._vae.parameters()).device != torch.device(device):
             self._vae.to(device)
         return self._vae
@@ -186,11 +265,10 @@ class StabilityVAEEncoder(Encoder):
         if in_channels % 2:
             raise EncoderSettingsError(f"latent datasets store mean and std (an even channel count), "
                                        f"got {in_channels}")
+        if in_channels != 2 * len(self.scale):
+            raise EncoderSettingsError(f"the data's {in_channels} channels hold mean and std of {in_channels // 2} "
+                                       f"latent channels; raw_mean and raw_std give {len(self.scale)}")
         return in_channels // 2
-
-    def settings(self) -> dict:
-        """The VAE whose latents a dataset holds; the normalization is the network's (config())."""
-        return {"vae_name": self.vae_name}
 
     def config(self) -> dict:
         """VAE name, normalization and batch size; floats are the exact float32 values."""
@@ -198,12 +276,34 @@ class StabilityVAEEncoder(Encoder):
                 "bias": self.bias.tolist(), "batch_size": self.batch_size}
 
 
+class DiffusersVAEEncoder(StabilityVAEEncoder):
+    """Latents of any diffusers AutoencoderKL (a hub name or a local directory, vae_name) with latent_channels
+    channels, normalized by the statistics of its latents as StabilityVAEEncoder (raw_mean and raw_std: one number
+    for every channel, or one per channel): a second VAE, for one the release did not use."""
+
+    encoding = "diffusers-vae"
+
+    def __init__(self, vae_name: str, latent_channels: int, raw_mean: float | Sequence[float],
+                 raw_std: float | Sequence[float], final_mean: float = 0.0, final_std: float = 0.5,
+                 batch_size: int = 8):
+        if type(latent_channels) is not int or not 1 <= latent_channels <= MAX_LATENT_CHANNELS:
+            raise EncoderSettingsError(f"latent_channels={latent_channels!r:.40}: expected an integer in "
+                                       f"[1, {MAX_LATENT_CHANNELS}]")
+        raw_mean, raw_std = ([value] * latent_channels if _is_number(value) else value for value in (raw_mean, raw_std))
+        super().__init__(vae_name, _numbers("raw_mean", raw_mean, latent_channels),
+                         _numbers("raw_std", raw_std, latent_channels, positive=True), final_mean, final_std,
+                         batch_size)
+
+    def config(self) -> dict:
+        """The class and its constructor's arguments (encoder_from_config)."""
+        return Encoder.config(self)
+
+
 class LinearRGBEncoder(Encoder):
     """sRGB pixels stored as they are, seen by the network in linear light, ((x / 255) ** gamma) * 2 - 1: the
     README's worked example of a data encoding (Extending)."""
 
     encoding = "linear-rgb"
-    stores_pixels = True
 
     def __init__(self, gamma: float = 2.2):
         if type(gamma) not in (int, float) or not 0.1 <= gamma <= 10:
@@ -226,31 +326,26 @@ class LinearRGBEncoder(Encoder):
         """The network sees the stored channels."""
         return in_channels
 
-    def config(self) -> dict:
-        """The class and gamma (encoder_from_config)."""
-        return {"class": "LinearRGBEncoder", "gamma": self.gamma}
-
-    def settings(self) -> dict:
-        """gamma, which a dataset records."""
-        return {"gamma": self.gamma}
-
 
 _VAE_KEYS = {"vae_name", "scale", "bias", "batch_size"}
 
-# The data encodings a dataset may hold, by the name dataset.json records ("encoding", with its constructor's
-# arguments as "encoding_settings" if any): what turns its stored samples into network inputs and back to pixels.
-# A new encoding is an Encoder subclass (its `encoding` name, config() and the arguments it takes) and a row here.
+# The data encodings a dataset may hold, by the name dataset.json and a shard index record ("encoding", with its
+# constructor's arguments as "encoding_settings" if any): what turns its stored samples (of the class's
+# stored_dtype) into network inputs and back to pixels. The one table that dataset_tool.py, shards and training
+# read. A new encoding is an Encoder subclass (its `encoding` name, stored_dtype and the arguments it takes) and a
+# row here.
 ENCODINGS: dict[str, type[Encoder]] = {cls.encoding: cls for cls in (StandardRGBEncoder, StabilityVAEEncoder,
-                                                                     LinearRGBEncoder)}
+                                                                     DiffusersVAEEncoder, LinearRGBEncoder)}
+
+# What a dataset that records no encoding (the release's, or ours before encodings were recorded) holds, by the
+# dtype of its samples: the release's rule, PNG pixels or the Stability VAE's mean/std latents.
+RELEASE_ENCODINGS: dict[str, type[Encoder]] = {PIXELS: StandardRGBEncoder, LATENTS: StabilityVAEEncoder}
 
 
 def encoder_for_dataset(encoding: object, settings: object) -> Encoder:
     """The encoder of a dataset that records its encoding (dataset.json "encoding" and "encoding_settings");
     EncoderSettingsError, one line naming it, for an encoding this edm2 does not know or settings it cannot take."""
-    if not isinstance(encoding, str) or encoding not in ENCODINGS:
-        shown = repr(encoding)[:60]
-        raise EncoderSettingsError(f"the data encoding {shown} is not registered: this edm2 knows "
-                                   f"{', '.join(ENCODINGS)} (edm2.encoders.ENCODINGS)")
+    registered(encoding)
     if not isinstance(settings, dict):
         raise EncoderSettingsError(f"encoding_settings of {encoding!r}: expected an object")
     try:
@@ -259,21 +354,28 @@ def encoder_for_dataset(encoding: object, settings: object) -> Encoder:
         raise EncoderSettingsError(f"encoding_settings of {encoding!r}: {one_line(e)}") from None
 
 
+def registered(encoding: object) -> type[Encoder]:
+    """The class ENCODINGS registers under the name encoding; EncoderSettingsError, one line, for one it lacks."""
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
+        shown = repr(encoding)[:60]
+        raise EncoderSettingsError(f"the data encoding {shown} is not registered: this edm2 knows "
+                                   f"{', '.join(ENCODINGS)} (edm2.encoders.ENCODINGS)")
+    return ENCODINGS[encoding]
+
+
 def encoder_from_config(config: dict) -> Encoder:
     """Rebuild an encoder from its config() dictionary."""
     settings = dict(config)
     kind = settings.pop("class", None)
-    if kind == "StandardRGBEncoder" and not settings:
-        return StandardRGBEncoder()
     if kind == "StabilityVAEEncoder" and {"vae_name", "scale", "bias"} <= set(settings) <= _VAE_KEYS:
         try:
             return StabilityVAEEncoder.from_scale_bias(**settings)
         except (TypeError, ValueError) as e:  # numbers that are not numbers; EncoderSettingsError included
             raise EncoderSettingsError(f"not an encoder config: {config} ({one_line(e)})") from None
-    registered = {cls.__name__: cls for cls in ENCODINGS.values()}
-    if kind in registered and registered[kind] not in (StandardRGBEncoder, StabilityVAEEncoder):
-        try:  # another encoding's config() is its class and the settings its constructor takes
-            return registered[kind](**settings)
+    classes = {cls.__name__: cls for cls in ENCODINGS.values()}
+    if kind in classes and kind != "StabilityVAEEncoder":
+        try:  # another encoding's config() is its class and the arguments its constructor takes
+            return classes[kind](**settings)
         except (TypeError, ValueError) as e:
             raise EncoderSettingsError(f"not an encoder config: {config} ({one_line(e)})") from None
     raise EncoderSettingsError(f"not an encoder config: {config}")

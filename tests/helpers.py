@@ -267,12 +267,12 @@ def run_within_memory(prepare: str, attempt: str, headroom: int, *args: str) -> 
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def save_tiny_vae(path: Path) -> Path:
+def save_tiny_vae(path: Path, latent_channels: int = 4) -> Path:
     """A randomly initialized AutoencoderKL with 2 levels (2x downsampling, the real one has 4 and 8x)."""
     from diffusers import AutoencoderKL  # seconds to import; only the VAE tests need it
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16),
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
                         layers_per_block=1, norm_num_groups=8, sample_size=16)
     vae.save_pretrained(path)

@@ -210,7 +210,10 @@ def test_encode_writes_the_encoders_latents(encode_setup, one_thread):
     assert sorted(contents) == sorted(names + ["dataset.json"])
     assert json.loads(contents["dataset.json"]) == {"labels": [[name, i % 3] for i, name in enumerate(names)],
                                                     "encoding": "stability-vae",
-                                                    "encoding_settings": {"vae_name": str(vae_dir)}}
+                                                    "encoding_settings": {"vae_name": str(vae_dir),
+                                                                          "raw_mean": [5.81, 3.25, 0.12, -2.15],
+                                                                          "raw_std": [4.17, 4.62, 3.71, 3.28],
+                                                                          "final_mean": 0.0, "final_std": 0.5}}
     latents = ImageFolderDataset(reference)
     assert (latents.num_channels, latents.resolution, latents.label_dim) == (8, 8, 3)
     for i in range(10):

@@ -1,6 +1,6 @@
 """The README's Extending examples, run end to end: the network family 'mp-resnet' (edm2/architectures/mp_resnet.py),
-the data encoding 'linear-rgb' (edm2.encoders.LinearRGBEncoder) and recorded encodings; and the one-line answers to
-a family or an encoding that is not registered."""
+the data encoding 'linear-rgb' (edm2.encoders.LinearRGBEncoder), a second VAE ('diffusers-vae', a 16-channel
+AutoencoderKL) and recorded encodings; and the one-line answers to a family or an encoding that is not registered."""
 
 import json
 import re
@@ -14,10 +14,12 @@ import dataset_tool
 import generate
 import train_edm2
 from edm2.architectures.mp_resnet import MPResNet
-from edm2.encoders import LinearRGBEncoder
+from edm2.data.dataset import ImageFolderDataset
+from edm2.data.shards import ShardDataset
+from edm2.encoders import DiffusersVAEEncoder, LinearRGBEncoder
 from edm2.eval import flops
 from edm2.formats.snapshot import load_generator, load_network
-from tests.helpers import assert_refused, write_image_dataset
+from tests.helpers import assert_refused, save_tiny_vae, write_image_dataset
 
 
 def train(data, outdir, *args):
@@ -73,7 +75,7 @@ def recorded(path, **record):
 def test_a_dataset_of_an_unknown_encoding_is_one_line(tmp_path):
     data = recorded(write_image_dataset(tmp_path / "data", num=16), encoding="dct-8x8")
     assert_refused(tmp_path, lambda: train(data, tmp_path / "run", "--dry-run"), "--data",
-                   "the data encoding 'dct-8x8' is not registered", "pixels, stability-vae")
+                   "the data encoding 'dct-8x8' is not registered", "pixels, stability-vae, diffusers-vae")
 
 
 def test_a_recorded_encoding_is_taken_and_an_unrecorded_one_said_once(tmp_path):
@@ -91,7 +93,8 @@ def test_a_data_encoding_is_written_trained_on_and_decoded(tmp_path):
     source = write_image_dataset(tmp_path / "source", num=16)
     data = tmp_path / "linear.zip"
     result = CliRunner().invoke(dataset_tool.main, ["convert", f"--source={source}", f"--dest={data}",
-                                                    "--encoding=linear-rgb", "--workers=0"])
+                                                    "--encoding=linear-rgb", '--encoding-settings={"gamma": 2.2}',
+                                                    "--workers=0"])
     assert result.exit_code == 0, result.output
     result = train(data, tmp_path / "run", "--duration=32", "--batch=32", "--snapshot=32", "--checkpoint=32",
                    "--status=32")
@@ -108,3 +111,35 @@ def test_a_data_encoding_is_written_trained_on_and_decoded(tmp_path):
     levels = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16)
     assert torch.equal(encoder.decode(encoder.encode(levels)), levels)
     assert encoder.encode(levels).min() == -1 and encoder.encode(levels).max() == 1
+
+
+def test_a_second_vae_of_16_channels_encodes_to_zip_and_shards_trains_and_decodes(tmp_path):
+    vae = save_tiny_vae(tmp_path / "vae16", latent_channels=16)
+    result = CliRunner().invoke(dataset_tool.main, ["toy", f"--dest={tmp_path / 'toy.zip'}", "--resolution=16",
+                                                    "--num=32", "--classes=2"])
+    assert result.exit_code == 0, result.output
+    settings = '{"latent_channels": 16, "raw_mean": 0.06, "raw_std": 0.65}'
+    for dest in ["latents16.zip", "latents16.shards"]:
+        result = CliRunner().invoke(dataset_tool.main, ["encode", f"--source={tmp_path / 'toy.zip'}",
+                                                        f"--dest={tmp_path / dest}", "--encoding=diffusers-vae",
+                                                        f"--vae={vae}", f"--encoding-settings={settings}",
+                                                        "--workers=0"])
+        assert result.exit_code == 0, result.output
+    zipped, sharded = ImageFolderDataset(tmp_path / "latents16.zip"), ShardDataset(tmp_path / "latents16.shards")
+    assert zipped.image_shape == sharded.image_shape == [32, 8, 8]  # mean and std of 16 channels, 2x downsampled
+    assert all(torch.equal(torch.from_numpy(zipped[i][0]), torch.from_numpy(sharded[i][0])) for i in range(32))
+    assert zipped.encoding_settings == sharded.encoding_settings == dict(
+        vae_name=str(vae), latent_channels=16, raw_mean=0.06, raw_std=0.65, final_mean=0.0, final_std=0.5)
+
+    result = train(tmp_path / "latents16.shards", tmp_path / "run", "--duration=64", "--batch=32", "--snapshot=64",
+                   "--checkpoint=64", "--status=32")
+    assert result.exit_code == 0, result.output
+    snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
+    _, encoder, metadata = load_generator(snapshot)
+    assert isinstance(encoder, DiffusersVAEEncoder) and metadata["encoder"]["latent_channels"] == 16
+    assert metadata["network_kwargs"]["img_channels"] == 16  # the network sees the VAE's 16 latent channels
+    out = tmp_path / "images"
+    result = CliRunner().invoke(generate.main, [f"--net={snapshot}", f"--outdir={out}", "--seeds=0-1", "--steps=2"])
+    assert result.exit_code == 0, result.output
+    images = sorted(out.glob("*.png"))
+    assert len(images) == 2 and ImageFolderDataset(out).image_shape == [3, 16, 16]  # decoded through the VAE

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edm2.data.dataset import ImageData
+from edm2.data.dataset import ImageData, LabelsOf
 from edm2.data.dataset_files import DatasetError
 from edm2.runtime import bounded_json
 
@@ -71,20 +71,6 @@ def segments(sizes: list[int], weights: list[float]) -> list[int]:
     return counts
 
 
-class _BlendLabels:
-    """The class of each item of a blend, read from its source."""
-
-    def __init__(self, blend: BlendDataset):
-        self._blend = blend
-
-    def __len__(self) -> int:
-        return len(self._blend)
-
-    def __getitem__(self, idx: int) -> int:
-        source, j = self._blend.source_of(int(idx))
-        return int(source.raw_labels[j])
-
-
 class BlendDataset(ImageData):
     """The sources one after another (item offsets[i] + j is item j of source i); one shape, dtype and labels."""
 
@@ -107,7 +93,8 @@ class BlendDataset(ImageData):
         self.segments = segments(self.sizes, self.weights)
         self.path, self.image_shape, self.label_dim = first.path, first.image_shape, first.label_dim
         self.encoding, self.encoding_settings = first.encoding, first.encoding_settings
-        self.raw_labels = None if first.raw_labels is None else _BlendLabels(self)
+        self.record_file = first.record_file
+        self.raw_labels = None if first.raw_labels is None else LabelsOf(len(self), self.label_of)
 
     def source_of(self, idx: int) -> tuple[object, int]:
         """The source holding item idx and the item's index there."""
@@ -116,6 +103,11 @@ class BlendDataset(ImageData):
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def label_of(self, idx: int) -> int:
+        """The class of item idx, read from its source."""
+        source, j = self.source_of(idx)
+        return int(source.raw_labels[j])
 
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
         source, j = self.source_of(idx)

@@ -11,6 +11,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import PIL.Image
@@ -66,14 +67,29 @@ def is_raw_image_folder(files: FileTree) -> bool:
     return any(suffix(name) in images and RELEASE_NAME.fullmatch(name) is None for name in files.names)
 
 
+class LabelsOf:
+    """The class of each of `size` items, label_of(index) when asked for (a sequence, nothing held)."""
+
+    def __init__(self, size: int, label_of: Callable[[int], int]):
+        self._size, self._label_of = size, label_of
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, idx: int) -> int:
+        return self._label_of(int(idx))
+
+
 class ImageData(torch.utils.data.Dataset):
     """What every dataset kind shares (folders and ZIPs, shards, blends): image_shape (CHW), label_dim and the
-    encoding it records (an edm2.encoders.ENCODINGS name and its settings; None for data that records none)."""
+    encoding it records (an edm2.encoders.ENCODINGS name and its settings; None for data that records none) in
+    its record_file."""
 
     image_shape: list[int] | None
     label_dim: int
     encoding: str | None = None
     encoding_settings: dict
+    record_file = LABELS_FILE
     classes: dict[str, int] | None = None  # class names ({name: class}) where the dataset records them
 
     @property

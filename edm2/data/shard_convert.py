@@ -32,13 +32,14 @@ def source_samples(source: object, first: int, n: int) -> np.ndarray:
     return np.stack([source[i][0] for i in range(first, first + n)])
 
 
-def source_index(source: object, encoding: str, shape: list[int], identity: dict, count: int | None = None,
+def source_index(source: object, encoding: dict, shape: list[int], identity: dict, count: int | None = None,
                  shard_size: int | None = None) -> dict:
-    """The index of a shard dataset of a source's first `count` samples."""
+    """The index of a shard dataset of a source's first `count` samples in an encoding (Encoder.dataset_record)."""
     count = min(len(source), count or len(source))
     labels = source_labels(source)
     label_dim = 0 if labels is None else int(labels[:count].max()) + 1
-    return shard_writer.new_index(encoding, shape, label_dim, count, identity, shard_size)
+    return shard_writer.new_index(encoding["encoding"], shape, label_dim, count, identity, shard_size,
+                                  encoding.get("encoding_settings"))
 
 
 def convert_to_shards(source: object, dest: Path, index: dict, report: Callable[[str], None]) -> int:

@@ -17,8 +17,9 @@ from typing import Callable
 import numpy as np
 
 from edm2.data.dataset_files import DatasetError
-from edm2.data.shards import (ENCODINGS, FORMAT, INDEX_FILE, LABEL_DTYPE, VERSION, check_index, check_shard,
-                              num_shards, shard_count, shard_header, shard_name)
+from edm2.data.shards import (FORMAT, INDEX_FILE, LABEL_DTYPE, VERSION, check_index, check_shard, num_shards,
+                              shard_count, shard_header, shard_name)
+from edm2.encoders import ENCODINGS
 from edm2.runtime import bounded_json, files
 
 PROGRESS_FILE = "progress.json"
@@ -31,13 +32,16 @@ class ShardWorkError(DatasetError):
 
 
 def new_index(encoding: str, shape: list[int], label_dim: int, count: int, identity: dict,
-              shard_size: int | None = None) -> dict:
-    """The index of a shard dataset; its id hashes the index's fields and identity (what the samples come from)."""
-    dtype = ENCODINGS[encoding]
+              shard_size: int | None = None, settings: dict | None = None) -> dict:
+    """The index of a shard dataset of an encoding (an edm2.encoders.ENCODINGS name, and its settings if any); its
+    id hashes the index's fields and identity (what the samples come from)."""
+    dtype = ENCODINGS[encoding].stored_dtype
     per_sample = int(np.prod(shape)) * np.dtype(dtype).itemsize
     shard_size = min(count, shard_size or max(1, SHARD_BYTES // per_sample))
-    index = dict(format=FORMAT, version=VERSION, encoding=encoding, dtype=dtype, shape=list(shape),
-                 label_dim=label_dim, count=count, shard_size=shard_size)
+    index = dict(format=FORMAT, version=VERSION, encoding=encoding)
+    if settings:
+        index["encoding_settings"] = settings
+    index.update(dtype=dtype, shape=list(shape), label_dim=label_dim, count=count, shard_size=shard_size)
     ident = hashlib.sha256(json.dumps([index, identity], sort_keys=True).encode()).hexdigest()[:32]
     return dict(index, id=ident)
 

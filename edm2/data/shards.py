@@ -1,12 +1,13 @@
 """Sharded array datasets: fixed-shape samples in shard files that every process memory-maps, and a small index.
 
 A dataset is a folder (by convention NAME.shards) holding index.json and shard-KKKKKK.bin. The index records
-what the samples are (ENCODINGS: "pixels" for uint8 images, "stability-vae" for the VAE's mean/std latents),
-their dtype and CHW shape, the label classes (0 for none), the count and the samples per shard; it does not
-grow with the dataset. Shard k holds samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the
-dataset's id, k, its first sample, its count, bytes per sample), the samples back to back, then one int32
-label per sample when labeled. A process maps at most MAX_OPEN_SHARDS shards at a time, so its own memory does
-not depend on the number of samples, and the page cache is shared by every process of a machine.
+what the samples are (an edm2.encoders.ENCODINGS name, "pixels" for uint8 images, "stability-vae" for the VAE's
+mean/std latents, ..., and its settings), their dtype (the one its Encoder class stores) and CHW shape, the label
+classes (0 for none), the count and the samples per shard; it does not grow with the dataset. Shard k holds
+samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the dataset's id, k, its first sample, its
+count, bytes per sample), the samples back to back, then one int32 label per sample when labeled. A process maps
+at most MAX_OPEN_SHARDS shards at a time, so its own memory does not depend on the number of samples, and the page
+cache is shared by every process of a machine.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from edm2.data.dataset import ImageData
+from edm2.data.dataset import ImageData, LabelsOf
 from edm2.data.dataset_json import MAX_CLASSES
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
+from edm2.encoders import ENCODINGS
 from edm2.runtime import bounded_json
 
 INDEX_FILE = "index.json"
 FORMAT = "edm2-shards"
 VERSION = 1
-# What a dataset holds, under the key "encoding" (as dataset.json records it): the name and its sample dtype.
-ENCODINGS = {"pixels": "uint8", "stability-vae": "float32"}
 SHARD_HEADER = struct.Struct("<8s16sQQQQ8x")  # magic, dataset id, shard number, first sample, count, item bytes
 MAGIC = b"EDM2SHRD"
 MAX_SAMPLES = 1 << 40
@@ -87,8 +87,11 @@ def check_index(index: object, path: Path) -> dict:
     need(isinstance(index, dict) and index.get("format") == FORMAT, f"not a shard index (format is not {FORMAT!r})")
     need(index.get("version") == VERSION, f"version {index.get('version')!r}; this project reads {VERSION}")
     encoding, dtype = index.get("encoding"), index.get("dtype")
-    need(encoding in ENCODINGS, f"encoding {encoding!r} is none of {', '.join(ENCODINGS)}")
-    need(dtype == ENCODINGS[encoding], f"dtype {dtype!r} is not {ENCODINGS[encoding]!r}, what {encoding} holds")
+    need(isinstance(encoding, str) and encoding in ENCODINGS, f"encoding {str(encoding)[:60]!r} is none of "
+         f"{', '.join(ENCODINGS)} (edm2.encoders.ENCODINGS)")
+    stored = ENCODINGS[encoding].stored_dtype
+    need(dtype == stored, f"dtype {str(dtype)[:20]!r} is not {stored!r}, what {encoding} holds")
+    need(isinstance(index.get("encoding_settings", {}), dict), "encoding_settings is not an object")
     shape = index.get("shape")
     need(isinstance(shape, list) and len(shape) == 3 and all(_is_int(n, 1, 1 << 16) for n in shape)
          and shape[1] == shape[2], f"shape {shape!r} is not a square CHW shape")
@@ -150,25 +153,14 @@ class ShardNames(collections.abc.Sequence):
         return f"{shard_name(idx // self._shard_size)}#{idx % self._shard_size}"
 
 
-class ShardLabels:
-    """The class of each sample, read from the shards' label blocks on demand (a sequence, nothing held)."""
-
-    def __init__(self, dataset: ShardDataset):
-        self._dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self._dataset)
-
-    def __getitem__(self, idx: int) -> int:
-        return self._dataset.label_of(int(idx))
-
-
 class ShardDataset(ImageData):
     """Samples (uint8 or float32 CHW) and one-hot labels of a shard dataset; the interface of ImageFolderDataset.
 
     Every shard is checked when opened (present, of its size, its header the index's); the shards are mapped
     lazily in each process, at most MAX_OPEN_SHARDS at a time. max_size keeps the first max_size samples.
     """
+
+    record_file = INDEX_FILE
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
                  max_size: int | None = None):
@@ -181,11 +173,11 @@ class ShardDataset(ImageData):
             raise DatasetError(f"{self.path}: holds {beyond.name}, beyond the index's {num_shards(self.index)} "
                                f"shards; the index disagrees with its shards")
         self.image_shape = list(self.index["shape"])
-        self.encoding, self.encoding_settings = self.index["encoding"], {}
+        self.encoding, self.encoding_settings = self.index["encoding"], self.index.get("encoding_settings", {})
         self._labeled = self.index["label_dim"] > 0
         self.label_dim = self.index["label_dim"] if use_labels else 0
-        self.raw_labels = ShardLabels(self) if use_labels and self._labeled else None
         self._size = min(self.index["count"], max_size or self.index["count"])
+        self.raw_labels = LabelsOf(self._size, self.label_of) if use_labels and self._labeled else None
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
         if resolution is not None and self.resolution != resolution:
             raise DatasetError(f"{self.path}: samples are {self.resolution}x{self.resolution}, "

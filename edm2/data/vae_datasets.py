@@ -20,7 +20,7 @@ from tqdm import tqdm
 from edm2.data.dataset import DatasetError, ImageFolderDataset, latent_fname
 from edm2.data.dataset_json import LABELS_FILE
 from edm2.data.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
-from edm2.encoders import StabilityVAEEncoder
+from edm2.encoders import Encoder, StabilityVAEEncoder
 from edm2.errors import one_line
 from edm2.runtime import bounded_json, distributed, files
 
@@ -130,9 +130,10 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
     os.replace(work, dest)
 
 
-def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: StabilityVAEEncoder, count: int, batch: int,
+def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, count: int, batch: int,
                    workers: int, manifest: dict, report: Callable[[str], None] = distributed.print0) -> None:
-    """Encode the first count images of dataset into dest on every rank; rank 0 prepares and assembles.
+    """Encode the first count images of dataset into dest on every rank (encoder.encode_pixels); rank 0 prepares and
+    assembles.
 
     manifest holds the settings a rerun must share to continue this encode's progress folder.
     """
@@ -168,7 +169,8 @@ def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: StabilityVA
 
 def decoded_images(dataset: ImageFolderDataset, encoder: StabilityVAEEncoder, count: int, batch: int,
                    device: torch.device) -> Iterator[tuple[int, np.ndarray]]:
-    """(index, uint8 HWC image) of the VAE decoding of the mean of each of the first count stored latents."""
+    """(index, uint8 HWC image) of the VAE decoding (encoder.decode_raw, StabilityVAEEncoder's or a subclass's) of the
+    mean of each of the first count stored latents."""
     channels = dataset.num_channels
     for indices, latents in batches_of(dataset, block_batches(count, batch), 0):
         pixels = encoder.decode_raw(latents[:, :channels // 2].to(device))
