@@ -14,6 +14,7 @@ from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
                                 to_channels_last)
+from training.run import benchmark
 from training.run.benchmark import synthetic_step, with_unit_gains
 from training.run.data_parallel_speed import data_parallel_speed
 from training.options import TrainingOptions, check_same_hyperparameters
@@ -252,3 +253,24 @@ def test_the_data_parallel_measurement_trains_one_model_over_its_processes():
     assert math.isfinite(speed.images_per_s) and speed.images_per_s > 0
     with pytest.raises(ValueError, match="does not split over 3 processes"):
         data_parallel_speed("toy-tiny", 4, 3)
+
+
+def test_the_timed_window_holds_every_step_between_two_barriers(monkeypatch):
+    # The dry run and data_parallel_speed share it: a window opened and closed on barriers, read after the last loss.
+    events, clock = [], [0.0]
+
+    def step(_):
+        events.append("step")
+        clock[0] += 0.25
+        return torch.tensor(1.0)
+
+    def now():
+        events.append("clock")
+        return clock[0]
+
+    monkeypatch.setattr(benchmark, "training_step", step)
+    monkeypatch.setattr(benchmark.time, "perf_counter", now)
+    monkeypatch.setattr(benchmark.distributed, "barrier", lambda: events.append("barrier"))
+    rate = benchmark.group_images_per_s(object(), steps=3, images=8)
+    assert events == ["barrier", "clock", "step", "step", "step", "barrier", "clock"]
+    assert rate == 3 * 8 / 0.75  # 0.75 s and 32 images/s are exact in binary
