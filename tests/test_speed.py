@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from edm2.eval import benchmark as eval_benchmark
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
@@ -274,3 +275,19 @@ def test_the_timed_window_holds_every_step_between_two_barriers(monkeypatch):
     rate = benchmark.group_images_per_s(object(), steps=3, images=8)
     assert events == ["barrier", "clock", "step", "step", "step", "barrier", "clock"]
     assert rate == 3 * 8 / 0.75  # 0.75 s and 32 images/s are exact in binary
+
+
+def test_seconds_per_call_times_every_call_at_this_process_s_thread_count(monkeypatch):
+    # torch.utils.benchmark.Timer would time at one thread unless told; the benchmarks measure the threads they set.
+    seen, clock = [], [0.0]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(("set", n)))
+
+    def call():
+        seen.append("call")
+        clock[0] += 0.125
+
+    monkeypatch.setattr(eval_benchmark.time, "perf_counter", lambda: clock[0])
+    seconds = eval_benchmark.seconds_per_call(call, calls=4, warmup=1, device=CPU)
+    assert seconds == 0.125  # the clock advances 0.125 s per call, exactly, and only inside calls
+    assert all(entry == ("set", 3) for entry in seen if entry != "call") and seen.count("call") >= 1 + 4

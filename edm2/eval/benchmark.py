@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.utils.benchmark
 
 from edm2.generation import seeded_inputs
 from edm2.networks import Precond, count_macs
@@ -25,16 +26,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def seconds_per_call(fn: Callable[[], object], calls: int, warmup: int, device: torch.device) -> float:
-    """Mean wall time of fn() over `calls` calls after `warmup` untimed ones, the device's queue drained
-    before the clock starts and before it stops."""
+    """Mean wall time of fn() over `calls` calls after `warmup` untimed ones (and Timer's own two or more), at this
+    process's thread count, the device's queue drained before the clock starts and before it stops."""
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / calls
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    timer = torch.utils.benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), timer=clock)
+    return timer.timeit(calls).mean
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, calls: int = 20) -> float:
@@ -66,6 +68,8 @@ def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, b
                           repeats: int, device: torch.device, solver: str = "heun") -> float:
     """Best-of-`repeats` images/s of edm_sampler on one batch, including the per-seed noise; an untimed first
     batch warms up kernels, caches and compiled graphs."""
+    # Not torch.utils.benchmark.Timer: each repeat samples new seeds, and Timer.timeit runs two untimed calls before
+    # each measurement, two more batches of sampling per repeat.
     best = float("inf")
     for r in range(repeats + 1):
         seeds = range(r * batch_size, (r + 1) * batch_size)
