@@ -1,8 +1,8 @@
 """Measuring speed: device-synchronized timing, the device's measured peak matrix throughput, model-FLOP
 utilization (MFU), and the sampler's images/s with the FLOPs behind them.
 
-A FLOP count here is 2 x the multiply-accumulates of edm2.networks.count_macs, the convention of MFU (Table 6's
-"gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
+A FLOP count here is edm2.runtime.utilization.forward_flops's, 2 per multiply-accumulate, the convention of MFU
+(Table 6's "gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 import torch.utils.benchmark
 
 from edm2.generation import seeded_inputs
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
+from edm2.runtime.utilization import forward_flops
 from edm2.sampler import edm_sampler
 from edm2.solvers import evaluations
 
@@ -58,10 +59,10 @@ def mfu(flops_per_image: float, images_per_s: float, peak: float | None) -> floa
 
 
 def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int, solver: str = "heun") -> float:
-    """FLOPs to sample one image: 2 x the MACs of every evaluation of net (and of gnet when guiding), as many as the
+    """FLOPs to sample one image: forward_flops of every evaluation of net (and of gnet when guiding), as many as the
     solver's record says (edm2.solvers.evaluations)."""
-    macs = count_macs(net) + (count_macs(gnet) if gnet is not None else 0)
-    return 2.0 * macs * evaluations(solver, num_steps)
+    flops = forward_flops(net) + (forward_flops(gnet) if gnet is not None else 0)
+    return float(flops) * evaluations(solver, num_steps)
 
 
 def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, batch_size: int, num_steps: int,
