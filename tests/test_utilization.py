@@ -1,6 +1,6 @@
 """Model-FLOPs utilization in every run: the peaks it is measured against, the CPU's measured once per machine, and
-the status lines' TFLOP/s and MFU as torch.utils.flop_counter's count x the measured rate over the given peak; and the OpenMP wait
-policy that keeps a shared CPU's threads from spinning."""
+the status lines' TFLOP/s and MFU as torch.utils.flop_counter's count x the measured rate over the given peak; and
+the OpenMP wait policy that keeps a shared CPU's threads from spinning."""
 
 import ast
 import json
