@@ -121,6 +121,8 @@ def _grown_rate(kernel: Callable, dtype: torch.dtype, repeats: int, generator: t
 
 def _time(call: Callable[[], object]) -> float:
     """Seconds of one call of a CPU kernel."""
+    # Not torch.utils.benchmark.Timer: its timeit adds two untimed calls to each one-call measurement, tripling the
+    # time a run's start spends measuring the peak.
     started = time.perf_counter()
     call()
     return time.perf_counter() - started
