@@ -2,9 +2,9 @@
 
 The useful FLOPs are those of the network's forward pass as torch.utils.flop_counter counts them (2 per
 multiply-accumulate of the convolutions, matrix products and attention) x 3 passes (forward, and a backward of twice
-its cost), the convention of MFU; activation checkpointing's recomputation is
-not useful work. The peak is the device's dense matrix peak in the precision the step computes in: from a table
-for the common GPUs, measured once per machine on a CPU (cached), or given.
+its cost), the convention of MFU; activation checkpointing's recomputation is not useful work. The peak is the
+device's dense matrix peak in the precision the step computes in: from a table for the common GPUs, measured once
+per machine on a CPU (cached), or given.
 """
 
 from __future__ import annotations
