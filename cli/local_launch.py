@@ -13,6 +13,9 @@ that a signal reaches each of them once, from the launcher: SIGINT, SIGTERM and 
 launcher dies (SIGKILL, the OOM killer) receives SIGTERM from the kernel (Linux), finishes its step and writes a
 training state, so nothing is left running. When a rank fails, the others are stopped at once and the launcher
 exits with the failed rank's status.
+
+Not torchrun (elastic_launch): its ranks get no PR_SET_PDEATHSIG, so a killed launcher leaves them running, and a
+failed rank ends torchrun with status 1 and ChildFailedError's traceback.
 """
 
 from __future__ import annotations

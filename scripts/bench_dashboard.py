@@ -34,6 +34,7 @@ def child(mode: str, train_args: list[str]) -> None:
     else:
         for name in ("__init__", "update"):
             def timed(self, *args, _inner=getattr(dashboard.Dashboard, name), **kwargs):
+                # Seconds spent inside the dashboard during one training, summed: not a callable on its own.
                 start = time.perf_counter()
                 try:
                     return _inner(self, *args, **kwargs)

@@ -81,6 +81,7 @@ def memory_child(path: str, batches: int) -> None:
     if not path:
         print(json.dumps({"main": rollup(os.getpid()), "workers": [], "open_s": 0}))
         return
+    # Opening a dataset happens once per process: one call, timed with the memory it adds.
     before, started = rollup(os.getpid()), time.perf_counter()
     dataset = open_data(path)
     opened = time.perf_counter() - started

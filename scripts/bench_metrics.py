@@ -13,21 +13,9 @@ import click
 import numpy as np
 import torch
 
+from edm2.eval.benchmark import seconds_per_call
 from edm2.eval.detectors import DINOv2ViT
 from edm2.eval.metrics import FeatureStats, frechet_distance
-
-
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Seconds per call of fn, after one warm-up call."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
 
 
 @click.command()
@@ -41,20 +29,20 @@ def main(device: str, batch: int, repeats: int) -> None:
     net = DINOv2ViT().to(device).eval().requires_grad_(False)
     x = torch.randn(batch, 3, 224, 224, device=device)
     with torch.no_grad():
-        seconds = timed(lambda: net(x), repeats, device)
+        seconds = seconds_per_call(lambda: net(x), repeats, 1, device)
     print(f"DINOv2 ViT-L/14 float32, batch {batch} on {device}: {batch / seconds:.1f} images/s")
 
     for dim in (1024, 2048):
         stats = FeatureStats(dim, device)
         features = torch.randn(batch * 8, dim, device=device)
-        seconds = timed(lambda: stats.add(features), repeats, device)
+        seconds = seconds_per_call(lambda: stats.add(features), repeats, 1, device)
         print(f"FeatureStats.add, {dim}-d float64 on {device}: {features.shape[0] / seconds:.0f} images/s")
 
     rng = np.random.default_rng(0)
     for dim in (1024, 2048):
         a, b = rng.standard_normal((dim, dim + 100)), rng.standard_normal((dim, dim + 100))
         s1, s2 = a @ a.T / dim, b @ b.T / dim
-        start = time.perf_counter()
+        start = time.perf_counter()  # one call of seconds: Timer would add two untimed ones
         frechet_distance(np.zeros(dim), s1, np.ones(dim), s2)
         print(f"frechet_distance, {dim}-d (scipy sqrtm): {time.perf_counter() - start:.2f} s")
 

@@ -43,6 +43,7 @@ def write_snapshots(run_dir: Path, net: Precond, num_times: int, images_per_snap
 def run_child(args: list[str], threads: int | None) -> tuple[float, float]:
     """Run a Python child; return its wall time (s) and peak resident memory (MiB)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+    # A whole child process, timed with its peak memory (wait4's rusage): not a callable in this process.
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -25,6 +25,7 @@ def timed(cls: type, names: tuple[str, ...], spent: list[float]) -> None:
     """Wrap the methods `names` of cls so that the seconds spent in them add up in spent[0]."""
     for name in names:
         def wrapper(self, *args, _inner=getattr(cls, name), **kwargs):
+            # Seconds spent inside methods during one training, summed: not a callable timed on its own.
             start = time.perf_counter()
             try:
                 return _inner(self, *args, **kwargs)

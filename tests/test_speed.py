@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from edm2.eval import benchmark as eval_benchmark
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
 from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
                                 to_channels_last)
+from training.run import benchmark
 from training.run.benchmark import synthetic_step, with_unit_gains
 from training.run.data_parallel_speed import data_parallel_speed
 from training.options import TrainingOptions, check_same_hyperparameters
@@ -252,3 +254,40 @@ def test_the_data_parallel_measurement_trains_one_model_over_its_processes():
     assert math.isfinite(speed.images_per_s) and speed.images_per_s > 0
     with pytest.raises(ValueError, match="does not split over 3 processes"):
         data_parallel_speed("toy-tiny", 4, 3)
+
+
+def test_the_timed_window_holds_every_step_between_two_barriers(monkeypatch):
+    # The dry run and data_parallel_speed share it: a window opened and closed on barriers, read after the last loss.
+    events, clock = [], [0.0]
+
+    def step(_):
+        events.append("step")
+        clock[0] += 0.25
+        return torch.tensor(1.0)
+
+    def now():
+        events.append("clock")
+        return clock[0]
+
+    monkeypatch.setattr(benchmark, "training_step", step)
+    monkeypatch.setattr(benchmark.time, "perf_counter", now)
+    monkeypatch.setattr(benchmark.distributed, "barrier", lambda: events.append("barrier"))
+    rate = benchmark.group_images_per_s(object(), steps=3, images=8)
+    assert events == ["barrier", "clock", "step", "step", "step", "barrier", "clock"]
+    assert rate == 3 * 8 / 0.75  # 0.75 s and 32 images/s are exact in binary
+
+
+def test_seconds_per_call_times_every_call_at_this_process_s_thread_count(monkeypatch):
+    # torch.utils.benchmark.Timer would time at one thread unless told; the benchmarks measure the threads they set.
+    seen, clock = [], [0.0]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(("set", n)))
+
+    def call():
+        seen.append("call")
+        clock[0] += 0.125
+
+    monkeypatch.setattr(eval_benchmark.time, "perf_counter", lambda: clock[0])
+    seconds = eval_benchmark.seconds_per_call(call, calls=4, warmup=1, device=CPU)
+    assert seconds == 0.125  # the clock advances 0.125 s per call, exactly, and only inside calls
+    assert all(entry == ("set", 3) for entry in seen if entry != "call") and seen.count("call") >= 1 + 4

@@ -1,6 +1,6 @@
 """Model-FLOPs utilization in every run: the peaks it is measured against, the CPU's measured once per machine, and
-the status lines' TFLOP/s and MFU as count_macs x the measured rate over the given peak; and the OpenMP wait
-policy that keeps a shared CPU's threads from spinning."""
+the status lines' TFLOP/s and MFU as torch.utils.flop_counter's count x the measured rate over the given peak; and
+the OpenMP wait policy that keeps a shared CPU's threads from spinning."""
 
 import ast
 import json
@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from edm2.formats.snapshot import load_network
-from edm2.networks import count_macs
+import edm2.architectures  # noqa: F401  registers the other families
+from edm2.networks import Precond, count_macs
 from edm2.plots.run import dashboard_figure
 import training.loop
 from edm2.runtime import host_memory, speed, utilization
-from tests.helpers import REPO, run_training, toy_tiny_options, train_command, train_env
+from tests.helpers import (ATTENTION_ROUTES, REPO, run_training, take_attention_route, toy_tiny_options,
+                           train_command, train_env)
+from training.run.benchmark import preset_network
 from training.run.dashboard import read_stats
 
 COMMAND_LINES = sorted(path.name for path in REPO.glob("*.py"))
@@ -204,3 +207,15 @@ def test_the_cpu_16bit_units_are_those_torch_reports():
     expected = "AMX" if torch.cpu._is_amx_tile_supported() else (
         "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported() else None)
     assert speed.cpu_16bit_units() == expected
+
+
+@pytest.mark.parametrize("route", ATTENTION_ROUTES)
+def test_forward_flops_count_two_per_multiply_accumulate_of_every_family(monkeypatch, route):
+    # The MFU's FLOPs come from torch.utils.flop_counter; count_macs's module hooks count the same products by hand.
+    take_attention_route(monkeypatch, route)
+    with torch.device("meta"):
+        nets = [preset_network(name) for name in ("toy-tiny", "edm2-img64-xs", "config-b-toy", "config-f-toy")]
+        nets.append(Precond(8, 3, 0, model_channels=16, family="mp-resnet", num_blocks=2))
+    for net in nets:
+        assert utilization.forward_flops(net) == 2 * count_macs(net) > 0
+        assert utilization.training_flops_per_image(net) == 6 * count_macs(net)

@@ -1,8 +1,8 @@
 """Measuring speed: device-synchronized timing, the device's measured peak matrix throughput, model-FLOP
 utilization (MFU), and the sampler's images/s with the FLOPs behind them.
 
-A FLOP count here is 2 x the multiply-accumulates of edm2.networks.count_macs, the convention of MFU (Table 6's
-"gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
+A FLOP count here is edm2.runtime.utilization.forward_flops's, 2 per multiply-accumulate, the convention of MFU
+(Table 6's "gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import time
 from typing import Callable
 
 import torch
+import torch.utils.benchmark
 
 from edm2.generation import seeded_inputs
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
+from edm2.runtime.utilization import forward_flops
 from edm2.sampler import edm_sampler
 from edm2.solvers import evaluations
 
@@ -25,16 +27,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def seconds_per_call(fn: Callable[[], object], calls: int, warmup: int, device: torch.device) -> float:
-    """Mean wall time of fn() over `calls` calls after `warmup` untimed ones, the device's queue drained
-    before the clock starts and before it stops."""
+    """Mean wall time of fn() over `calls` calls after `warmup` untimed ones (and Timer's own two or more), at this
+    process's thread count, the device's queue drained before the clock starts and before it stops."""
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / calls
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    timer = torch.utils.benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), timer=clock)
+    return timer.timeit(calls).mean
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, calls: int = 20) -> float:
@@ -56,16 +59,18 @@ def mfu(flops_per_image: float, images_per_s: float, peak: float | None) -> floa
 
 
 def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int, solver: str = "heun") -> float:
-    """FLOPs to sample one image: 2 x the MACs of every evaluation of net (and of gnet when guiding), as many as the
+    """FLOPs to sample one image: forward_flops of every evaluation of net (and of gnet when guiding), as many as the
     solver's record says (edm2.solvers.evaluations)."""
-    macs = count_macs(net) + (count_macs(gnet) if gnet is not None else 0)
-    return 2.0 * macs * evaluations(solver, num_steps)
+    flops = forward_flops(net) + (forward_flops(gnet) if gnet is not None else 0)
+    return float(flops) * evaluations(solver, num_steps)
 
 
 def sampling_images_per_s(net: Precond, gnet: Precond | None, guidance: float, batch_size: int, num_steps: int,
                           repeats: int, device: torch.device, solver: str = "heun") -> float:
     """Best-of-`repeats` images/s of edm_sampler on one batch, including the per-seed noise; an untimed first
     batch warms up kernels, caches and compiled graphs."""
+    # Not torch.utils.benchmark.Timer: each repeat samples new seeds, and Timer.timeit runs two untimed calls before
+    # each measurement, two more batches of sampling per repeat.
     best = float("inf")
     for r in range(repeats + 1):
         seeds = range(r * batch_size, (r + 1) * batch_size)

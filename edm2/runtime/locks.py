@@ -13,6 +13,8 @@ file races with a process that opened it just before: that process would then lo
 folder, while a third one creates and locks a new one. So the holder deletes the file while it still holds the
 lock, and a locker checks, once it holds the lock, that the path still names the file it locked (same device and
 inode), and starts again if not.
+
+Not filelock: its UnixFileLock leaves the lock file behind on release and writes no holder into it to refuse with.
 """
 
 from __future__ import annotations

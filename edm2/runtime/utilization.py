@@ -1,9 +1,10 @@
 """Model-FLOPs utilization (MFU): the training step's useful FLOPs per second over what the device could do.
 
-The useful FLOPs are the network's counted multiply-accumulates (edm2.networks.count_macs) x 2 FLOPs x 3 passes
-(forward, and a backward of twice its cost), the convention of MFU; activation checkpointing's recomputation is
-not useful work. The peak is the device's dense matrix peak in the precision the step computes in: from a table
-for the common GPUs, measured once per machine on a CPU (cached), or given.
+The useful FLOPs are those of the network's forward pass as torch.utils.flop_counter counts them (2 per
+multiply-accumulate of the convolutions, matrix products and attention) x 3 passes (forward, and a backward of twice
+its cost), the convention of MFU; activation checkpointing's recomputation is not useful work. The peak is the
+device's dense matrix peak in the precision the step computes in: from a table for the common GPUs, measured once
+per machine on a CPU (cached), or given.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import time
 from typing import Callable
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from edm2.errors import EDM2Error
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
 from edm2.runtime import bounded_json, files
 
 # Dense tensor-core peaks in TFLOP/s from the vendors' data sheets: (16-bit, TF32). The first name that occurs in
@@ -40,9 +42,22 @@ _PEAK_SECONDS = 0.02
 _CONV_PIXELS = 32  # the timed convolution's height and width
 
 
+def forward_flops(net: Precond) -> int:
+    """FLOPs of one evaluation of one sample, the log-variance head included, as FlopCounterMode counts them, from a
+    copy of the network built on the meta device (no weights, no arithmetic)."""
+    with torch.device("meta"):
+        shadow = Precond(**net.init_kwargs).eval()
+        x = torch.zeros([1, net.img_channels, net.img_resolution, net.img_resolution])
+        labels = torch.zeros([1, net.label_dim]) if net.label_dim else None
+        sigma = torch.ones([1])
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), torch.device("meta"):
+        shadow(x, sigma, labels, return_logvar=True)
+    return counter.get_total_flops()
+
+
 def training_flops_per_image(net: Precond) -> float:
-    """Useful FLOPs of one training image: 3 passes x 2 FLOPs x count_macs (the convention of MFU)."""
-    return 6.0 * count_macs(net)
+    """Useful FLOPs of one training image: 3 passes x forward_flops (the convention of MFU)."""
+    return 3.0 * forward_flops(net)
 
 
 def gpu_peak_tflops(name: str, dtype: torch.dtype) -> float | None:
@@ -106,6 +121,8 @@ def _grown_rate(kernel: Callable, dtype: torch.dtype, repeats: int, generator: t
 
 def _time(call: Callable[[], object]) -> float:
     """Seconds of one call of a CPU kernel."""
+    # Not torch.utils.benchmark.Timer: its timeit adds two untimed calls to each one-call measurement, tripling the
+    # time a run's start spends measuring the peak.
     started = time.perf_counter()
     call()
     return time.perf_counter() - started

@@ -1,9 +1,11 @@
-"""The loop's own training step on synthetic data shaped like a preset's dataset, and a preset's network for such
-data, for measuring speed and memory (scripts/bench_train.py, scripts/bench_sampler.py, scripts/gpu_check.py)."""
+"""The loop's own training step on synthetic data shaped like a preset's dataset, a preset's network for such data,
+and the timed window of training steps, for measuring speed and memory (the dry run, data_parallel_speed,
+scripts/bench_train.py, scripts/bench_sampler.py, scripts/gpu_check.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator
 
 import numpy as np
@@ -11,10 +13,11 @@ import torch
 
 from edm2.encoders import Encoder, StabilityVAEEncoder, StandardRGBEncoder
 from edm2.networks import Precond
+from edm2.runtime import distributed
 from training.options import TrainingOptions
 from training.presets import PRESETS
 from training.state import TrainingState
-from training.step import TrainingStep
+from training.step import TrainingStep, training_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,20 @@ def synthetic_step(preset: str, batch_gpu: int, device: torch.device, rounds: in
     state = TrainingState.create(opts, encoder.out_channels(data.channels), device)
     state.cur_nimg = 10 * opts.batch  # past the start, where the learning rate is 0
     return TrainingStep.of_run(state, opts, encoder, data.batches(batch_gpu), device=device, rounds=rounds)
+
+
+def group_images_per_s(step: TrainingStep, steps: int, images: int) -> float:
+    """Images/s of `steps` training steps of `images` images each (all the processes' together), timed from a barrier
+    to a barrier after the last loss is read (which waits for the device), so every rank's steps fall inside."""
+    # Not torch.utils.benchmark.Timer: it times one process's callable, and this window opens and closes on barriers
+    # that every rank of the group passes.
+    distributed.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = training_step(step)
+    float(loss)
+    distributed.barrier()
+    return steps * images / (time.perf_counter() - started)
 
 
 def preset_network(preset: str, label_dim: int | None = None) -> Precond:

@@ -11,13 +11,12 @@ two threads 95.8 images/s quiet and 16.6 beside two busy processes, two processe
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.multiprocessing as mp
 
 from edm2.runtime import distributed, host_memory
-from training.run.benchmark import synthetic_step
+from training.run.benchmark import group_images_per_s, synthetic_step
 from training.run.checkpoint import weights_digest
 from training.step import WARMUP_STEPS, data_parallel, training_step
 
@@ -46,15 +45,7 @@ def _worker(rank: int, port: int, results, preset: str, batch: int, processes: i
         step = dataclasses.replace(step, rank=rank, model=model)
         for _ in range(warmup):
             float(training_step(step))
-        best = 0.0
-        for _ in range(rounds):
-            distributed.barrier()
-            started = time.perf_counter()
-            for _ in range(steps):
-                loss = training_step(step)
-            float(loss)
-            distributed.barrier()
-            best = max(best, batch * steps / (time.perf_counter() - started))
+        best = max(group_images_per_s(step, steps, batch) for _ in range(rounds))
         results.put((rank, best, weights_digest(step.state.net)))
 
 

@@ -4,7 +4,6 @@ its speed from a few timed steps."""
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +13,7 @@ from edm2.runtime import distributed
 from edm2.runtime.locks import Holder
 from edm2.runtime.utilization import peak_tflops, utilization
 from training.run import checkpoint
+from training.run.benchmark import group_images_per_s
 from training.data_order import data_loader, order_for
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
@@ -73,13 +73,7 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
                                device=device, rounds=rounds, model=model, rank=rank)
     for _ in range(WARMUP_STEPS):
         float(training_step(step))  # float(): waits for the device
-    distributed.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = training_step(step)
-    float(loss)
-    distributed.barrier()
-    rate = steps * opts.batch / (time.perf_counter() - started)
+    rate = group_images_per_s(step, steps, opts.batch)
     remaining = max(opts.duration - newest_state(opts.run_dir)[1], 0)
     peak, source = peak_tflops(device, state.net.compute_dtype(device), opts.peak_tflops)
     speed = utilization(training_flops(opts, state.net.img_channels), rate, peak, world_size)
