@@ -314,8 +314,8 @@ class TableChoice(click.Choice):
 
 
 class NameList(click.ParamType):
-    """Comma-separated names from a table's (read when parsed), like 'loss,fid': distinct, in the order given; a
-    --config file's list is taken as it is written on the command line."""
+    """Comma-separated names of a table's (read when parsed), like 'loss,fid': distinct, in the order given. A
+    tuple already parsed (click converts a --config file's converted value again) is checked as it is."""
 
     name = "LIST"
 
