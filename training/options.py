@@ -76,10 +76,11 @@ class TrainingOptions:
 
     Each field names its section, the bound of its values and, where the command line sets it, its flag
     (training.sections.option: train_edm2.py's options are made from them, cli.training_options). The options check
-    themselves when built (__post_init__), section by section: each field against its bound, then the section's
-    rules across fields. So options built in Python are refused as the command line refuses them, with the same
-    message where the command line has the check; what needs the data itself or the --init snapshot,
-    training.run.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
+    themselves when built (__post_init__), section by section: each field against its bound and its flag's
+    choices, then the section's rules across fields. So options built in Python are refused as the command line
+    refuses them, with the same message where the command line has the check; what needs the data itself or the
+    --init snapshot, training.run.preflight checks when training starts. The fields stay flat: they are
+    training_options.json's keys.
     """
 
     preset: str = option(RECIPE, flag=Flag("Training recipe", choices=PRESETS, required=True))
@@ -258,16 +259,12 @@ def check_label_dropout(label_dropout: float, cond: bool) -> None:
 
 
 def _check_recipe(opts: TrainingOptions) -> None:
-    """What is trained: the preset, the noise levels, the loss, the EMA lengths, the precision, the --init
+    """What is trained, beyond its fields' bounds and choices: the noise levels, the EMA lengths, the --init
     snapshot."""
-    get_preset(opts.preset)
     check_noise_levels(opts.P_mean, opts.P_std)
-    for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS)):
-        _require(getattr(opts, name) in table, name, getattr(opts, name), f"one of {', '.join(table)}")
     ema_std = Real(0, MAX_STD, low_open=True, high_open=True)
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
-    _require(opts.precision in PRECISIONS, "precision", opts.precision, f"one of {', '.join(PRECISIONS)}")
     _require(opts.init is None or isinstance(opts.init, str) and opts.init != "", "init", opts.init, "a path")
 
 
@@ -311,12 +308,8 @@ def _check_speed(opts: TrainingOptions) -> None:
 
 
 def _check_reporting(opts: TrainingOptions) -> None:
-    """What rank 0 reports: the trackers, the metrics while training (known names, an interval
-    that falls on snapshots, a reference for those of images)."""
-    _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
-             opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
-    _require(isinstance(opts.metrics, tuple) and all(name in TRAINING_METRICS for name in opts.metrics), "metrics",
-             opts.metrics, f"a tuple of {', '.join(TRAINING_METRICS)}")
+    """What rank 0 reports, beyond its fields' bounds and choices (the trackers, the metrics' names): metrics at an
+    interval that falls on snapshots, with a reference for those of images."""
     # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
     _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
              f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")

@@ -3,8 +3,9 @@ on the field.
 
 Every field of training.options.TrainingOptions names its section (recipe, network, speed, reporting, paths),
 where it has one the bound of its values, and where the command line sets it its flag (Flag: help, spelling,
-form). The options check the bounds when built, and train_edm2.py's options are made from the same fields
-(cli.training_options), so no option, number or help text is written twice. Nothing here knows click.
+form, choices). The options check the bounds and choices when built, and train_edm2.py's options are made from
+the same fields (cli.training_options), so no option, number, name or help text is written twice. Nothing here
+knows click.
 """
 
 from __future__ import annotations
@@ -158,10 +159,27 @@ def bounds(cls: type) -> dict[str, Bound]:
 
 
 def out_of_bounds(opts: object, section: str) -> tuple[str, str] | None:
-    """The first field of the section whose value its bound refuses, and what it expects; None if there is none."""
+    """The first field of the section whose value its bound or its flag's choices refuse, and what it expects; None
+    if there is none."""
     for f in dataclasses.fields(opts):
         bound, value, optional = f.metadata.get("bound"), getattr(opts, f.name), f.metadata.get("optional")
-        if f.metadata.get("section") != section or bound is None or bound.admits(value) or optional and value is None:
+        if f.metadata.get("section") != section or optional and value is None:
             continue
-        return f.name, bound.expected() + (", or None" if optional else "")
+        if bound is not None and not bound.admits(value):
+            return f.name, bound.expected() + (", or None" if optional else "")
+        refused = _refused_choice(f.metadata.get("flag"), value)
+        if refused is not None:
+            return f.name, refused
     return None
+
+
+def _refused_choice(flag: Flag | None, value: object) -> str | None:
+    """What a flag's choices expect, if value is none of them (a tuple of them, for the forms of several); None if
+    the flag has no choices or they admit value."""
+    if flag is None or flag.choices is None:
+        return None
+    names = ", ".join(flag.choices)
+    if flag.form in (REPEATED, NAMES):
+        ok = isinstance(value, tuple) and all(isinstance(name, str) and name in flag.choices for name in value)
+        return None if ok else f"a tuple of {names}"
+    return None if isinstance(value, str) and value in flag.choices else f"one of {names}"
