@@ -30,7 +30,7 @@ def value_type(field: dataclasses.Field) -> click.ParamType | None:
         return bound_type(bound)
     if flag.choices is not None:
         return TableChoice(flag.choices)
-    return click.BOOL if field.type == "bool" else None
+    return click.BOOL if field.type in (bool, "bool") else None  # "bool" under `from __future__ import annotations`
 
 
 def field_option(field: dataclasses.Field) -> Callable[[F], F]:
@@ -47,8 +47,9 @@ def field_option(field: dataclasses.Field) -> Callable[[F], F]:
         settings.update(type=value_type(field), multiple=flag.form == REPEATED)
     if flag.default is not None:
         settings.update(help=f"{flag.help}  [default: {flag.default}]", default=None)
-    elif field.default is not dataclasses.MISSING and field.default is not None and flag.form != SWITCH:
-        settings.update(default=default_text(field.default), show_default=True)
+    elif field.default is not dataclasses.MISSING and field.default is not None:
+        switch = flag.form in (SWITCH, PAIR)  # a switch's default is which way it stands, not a value to show
+        settings.update(default=field.default if switch else default_text(field.default), show_default=not switch)
     return click.option(name, field.name, **settings)
 
 
