@@ -14,13 +14,13 @@ from cli.config import config_option
 from cli.evaluation import check_features
 from cli.run_setup import choose_encoder, open_dataset, run_network, unrecorded_encoding
 from cli.speed import THREADS, threads_note, threads_option
-from cli.types import Integer, IntList, StdList, TableChoice, bound_type
+from cli.training_options import field_options
+from cli.types import Integer, IntList, bound_type
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.encoders import Encoder
 from edm2.errors import one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
-from edm2.loss import DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, UNCERTAINTIES, WEIGHTINGS
 # The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
 from edm2.network_args import MAX_BLOCKS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
@@ -29,12 +29,11 @@ from training.architecture import UNET_OPTIONS, read_init
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
-    BOUNDS, DATA_FIELDS, DEFAULT_GRID, DEFAULT_GRID_STEPS, DEFAULT_METRICS_NUM, MAX_DEFAULT_GRID_ROWS, PRECISIONS,
-    RECIPE_FIELDS, TRACKERS, TRAINING_METRICS, OptionsError, TrainingOptions, check_derived, check_label_dropout,
-    default_grid, rounds_per_step,
+    BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, default_grid,
+    rounds_per_step,
 )
 from training.run.preflight import dataset_description, init_notes
-from training.presets import PRESETS, get_preset
+from training.presets import get_preset
 from training.run.run_dir import RUN_ID_KEY
 from training.run.signals import die_by
 from training.run.trackers import TrackerUnavailable, check_installed
@@ -63,17 +62,6 @@ Examples:
 def field_type(name: str) -> click.ParamType:
     """The option type of a TrainingOptions field, made from the bound the field declares (training.sections)."""
     return bound_type(BOUNDS[name])
-
-
-def parse_training_metrics(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
-    """'loss,fid' -> ('loss', 'fid'), refusing unknown names; a --config file gives a list."""
-    parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    names = tuple(dict.fromkeys(name.strip() for name in parts if name.strip()))
-    unknown = [name for name in names if name not in TRAINING_METRICS]
-    if unknown:
-        raise click.BadParameter(f"unknown metric {', '.join(map(repr, unknown))}; choose from "
-                                 f"{', '.join(TRAINING_METRICS)}")
-    return names
 
 
 def check_metrics_ref(metrics: tuple[str, ...], ref_path: str | None) -> None:
@@ -107,20 +95,20 @@ def build_options(preset: str, dataset: ImageData, encoder: Encoder, **values) -
         raise click.UsageError(str(e)) from None
 
 
-def check_before_the_data(overrides: dict, cond: bool, dry_run: bool, time_steps: int) -> None:
+def check_before_the_data(fields: dict, cond: bool, dry_run: bool, time_steps: int) -> None:
     """Refuse, before the data is opened, what the options alone show cannot work: a metrics reference, timing
     without --dry-run, a tracker that is not installed, label dropout without labels."""
-    check_metrics_ref(overrides["metrics"], overrides["metrics_ref"])
+    check_metrics_ref(fields["metrics"] or (), fields["metrics_ref"])  # None: --metrics not given
     if time_steps and not dry_run:
         raise click.BadParameter("needs --dry-run (a training reports its speed in its status lines)",
                                  param_hint="--time-steps")
-    for name in overrides["loggers"]:
+    for name in fields["loggers"]:
         try:
             check_installed(name)
         except TrackerUnavailable as e:
             raise click.BadParameter(str(e), param_hint=f"'--logger={name}'") from None
     try:
-        check_label_dropout(overrides["label_dropout"], cond)
+        check_label_dropout(fields["label_dropout"], cond)
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="'--label-dropout'") from None
 
@@ -188,109 +176,27 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @click.command(cls=Command, epilog=EXAMPLES)
 @config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
-@click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
+@field_options(TrainingOptions)  # the options that set the run's options, each declared on its field
+# The network, for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
 @click.option("--arch", type=click.Choice(families.names()), default=families.DEFAULT_FAMILY, show_default=True,
               help="Network family (edm2.families): " + "; ".join(f"{name}: {families.get(name).summary}"
                                                                  for name in families.names()))
-@click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
-@click.option("--data", metavar="ZIP|DIR|SHARDS|BLEND",
-              help="Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)  "
-                   "[default: the preset's, e.g. datasets/img512-sd.zip]")
-@click.option("--cond", type=bool, default=True, show_default=True, help="Train a class-conditional model")
-@click.option("--duration", type=field_type("duration"), help="Training duration in images  [default: preset]")
-@click.option("--batch", type=field_type("batch"), help="Total batch size  [default: preset]")
 @click.option("--channels", type=field_type("channels"), help="Channel multiplier  [default: preset]")
-@click.option("--dropout", type=field_type("dropout"), help="Dropout probability  [default: preset]")
-@click.option("--label-dropout", type=field_type("label_dropout"), default=0, show_default=True,
-              help="Probability of training an image with the all-zero label, so that the network can guide itself "
-                   "(generate.py --gnet=self); needs --cond=True")
-@click.option("--P_mean", "P_mean", type=field_type("P_mean"), help="Noise level mean  [default: preset]")
-@click.option("--P_std", "P_std", type=field_type("P_std"), help="Noise level std  [default: preset]")
-@click.option("--noise-dist", type=TableChoice(NOISE_DISTRIBUTIONS), default=DEFAULT_NOISE, show_default=True,
-              help="Training noise distribution (edm2.loss.NOISE_DISTRIBUTIONS), placed by --P_mean and --P_std")
-@click.option("--loss-weighting", type=TableChoice(WEIGHTINGS), default=DEFAULT_WEIGHTING, show_default=True,
-              help="Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it")
-@click.option("--uncertainty", type=TableChoice(UNCERTAINTIES), default=DEFAULT_UNCERTAINTY, show_default=True,
-              help="u(sigma) (edm2.loss.UNCERTAINTIES): learned (Eq. 21) absorbs any --loss-weighting; off trains lambda L")
-@click.option("--lr", type=field_type("lr"), help="Learning rate alpha_ref  [default: preset]")
-@click.option("--decay", type=field_type("decay"), help="Learning rate decay t_ref in iterations, 0 = none  "
-              "[default: preset]")
-@click.option("--rampup", "rampup_Mimg", type=field_type("rampup_Mimg"), help="Learning rate ramp-up in millions of "
-              "images, 0 = none  [default: preset]")
-@click.option("--ema-stds", type=StdList(), help="EMA lengths sigma_rel to track, one snapshot each, e.g. 0.05,0.1  "
-              "[default: preset]")
-@click.option("--batch-gpu", type=field_type("batch_gpu"), default=0, show_default=True,
-              help="Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp16", show_default=True,
-              help="U-Net activations on CUDA (on the CPU float32 unless --cpu-16bit)")
-@click.option("--ls", type=field_type("ls"), default=1, show_default=True, help="Loss scaling")
-@click.option("--status", type=field_type("status"), help="Status line interval, 0 = none  [default: preset]")
-@click.option("--snapshot", type=field_type("snapshot"), help="Snapshot interval, 0 = only at the end  [default: preset]")
-@click.option("--checkpoint", type=field_type("checkpoint"), help="Training-state interval, 0 = only at the end  "
-              "[default: preset]")
-@click.option("--keep-states", type=field_type("keep_states"), default=0, show_default=True,
-              help="Keep this many newest training states, deleting older ones once a newer one reads back whole; "
-                   "0 = all")
-@click.option("--seed", type=field_type("seed"), default=0, show_default=True, help="Random seed")
-@click.option("--workers", type=field_type("workers"), default=2, show_default=True,
-              help="Data loader processes per GPU")
-@click.option("--compile/--no-compile", "compile", default=None,
-              help="torch.compile the network and loss  [default: on CUDA only]")
-@click.option("--channels-last/--no-channels-last", default=None,
-              help="Channels-last (NHWC) convolutions  [default: on CUDA only]")
-@click.option("--checkpoint-activations", is_flag=True,
-              help="Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute")
-@click.option("--cpu-16bit", is_flag=True, help="Compute in --precision on the CPU too (use bf16), not float32")
-@click.option("--ema-shard", is_flag=True,
-              help="Under torchrun, each process keeps only its 1/N of every EMA track, gathered on rank 0 to write "
-                   "snapshots and training states (the same files); with one process it changes nothing")
-@click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
-              "the run would start or resume (stderr), and exit")
-@click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
-              help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
-                   "estimate images/s and the run's remaining time")
-# The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
 @click.option("--channel-mult", type=IntList(1, MAX_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
               "level after the first halves the resolution)  [default: preset]")
 @click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
               "[default: preset]")
 @click.option("--attn-resolutions", type=IntList(1, MAX_RESOLUTION, allow_empty=True), help="Resolutions with self-attention, "
               "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
-@click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
-              "release pickle); its architecture and encoder are taken, Adam starts afresh")
-@click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
-              help="Log to this experiment tracker too (repeatable; needs the package extra of its name)  "
-                   "[default: none]")
-@click.option("--grid", type=field_type("grid"), help="Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: "
-              f"class r); 0 = none  [default: {'x'.join(map(str, DEFAULT_GRID))}, or a row per class up to "
-              f"{MAX_DEFAULT_GRID_ROWS} classes]")
-@click.option("--grid-steps", type=field_type("grid_steps"), default=DEFAULT_GRID_STEPS,
-              show_default=True, help="Sampler steps of the sample grid")
-@click.option("--metrics", callback=parse_training_metrics, default="", metavar="LIST",
-              help="Measure the snapshots while training: calculate_metrics.py's metrics (fid, fd_dinov2, kid, "
-                   "precision, ...) and loss (the validation loss), logged as e.g. fid2k  [default: none]")
-@click.option("--metrics-every", type=field_type("metrics_every"), default=0, show_default=True,
-              help="Metrics interval in images, a multiple of --snapshot; 0 = at every snapshot")
-@click.option("--metrics-num", type=field_type("metrics_num"), default=DEFAULT_METRICS_NUM, show_default=True,
-              help="Images generated (seeds 0..N-1), or loss samples, per metric")
-@click.option("--metrics-ref", metavar="NPZ|PKL|URL", help="Reference statistics for the metrics of images "
-              "(calculate_metrics.py ref); detectors from $EDM2_CACHE_DIR/detectors/")
-@click.option("--metrics-ema", type=field_type("metrics_ema"),
-              metavar="SIGMA_REL", help="Measure the post-hoc EMA of this length, reconstructed from the run's snapshots "
-              "so far (as reconstruct_phema.py does)  [default: the first --ema-stds track, as stored]")
-@click.option("--peak-tflops", type=field_type("peak_tflops"),
-              help="One process's peak TFLOP/s for the MFU in the status lines  [default: a listed GPU's data sheet; "
-                   "on a CPU its matmul peak, measured once and cached]")
-@click.option("--processes", type=field_type("processes"), envvar="EDM2_PROCESSES",
-              help="Processes this command starts on this machine, one model trained by all (as torchrun "
-                   "--standalone --nproc_per_node would; on CUDA one per GPU): on a CPU they hold up beside other "
-                   "work far better than one process of many threads. Ignored under torchrun  [default: on a CPU "
-                   f"one per core, up to {local_launch.MAX_DEFAULT_PROCESSES}; on CUDA 1; $EDM2_PROCESSES]")
+@click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
+              "the run would start or resume (stderr), and exit")
+@click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
+              help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
+                   "estimate images/s and the run's remaining time")
 @threads_option
-def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
-         precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
-         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int,
-         channel_mult: tuple[int, ...] | None, num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
+def main(config: dict | None, arch: str, channels: int | None, channel_mult: tuple[int, ...] | None,
+         num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, dry_run: bool, time_steps: int,
+         preset: str, data: str | None, cond: bool, init: str | None, **fields) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -302,19 +208,14 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     --decay as given. Rerunning the same command resumes the run from its own training states.
     """
     local_launch.follow_launcher()
-    check_before_the_data(overrides, cond, dry_run, time_steps)
+    check_before_the_data(fields, cond, dry_run, time_steps)
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
     given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
-    encoder, network = run_network(preset, arch, init, dataset, encoder, given, overrides["channels"])
-    overrides.update(network)
-    opts = build_options(
-        preset, dataset, encoder, run_dir=run_dir, data=data, cond=cond, batch_gpu=batch_gpu, precision=precision,
-        ls=ls, seed=seed, workers=workers, compile=compile, channels_last=channels_last,
-        checkpoint_activations=checkpoint_activations, cpu_16bit=cpu_16bit,
-        threads=click.get_current_context().meta.get(THREADS), **overrides,
-    )
+    encoder, network = run_network(preset, arch, init, dataset, encoder, given, channels)
+    values = {**fields, "data": data, "cond": cond, "channels": channels, **network}  # --init's network wins
+    opts = build_options(preset, dataset, encoder, **values, threads=click.get_current_context().meta.get(THREADS))
     try:
         check_derived(config or {}, opts.to_json(), (*UNET_OPTIONS, "family"))
     except OptionsError as e:

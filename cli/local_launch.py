@@ -35,13 +35,11 @@ import torch
 from cli import wait_policy
 from cli.command import ARGS
 from edm2.runtime import distributed
+from edm2.runtime.limits import MAX_DEFAULT_PROCESSES
 from training.run.signals import die_by
 
 LAUNCHER_ENV = "EDM2_LAUNCHER_PID"  # in each rank: the launcher's process id
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-# Each rank holds its own copy of the network, Adam's moments and the EMA tracks, and its own PyTorch runtime
-# (about 0.3 GB): by default no more ranks than this, the cores shared out as threads among them.
-MAX_DEFAULT_PROCESSES = 8
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
 

@@ -313,6 +313,26 @@ class TableChoice(click.Choice):
         return tuple(self.table)
 
 
+class NameList(click.ParamType):
+    """Comma-separated names of a table's (read when parsed), like 'loss,fid': distinct, in the order given. A
+    tuple already parsed (click converts a --config file's converted value again) is checked as it is."""
+
+    name = "LIST"
+
+    def __init__(self, table: dict | tuple[str, ...], noun: str = "name") -> None:
+        self.table, self.noun = table, noun
+
+    def convert(self, value, param, ctx) -> tuple[str, ...]:
+        """Parse value into a tuple of names; refuse, naming every one, those not in the table."""
+        parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        names = tuple(dict.fromkeys(name.strip() for name in parts if name.strip()))
+        unknown = [name for name in names if name not in self.table]
+        if unknown:
+            self.fail(f"unknown {self.noun} {', '.join(map(repr, unknown))}; choose from {', '.join(self.table)}",
+                      param, ctx)
+        return names
+
+
 def bound_type(bound: Bound) -> click.ParamType:
     """The option type that takes the values a bound of the training options admits (training.sections): a
     GridSize, an ImageCount, an Integer or a Number."""

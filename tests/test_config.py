@@ -99,6 +99,7 @@ def test_unknown_keys_are_refused_naming_them(options_file, tmp_path):
     ("ema_stds", [0.2, 0.5], "ema_stds: 0.5 is outside (0, 0.2887)"),
     ("ema_stds", [0.1, 0.1004], "ema_stds: 0.1 and 0.1004 would share the file name suffix 0.100"),
     ("ema_shard", "maybe", "ema_shard: 'maybe' is not a valid boolean"),
+    ("metrics", ["loss", "fd_clip"], "metrics: unknown metric 'fd_clip'; choose from fid,"),
 ])
 def test_bad_values_are_refused_naming_file_and_key(options_file, tmp_path, key, value, message):
     config = write_config(tmp_path / "c.json", dict(json.loads(options_file.read_text()), **{key: value}))

@@ -19,12 +19,13 @@ from edm2.loss import (DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NO
                        WEIGHTINGS)
 from edm2.network_args import MAX_CHANNELS, shown
 from edm2.phema import MAX_STD
-from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
+from edm2.runtime.limits import MAX_BATCH, MAX_DEFAULT_PROCESSES, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset
-from training.presets import get_preset
-from training.sections import (NETWORK, PATHS, RECIPE, REPORTING, SECTIONS, SPEED, Count, GridShape, Images, Real,
-                               bounds, option, out_of_bounds, section_fields)
+from training.presets import PRESETS, get_preset
+from training.sections import (FROM_PRESET, NAMES, NETWORK, PAIR, PATHS, RECIPE, REPEATED, REPORTING, SECTIONS,
+                               SIGMA_RELS, SPEED, SWITCH, Count, Flag, GridShape, Images, Real, bounds, flag_name,
+                               option, out_of_bounds, section_fields)
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
 TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
@@ -75,78 +76,119 @@ class OptionsMismatch(OptionsError):
 class TrainingOptions:
     """Everything a run needs; image counts are in images, decay (t_ref of Eq. 67) in iterations.
 
-    Each field names its section and the bound of its values (training.sections.option). The options check
-    themselves when built (__post_init__), section by section: each field against its bound, then the section's
-    rules across fields. So options built in Python are refused as the command line refuses them, with the same
-    message where the command line has the check; what needs the data itself or the --init snapshot,
-    training.run.preflight checks when training starts. The fields stay flat: they are training_options.json's keys.
+    Each field names its section, the bound of its values and, where the command line sets it, its flag
+    (training.sections.option: train_edm2.py's options are made from them, cli.training_options). The options check
+    themselves when built (__post_init__), section by section: each field against its bound and its flag's
+    choices, then the section's rules across fields. So options built in Python are refused as the command line
+    refuses them, with the same message where the command line has the check; what needs the data itself or the
+    --init snapshot, training.run.preflight checks when training starts. The fields stay flat: they are
+    training_options.json's keys.
     """
 
-    preset: str = option(RECIPE)
+    preset: str = option(RECIPE, flag=Flag("Training recipe", choices=PRESETS, required=True))
     dataset: dict = option(NETWORK)  # resolution, num_channels, label_dim of the training data
     encoder: dict = option(PATHS)  # encoder.config(): read from the data again, as its path is
-    duration: int = option(REPORTING, Images(1))
-    batch: int = option(RECIPE, Count(1, MAX_BATCH))
-    channels: int = option(NETWORK, Count(1, MAX_CHANNELS))
-    dropout: float = option(RECIPE, Real(0, 1, high_open=True))
-    P_mean: float = option(RECIPE, Real())
-    P_std: float = option(RECIPE, Real(0, low_open=True))
-    lr: float = option(RECIPE, Real(0, low_open=True))  # alpha_ref of Eq. 67
-    decay: float = option(RECIPE, Real(0))
-    rampup_Mimg: float = option(RECIPE, Real(0))
-    ema_stds: tuple[float, ...] = option(RECIPE)
+    duration: int = option(REPORTING, Images(1), flag=Flag("Training duration in images", default=FROM_PRESET))
+    batch: int = option(RECIPE, Count(1, MAX_BATCH), flag=Flag("Total batch size", default=FROM_PRESET))
+    channels: int = option(NETWORK, Count(1, MAX_CHANNELS))  # train_edm2.py's --channels, beside --arch
+    dropout: float = option(RECIPE, Real(0, 1, high_open=True), flag=Flag("Dropout probability", default=FROM_PRESET))
+    P_mean: float = option(RECIPE, Real(), flag=Flag("Noise level mean", name="P_mean", default=FROM_PRESET))
+    P_std: float = option(RECIPE, Real(0, low_open=True),
+                          flag=Flag("Noise level std", name="P_std", default=FROM_PRESET))
+    lr: float = option(RECIPE, Real(0, low_open=True), flag=Flag("Learning rate alpha_ref", default=FROM_PRESET))
+    decay: float = option(RECIPE, Real(0), flag=Flag("Learning rate decay t_ref in iterations, 0 = none",
+                                                     default=FROM_PRESET))  # t_ref of Eq. 67
+    rampup_Mimg: float = option(RECIPE, Real(0), flag=Flag("Learning rate ramp-up in millions of images, 0 = none",
+                                                           name="rampup", default=FROM_PRESET))
+    ema_stds: tuple[float, ...] = option(RECIPE, flag=Flag(
+        "EMA lengths sigma_rel to track, one snapshot each, e.g. 0.05,0.1", form=SIGMA_RELS, default=FROM_PRESET))
     network: dict = option(NETWORK)  # further Precond arguments of the preset
-    status: int = option(REPORTING, Images(0))
-    snapshot: int = option(REPORTING, Images(0))
-    checkpoint: int = option(REPORTING, Images(0))
-    run_dir: str = option(PATHS)
-    data: str = option(PATHS)
-    cond: bool = option(NETWORK, default=True)
-    batch_gpu: int = option(SPEED, Count(0, MAX_BATCH), default=0)  # per rank and round; 0 = batch // world_size
-    precision: str = option(RECIPE, default="fp16")
-    ls: float = option(RECIPE, Real(0, low_open=True), default=1.0)
-    seed: int = option(RECIPE, Count(0, MAX_SEED - 1), default=0)
-    # The probability of training an image with the all-zero (unconditional) label.
-    label_dropout: float = option(RECIPE, Real(0, 1, high_open=True), default=0.0)
-    # lambda(sigma), a name in edm2.loss.WEIGHTINGS (Eq. 15: edm2)
-    loss_weighting: str = option(RECIPE, default=DEFAULT_WEIGHTING)
-    # The training noise levels, a name in edm2.loss.NOISE_DISTRIBUTIONS (Eq. 16)
-    noise_dist: str = option(RECIPE, default=DEFAULT_NOISE)
-    # Whether the loss learns u(sigma), a name in edm2.loss.UNCERTAINTIES (learned: Eq. 21; off: Eq. 14's lambda L)
-    uncertainty: str = option(RECIPE, default=DEFAULT_UNCERTAINTY)
-    workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2)
-    # Training states kept on disk, the newest; 0 = all (where, not what: no hyperparameter).
-    keep_states: int = option(REPORTING, Count(0, MAX_KEPT_STATES), default=0)
-    # The snapshot whose weights start the network and EMA tracks (path or URL).
-    init: str | None = option(RECIPE, default=None)
+    status: int = option(REPORTING, Images(0), flag=Flag("Status line interval, 0 = none", default=FROM_PRESET))
+    snapshot: int = option(REPORTING, Images(0), flag=Flag("Snapshot interval, 0 = only at the end",
+                                                           default=FROM_PRESET))
+    checkpoint: int = option(REPORTING, Images(0), flag=Flag("Training-state interval, 0 = only at the end",
+                                                             default=FROM_PRESET))
+    run_dir: str = option(PATHS, flag=Flag("Run directory", name="outdir", metavar="DIR",
+                                           default="training-runs/<preset>"))
+    data: str = option(PATHS, flag=Flag(
+        "Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)",
+        metavar="ZIP|DIR|SHARDS|BLEND", default="the preset's, e.g. datasets/img512-sd.zip"))
+    cond: bool = option(NETWORK, default=True, flag=Flag("Train a class-conditional model"))
+    batch_gpu: int = option(SPEED, Count(0, MAX_BATCH), default=0, flag=Flag(
+        "Images per GPU and round, 0 = batch / GPUs; smaller values accumulate gradients"))  # per rank and round
+    precision: str = option(RECIPE, default="fp16", flag=Flag(
+        "U-Net activations on CUDA (on the CPU float32 unless --cpu-16bit)", choices=PRECISIONS))
+    ls: float = option(RECIPE, Real(0, low_open=True), default=1.0, flag=Flag("Loss scaling"))
+    seed: int = option(RECIPE, Count(0, MAX_SEED - 1), default=0, flag=Flag("Random seed"))
+    label_dropout: float = option(RECIPE, Real(0, 1, high_open=True), default=0.0, flag=Flag(
+        "Probability of training an image with the all-zero label, so that the network can guide itself "
+        "(generate.py --gnet=self); needs --cond=True"))
+    loss_weighting: str = option(RECIPE, default=DEFAULT_WEIGHTING, flag=Flag(
+        "Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it", choices=WEIGHTINGS))
+    noise_dist: str = option(RECIPE, default=DEFAULT_NOISE, flag=Flag(
+        "Training noise distribution (edm2.loss.NOISE_DISTRIBUTIONS), placed by --P_mean and --P_std",
+        choices=NOISE_DISTRIBUTIONS))  # Eq. 16
+    uncertainty: str = option(RECIPE, default=DEFAULT_UNCERTAINTY, flag=Flag(
+        "u(sigma) (edm2.loss.UNCERTAINTIES): learned (Eq. 21) absorbs any --loss-weighting; off trains lambda L",
+        choices=UNCERTAINTIES))
+    workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2, flag=Flag("Data loader processes per GPU"))
+    # Where, not what: no hyperparameter.
+    keep_states: int = option(REPORTING, Count(0, MAX_KEPT_STATES), default=0, flag=Flag(
+        "Keep this many newest training states, deleting older ones once a newer one reads back whole; 0 = all"))
+    init: str | None = option(RECIPE, default=None, flag=Flag(
+        "Start a new run from this snapshot's weights (ours or a release pickle); its architecture and encoder are "
+        "taken, Adam starts afresh", metavar="SNAPSHOT|PKL|URL"))
     # How fast, not what: a resumed run may change these (edm2/runtime/speed.py). None: the device's default.
-    compile: bool | None = option(SPEED, default=None)  # torch.compile of the network and the loss
-    channels_last: bool | None = option(SPEED, default=None)  # NHWC convolution weights and activations
-    # Recompute each U-Net block's activations in the backward pass.
-    checkpoint_activations: bool = option(SPEED, default=False)
-    cpu_16bit: bool = option(SPEED, default=False)  # compute in `precision` on the CPU too (float32 there otherwise)
-    # --threads: PyTorch's CPU threads per process; None: PyTorch's default.
+    compile: bool | None = option(SPEED, default=None, flag=Flag(
+        "torch.compile the network and loss", form=PAIR, default="on CUDA only"))
+    channels_last: bool | None = option(SPEED, default=None, flag=Flag(
+        "Channels-last (NHWC) convolutions", form=PAIR, default="on CUDA only"))
+    checkpoint_activations: bool = option(SPEED, default=False, flag=Flag(
+        "Recompute each U-Net block's activations in the backward pass: less memory, ~1/3 more compute", form=SWITCH))
+    cpu_16bit: bool = option(SPEED, default=False, flag=Flag(
+        "Compute in --precision on the CPU too (use bf16), not float32", form=SWITCH))
+    # --threads (cli.speed, shared by the command lines): PyTorch's CPU threads per process; None: PyTorch's default.
     threads: int | None = option(SPEED, Count(1, MAX_THREADS), optional=True, default=None)
-    # --processes: ranks train_edm2.py starts itself on this machine (cli.local_launch); None: one per core on a CPU,
-    # one on CUDA. Under torchrun, torchrun's.
-    processes: int | None = option(SPEED, Count(1, MAX_PROCESSES), optional=True, default=None)
+    # Ranks train_edm2.py starts itself (cli.local_launch); None: its default. Under torchrun, torchrun's.
+    processes: int | None = option(SPEED, Count(1, MAX_PROCESSES), optional=True, default=None, flag=Flag(
+        "Processes this command starts on this machine, one model trained by all (as torchrun --standalone "
+        "--nproc_per_node would; on CUDA one per GPU): on a CPU they hold up beside other work far better than one "
+        "process of many threads. Ignored under torchrun", envvar="EDM2_PROCESSES",
+        default=f"on a CPU one per core, up to {MAX_DEFAULT_PROCESSES}; on CUDA 1; $EDM2_PROCESSES"))
     # Where, not what: each rank keeps its 1/world of the EMA tracks (edm2.runtime.sharded_ema).
-    ema_shard: bool = option(SPEED, default=False)
+    ema_shard: bool = option(SPEED, default=False, flag=Flag(
+        "Under torchrun, each process keeps only its 1/N of every EMA track, gathered on rank 0 to write snapshots "
+        "and training states (the same files); with one process it changes nothing", form=SWITCH))
     # What rank 0 reports, not what is trained: trackers (training/run/trackers.py) and the snapshots' sample grids.
-    loggers: tuple[str, ...] = option(REPORTING, default=())
-    grid: tuple[int, ...] = option(REPORTING, GridShape(1, MAX_GRID_SIDE), default=DEFAULT_GRID)  # () for none
-    grid_steps: int = option(REPORTING, Count(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS)
-    # Metrics of the snapshots while training (training/run/metrics.py): which, every how many images (0: at every
-    # snapshot), of how many generated images or loss samples, against which reference statistics.
-    metrics: tuple[str, ...] = option(REPORTING, default=())
-    metrics_every: int = option(REPORTING, Images(0), default=0)
-    metrics_num: int = option(REPORTING, Count(2, MAX_IMAGES), default=DEFAULT_METRICS_NUM)
-    metrics_ref: str | None = option(REPORTING, default=None)
+    loggers: tuple[str, ...] = option(REPORTING, default=(), flag=Flag(
+        "Log to this experiment tracker too (repeatable; needs the package extra of its name)", name="logger",
+        choices=TRACKERS, form=REPEATED, default="none"))
+    grid: tuple[int, ...] = option(REPORTING, GridShape(1, MAX_GRID_SIDE), default=DEFAULT_GRID, flag=Flag(
+        "Sample grid at every snapshot, RUN/samples/grid-KIMG.png (row r: class r); 0 = none",
+        default=f"{'x'.join(map(str, DEFAULT_GRID))}, or a row per class up to {MAX_DEFAULT_GRID_ROWS} classes"))
+    grid_steps: int = option(REPORTING, Count(1, MAX_GRID_STEPS), default=DEFAULT_GRID_STEPS,
+                             flag=Flag("Sampler steps of the sample grid"))
+    # Metrics of the snapshots while training (training/run/metrics.py).
+    metrics: tuple[str, ...] = option(REPORTING, default=(), flag=Flag(
+        "Measure the snapshots while training: calculate_metrics.py's metrics (fid, fd_dinov2, kid, precision, ...) "
+        "and loss (the validation loss), logged as e.g. fid2k", metavar="LIST", choices=TRAINING_METRICS, form=NAMES,
+        noun="metric", default="none"))
+    metrics_every: int = option(REPORTING, Images(0), default=0, flag=Flag(
+        "Metrics interval in images, a multiple of --snapshot; 0 = at every snapshot"))
+    metrics_num: int = option(REPORTING, Count(2, MAX_IMAGES), default=DEFAULT_METRICS_NUM, flag=Flag(
+        "Images generated (seeds 0..N-1), or loss samples, per metric"))
+    metrics_ref: str | None = option(REPORTING, default=None, flag=Flag(
+        "Reference statistics for the metrics of images (calculate_metrics.py ref); detectors from "
+        "$EDM2_CACHE_DIR/detectors/", metavar="NPZ|PKL|URL"))
     # A post-hoc sigma_rel (Eq. 129) reconstructed from the run's snapshots; None: the first track.
     metrics_ema: float | None = option(REPORTING, Real(0, MAX_STD, low_open=True, high_open=True), optional=True,
-                                       default=None)
-    # One process's peak TFLOP/s for the MFU; None: the device's (edm2.runtime.utilization).
-    peak_tflops: float | None = option(REPORTING, Real(0, 1e6, low_open=True), optional=True, default=None)
+                                       default=None, flag=Flag(
+        "Measure the post-hoc EMA of this length, reconstructed from the run's snapshots so far (as "
+        "reconstruct_phema.py does)", metavar="SIGMA_REL", default="the first --ema-stds track, as stored"))
+    # None: the device's (edm2.runtime.utilization).
+    peak_tflops: float | None = option(REPORTING, Real(0, 1e6, low_open=True), optional=True, default=None, flag=Flag(
+        "One process's peak TFLOP/s for the MFU in the status lines",
+        default="a listed GPU's data sheet; on a CPU its matmul peak, measured once and cached"))
 
     def __post_init__(self) -> None:
         """Refuse options that cannot work (OptionsError, NetworkMisfit), section by section: the bounds of its
@@ -198,15 +240,13 @@ BOUNDS = bounds(TrainingOptions)
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(TrainingOptions) if f.type == "float"}
 
 
-# The fields whose train_edm2.py option is not the field's name with dashes for underscores.
-_OPTION_NAMES = {"run_dir": "outdir", "rampup_Mimg": "rampup", "loggers": "logger", "P_mean": "P_mean",
-                 "P_std": "P_std"}
+# Each field's option as the command line spells it.
+_FLAG_NAMES = {f.name: flag_name(f) for f in dataclasses.fields(TrainingOptions)}
 
 
 def _refuse(field: str, value: object, expected: str) -> OptionsError:
     """OptionsError naming the field's option as the command line spells it (the field, where no option sets it)."""
-    flag = _OPTION_NAMES.get(field, field.replace("_", "-"))
-    name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{flag}"
+    name = field if field in (*DATA_FIELDS, *RECIPE_FIELDS) else f"--{_FLAG_NAMES[field]}"
     return OptionsError(f"{name}={shown(value)}: expected {expected}")
 
 
@@ -224,17 +264,12 @@ def check_label_dropout(label_dropout: float, cond: bool) -> None:
 
 
 def _check_recipe(opts: TrainingOptions) -> None:
-    """What is trained: the preset, the noise levels, the loss, the EMA lengths, the precision, the --init
+    """What is trained, beyond its fields' bounds and choices: the noise levels, the EMA lengths, the --init
     snapshot."""
-    get_preset(opts.preset)
     check_noise_levels(opts.P_mean, opts.P_std)
-    for name, table in (("loss_weighting", WEIGHTINGS), ("noise_dist", NOISE_DISTRIBUTIONS),
-                        ("uncertainty", UNCERTAINTIES)):
-        _require(getattr(opts, name) in table, name, getattr(opts, name), f"one of {', '.join(table)}")
     ema_std = Real(0, MAX_STD, low_open=True, high_open=True)
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
-    _require(opts.precision in PRECISIONS, "precision", opts.precision, f"one of {', '.join(PRECISIONS)}")
     _require(opts.init is None or isinstance(opts.init, str) and opts.init != "", "init", opts.init, "a path")
 
 
@@ -278,12 +313,8 @@ def _check_speed(opts: TrainingOptions) -> None:
 
 
 def _check_reporting(opts: TrainingOptions) -> None:
-    """What rank 0 reports: the trackers, the metrics while training (known names, an interval
-    that falls on snapshots, a reference for those of images)."""
-    _require(isinstance(opts.loggers, tuple) and all(name in TRACKERS for name in opts.loggers), "loggers",
-             opts.loggers, f"a tuple of {', '.join(TRACKERS)}")
-    _require(isinstance(opts.metrics, tuple) and all(name in TRAINING_METRICS for name in opts.metrics), "metrics",
-             opts.metrics, f"a tuple of {', '.join(TRAINING_METRICS)}")
+    """What rank 0 reports, beyond its fields' bounds and choices (the trackers, the metrics' names): metrics at an
+    interval that falls on snapshots, with a reference for those of images."""
     # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
     _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
              f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")
