@@ -12,20 +12,19 @@ from cli import local_launch
 from cli.command import Command
 from cli.config import config_option
 from cli.evaluation import check_features
+from cli.network_options import given_hyperparameters, hyperparameter_names, hyperparameter_options
 from cli.run_setup import choose_encoder, open_dataset, run_network, unrecorded_encoding
 from cli.speed import THREADS, threads_note, threads_option
-from cli.types import Integer, IntList, StdList, TableChoice, bound_type
+from cli.types import StdList, TableChoice, bound_type
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.encoders import Encoder
 from edm2.errors import one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
 from edm2.loss import DEFAULT_NOISE, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, WEIGHTINGS
-# The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
-from edm2.network_args import MAX_BLOCKS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
 from edm2 import families
-from training.architecture import UNET_OPTIONS, read_init
+from training.architecture import read_init
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
@@ -133,7 +132,7 @@ def report_init(opts: TrainingOptions, dataset: ImageData) -> None:
 
 
 def config_params(values: dict, path: str) -> dict:
-    """A training_options.json (or --dry-run output) as parameters: the U-Net shape options taken out of its
+    """A training_options.json (or --dry-run output) as parameters: the network family's options taken out of its
     network, the fields derived from the data and the preset left out (check_derived compares them later), and the
     run's identity too: a branch into another directory is another run, a rerun in the same one keeps its own."""
     network = values.get("network", {})
@@ -141,7 +140,7 @@ def config_params(values: dict, path: str) -> dict:
         raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
     params = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *RECIPE_FIELDS, RUN_ID_KEY)}
     arch = {"arch": network["family"]} if "family" in network else {}
-    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **arch, **params}
+    return {**{k: network[k] for k in hyperparameter_names() if k in network}, **arch, **params}
 
 
 def run_processes(opts: TrainingOptions) -> int:
@@ -247,13 +246,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
               help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
                    "estimate images/s and the run's remaining time")
-# The U-Net for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
-@click.option("--channel-mult", type=IntList(1, MAX_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
-              "level after the first halves the resolution)  [default: preset]")
-@click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
-              "[default: preset]")
-@click.option("--attn-resolutions", type=IntList(1, MAX_RESOLUTION, allow_empty=True), help="Resolutions with self-attention, "
-              "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
+# The network family's hyperparameters (--num-blocks, --depth, ...), e.g. for data the presets do not cover:
+# stored in the snapshots and kept on resume.
+@hyperparameter_options
 @click.option("--init", metavar="SNAPSHOT|PKL|URL", help="Start a new run from this snapshot's weights (ours or a "
               "release pickle); its architecture and encoder are taken, Adam starts afresh")
 @click.option("--logger", "loggers", type=click.Choice(TRACKERS), multiple=True,
@@ -287,8 +282,8 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @threads_option
 def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
-         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int,
-         channel_mult: tuple[int, ...] | None, num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, init: str | None, **overrides) -> None:
+         checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int, init: str | None,
+         **overrides) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -304,7 +299,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
-    given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
+    given = given_hyperparameters(overrides)
     encoder, network = run_network(preset, arch, init, dataset, encoder, given, overrides["channels"])
     overrides.update(network)
     opts = build_options(
@@ -314,7 +309,7 @@ def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data:
         threads=click.get_current_context().meta.get(THREADS), **overrides,
     )
     try:
-        check_derived(config or {}, opts.to_json(), (*UNET_OPTIONS, "family"))
+        check_derived(config or {}, opts.to_json(), (*hyperparameter_names(), "family"))
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="--config") from None
     processes = run_processes(opts)

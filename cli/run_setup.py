@@ -1,5 +1,5 @@
 """train_edm2.py's run from its options: the data (checked for labels), the encoder the data records, and the network
-of --arch and the architecture options or of the --init snapshot, each refused in one line naming its option."""
+of --arch and its family's options or of the --init snapshot, each refused in one line naming its option."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from edm2.encoders import Encoder, EncoderSettingsError, StabilityVAEEncoder, St
 from edm2.errors import SnapshotError, one_line
 from edm2.runtime import files
 from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
-                                   differs_from_preset, read_init, unet_options)
+                                   differs_from_preset, network_options, read_init)
 from training.presets import get_preset
 
 
@@ -61,18 +61,18 @@ def unrecorded_encoding(dataset: ImageData, encoder: Encoder) -> str | None:
             f"its {'PNG images' if encoder.encoding == 'pixels' else '.npy latents'} are taken as {encoder.encoding}")
 
 
-def network_options(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
-                    given: dict) -> dict:
-    """The network arguments of family --arch: the preset's with --channel-mult, --num-blocks and --attn-resolutions;
-    impossible ones are refused with a line that names the option. The U-Net's attention resolutions are held to
-    its levels when one of these was typed on the command line or they shape it otherwise than the preset: a
-    --config file that holds the preset's own (a run's training_options.json) leaves out those the data does not
-    have, as the preset does."""
+def arch_network(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
+                 given: dict) -> dict:
+    """The network arguments of family --arch: the preset's (where they are of its family's hyperparameters) with the
+    family's options given (cli.network_options); impossible ones are refused with a line that names the option.
+    The U-Net's attention resolutions are held to its levels when one of these was typed on the command line or
+    they shape it otherwise than the preset: a --config file that holds the preset's own (a run's
+    training_options.json) leaves out those the data does not have, as the preset does."""
     channels = channels or get_preset(preset).channels
     source = click.get_current_context().get_parameter_source
     typed = any(value is not None and source(name) == ParameterSource.COMMANDLINE for name, value in given.items())
     try:
-        network = unet_options(get_preset(preset).network, given, arch)
+        network = network_options(get_preset(preset), given, arch)
         if arch == families.DEFAULT_FAMILY:
             check_network_fits_data(dataset.resolution, channels, network,
                                     explicit=typed or differs_from_preset(network, get_preset(preset).network))
@@ -111,5 +111,5 @@ def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, en
     the --init snapshot."""
     if init is None:
         img_channels = encoder.out_channels(dataset.num_channels)
-        return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
+        return encoder, dict(network=arch_network(preset, arch, dataset, img_channels, channels, given))
     return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)
