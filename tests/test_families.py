@@ -6,16 +6,16 @@ import torch
 import edm2.architectures  # noqa: F401  (every family registered)
 from edm2 import families
 from edm2.families import NetworkFamily, UnknownFamily
-from edm2.networks import EDM2, Precond, UNet, unet_blocks
+from edm2.networks import UNET, Precond, UNet, unet_blocks
 from tests.helpers import tiny_precond
 
 
 def test_the_release_unet_is_the_default_family():
-    assert families.get("edm2") is EDM2 and families.DEFAULT_FAMILY == "edm2"
-    assert EDM2.constructor is UNet and "edm2" in families.names()
+    assert families.get("edm2") is UNET and families.DEFAULT_FAMILY == "edm2"
+    assert UNET.constructor is UNet and "edm2" in families.names()
     net = tiny_precond()
-    assert type(net.unet) is UNet and net.family is EDM2 and net.init_kwargs["family"] == "edm2"
-    assert families.family_of({}) is EDM2 and families.family_of(net.init_kwargs) is EDM2
+    assert type(net.unet) is UNet and net.family is UNET and net.init_kwargs["family"] == "edm2"
+    assert families.family_of({}) is UNET and families.family_of(net.init_kwargs) is UNET
 
 
 def test_blocks_are_the_unets_blocks_in_evaluation_order():
