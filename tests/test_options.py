@@ -135,7 +135,7 @@ PREFLIGHT = {
     "other encoder": (dict(encoder={"class": "StabilityVAEEncoder"}), None, "the options' encoder is"),
     "batch over rounds": (dict(batch=16, batch_gpu=5), None,
                           "batch 16 is not divisible by 1 process(es) x batch-gpu 5"),
-    "another U-Net": (dict(network=dict(INIT_UNET, channels_per_head=4)), None, "network={"),
+    "another U-Net": (dict(network=dict(INIT_UNET, label_balance=0.4)), None, "network={"),
     "labels not widened": ({}, "two classes", "init.safetensors is a network of 4 classes, but the data's labels are "
                                               "one-hot over 2"),
 }

@@ -220,12 +220,13 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
         raise NetworkMisfit(f"{name} is {what} ({have})")
     takes = families.family_of(kwargs).fields()
     for option, value in given.items():
-        if value is not None and option != "channels" and option not in takes:
+        if value is None:
+            continue
+        if option != "channels" and option not in takes:
             raise NetworkMisfit(f"{option_name(option)} does not shape {name}, a network of family "
-                                f"{network_family(kwargs)!r}; "
-                                "leave it out")
+                                f"{network_family(kwargs)!r}; leave it out")
         theirs = effective(kwargs, "model_channels" if option == "channels" else option)
-        if value is not None and (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
+        if (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
             raise NetworkMisfit(f"{option_name(option)}={_text(value)} contradicts {name}, whose network has "
                                 f"{_text(theirs)}; leave it out to take the snapshot's")
 
