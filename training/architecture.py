@@ -114,9 +114,9 @@ def network_options(preset: Preset, given: dict, arch: str = families.DEFAULT_FA
             network[name] = value
     for name, value in network.items():
         try:
-            fields[name].metadata["bound"].check(option_name(name), value)
-        except families.ArchitectureError as e:
-            raise NetworkMisfit(str(e)) from None
+            fields[name].metadata["bound"].check(name, value)
+        except families.ArchitectureError as e:  # "name=value: expected ...", said as the option is typed
+            raise NetworkMisfit(f"{option_name(name)}={_text(value)}: {str(e).partition(': ')[2]}") from None
     return network if arch == families.DEFAULT_FAMILY else dict(network, family=arch)
 
 
