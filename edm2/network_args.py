@@ -4,6 +4,9 @@ The arguments come from Python, from our snapshots' metadata and from the releas
 preconditioning and the toy denoiser check them here first, so that none of them builds (or allocates) anything
 for an argument it cannot use, and arguments read from a file are refused with one line naming the argument.
 
+The U-Net's layout (unet_layout, Figure 21) follows from its arguments: the G U-Net (edm2.networks) and the paper's
+configurations B to E (edm2.architectures.ladder) build their own layers over it, with the release's state-dict names.
+
 A network family's hyperparameters (edm2.families) are a dataclass of `hyperparameter` fields: each its default,
 its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are UNetHyperparameters.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import reprlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from edm2.layers import ArchitectureError
 
@@ -205,6 +208,49 @@ def whole_heads(width: int, per_head: int) -> bool:
     that block has no attention)."""
     heads = width // per_head
     return not heads or width % heads == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One layer of a U-Net's encoder or decoder (Figure 21): where it sits and what it does."""
+
+    side: str  # 'enc' or 'dec'
+    name: str  # its key in the side's ModuleDict, e.g. '16x16_block0': the state-dict names
+    in_channels: int
+    out_channels: int
+    resample_mode: str = "keep"  # 'down' or 'up' for the blocks between levels
+    attention: bool = False
+    conv: bool = False  # the encoder's first layer: a 3x3 convolution, no block
+
+
+def unet_layout(img_resolution: int, in_channels: int, cblock: Sequence[int], num_blocks: int,
+                attn_resolutions: Sequence[int]) -> Iterator[Slot]:
+    """The layers of a U-Net of the release's layout (Figure 21), in the order they are built: per level an input
+    convolution (first level) or a downsampling block, then num_blocks blocks; back up, two blocks at the lowest
+    level (the first with attention) or an upsampling block, then num_blocks + 1 blocks, each taking a skip."""
+    skips, cout = [], in_channels
+    for level, channels in enumerate(cblock):
+        res = img_resolution >> level
+        if level == 0:
+            yield Slot("enc", f"{res}x{res}_conv", cout, channels, conv=True)
+            cout = channels
+        else:
+            yield Slot("enc", f"{res}x{res}_down", cout, cout, "down")
+        skips.append(cout)
+        for idx in range(num_blocks):
+            yield Slot("enc", f"{res}x{res}_block{idx}", cout, channels, attention=res in attn_resolutions)
+            cout = channels
+            skips.append(cout)
+    for level, channels in reversed(list(enumerate(cblock))):
+        res = img_resolution >> level
+        if level == len(cblock) - 1:
+            yield Slot("dec", f"{res}x{res}_in0", cout, cout, attention=True)
+            yield Slot("dec", f"{res}x{res}_in1", cout, cout)
+        else:
+            yield Slot("dec", f"{res}x{res}_up", cout, cout, "up")
+        for idx in range(num_blocks + 1):
+            cin, cout = cout + skips.pop(), channels
+            yield Slot("dec", f"{res}x{res}_block{idx}", cin, cout, attention=res in attn_resolutions)
 
 
 def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from torch.autograd import forward_ad
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample,
                          self_attention)
-from edm2.network_args import UNetHyperparameters
+from edm2.network_args import UNetHyperparameters, unet_layout
 
 
 class Block(torch.nn.Module):
@@ -93,49 +92,6 @@ class Block(torch.nn.Module):
 
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
 _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for name in network_args.BLOCK_ARGS}
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """One layer of a U-Net's encoder or decoder (Figure 21): where it sits and what it does."""
-
-    side: str  # 'enc' or 'dec'
-    name: str  # its key in the side's ModuleDict, e.g. '16x16_block0': the state-dict names
-    in_channels: int
-    out_channels: int
-    resample_mode: str = "keep"  # 'down' or 'up' for the blocks between levels
-    attention: bool = False
-    conv: bool = False  # the encoder's first layer: a 3x3 convolution, no block
-
-
-def unet_layout(img_resolution: int, in_channels: int, cblock: Sequence[int], num_blocks: int,
-                attn_resolutions: Sequence[int]) -> Iterator[Slot]:
-    """The layers of a U-Net of the release's layout (Figure 21), in the order they are built: per level an input
-    convolution (first level) or a downsampling block, then num_blocks blocks; back up, two blocks at the lowest
-    level (the first with attention) or an upsampling block, then num_blocks + 1 blocks, each taking a skip."""
-    skips, cout = [], in_channels
-    for level, channels in enumerate(cblock):
-        res = img_resolution >> level
-        if level == 0:
-            yield Slot("enc", f"{res}x{res}_conv", cout, channels, conv=True)
-            cout = channels
-        else:
-            yield Slot("enc", f"{res}x{res}_down", cout, cout, "down")
-        skips.append(cout)
-        for idx in range(num_blocks):
-            yield Slot("enc", f"{res}x{res}_block{idx}", cout, channels, attention=res in attn_resolutions)
-            cout = channels
-            skips.append(cout)
-    for level, channels in reversed(list(enumerate(cblock))):
-        res = img_resolution >> level
-        if level == len(cblock) - 1:
-            yield Slot("dec", f"{res}x{res}_in0", cout, cout, attention=True)
-            yield Slot("dec", f"{res}x{res}_in1", cout, cout)
-        else:
-            yield Slot("dec", f"{res}x{res}_up", cout, cout, "up")
-        for idx in range(num_blocks + 1):
-            cin, cout = cout + skips.pop(), channels
-            yield Slot("dec", f"{res}x{res}_block{idx}", cin, cout, attention=res in attn_resolutions)
 
 
 class UNet(torch.nn.Module):

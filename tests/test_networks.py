@@ -9,6 +9,7 @@ import torch
 from edm2 import networks
 from edm2.layers import ArchitectureError, force_weight_normalization, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
+from edm2.network_args import unet_layout
 from tests.helpers import (ATTENTION_ROUTES, DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS,
                            take_attention_route, tiny_precond)
 
@@ -251,7 +252,7 @@ TWO_LEVELS = [
 
 
 def test_the_unet_layout_is_figure_21s_and_every_u_net_is_built_from_it():
-    layout = list(networks.unet_layout(8, 4, [16, 32], num_blocks=1, attn_resolutions=[4]))
+    layout = list(unet_layout(8, 4, [16, 32], num_blocks=1, attn_resolutions=[4]))
     assert [(s.side, s.name, s.in_channels, s.out_channels, s.resample_mode, s.attention) for s in layout] == TWO_LEVELS
     assert [s.conv for s in layout] == [True] + [False] * 10
     arch = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, FourierFeatures, MPConv, conv_or_linear, deinterleaved, resample,
                          self_attention)
-from edm2.network_args import UNetHyperparameters
-from edm2.networks import unet_layout
+from edm2.network_args import UNetHyperparameters, unet_layout
 
 CONFIGS = ("B", "C", "D", "E")
 
