@@ -17,7 +17,8 @@ from edm2.families import NetworkFamily, UnknownFamily
 from edm2.network_args import IntegerBound, IntegersBound, hyperparameter
 from edm2.networks import UNET, Block, Precond, UNet, unet_blocks
 from tests.helpers import tiny_precond
-from training.architecture import NetworkMisfit, network_options
+from edm2.encoders import StandardRGBEncoder
+from training.architecture import InitSnapshot, NetworkMisfit, check_init, network_options
 from training.presets import get_preset
 
 
@@ -152,3 +153,21 @@ def test_a_familys_hyperparameters_must_be_a_dataclass_of_bounded_fields(hyperpa
     with pytest.raises(families.ArchitectureError, match="'test-bad': its hyperparameters must be a dataclass of "
                                                          "edm2.network_args.hyperparameter fields"):
         families.register(NetworkFamily("test-bad", Wide, blocks=lambda net: [], hyperparameters=hyperparameters))
+
+
+@pytest.mark.bad_input
+def test_an_option_of_another_family_than_the_init_snapshots_is_one_line():
+    unet = InitSnapshot("/runs/init.safetensors", tiny_precond().init_kwargs, StandardRGBEncoder())
+    data = dict(resolution=8, num_channels=3, label_dim=10, encoder=StandardRGBEncoder())
+    check_init(unet, **data, given=dict(channels=16, num_blocks=1, depth=None))  # the snapshot's own: fine
+    with pytest.raises(NetworkMisfit, match="^--depth does not shape init.safetensors, a network of family 'edm2'; "
+                                            "leave it out$"):
+        check_init(unet, **data, given=dict(channels=None, depth=3))
+    resnet = InitSnapshot("/runs/init.safetensors", Precond(8, 3, 10, family="mp-resnet", depth=2).init_kwargs,
+                          StandardRGBEncoder())
+    check_init(resnet, **data, given=dict(depth=2, num_blocks=None))
+    with pytest.raises(NetworkMisfit, match="^--depth=3 contradicts init.safetensors, whose network has 2"):
+        check_init(resnet, **data, given=dict(depth=3))
+    with pytest.raises(NetworkMisfit, match="^--num-blocks does not shape init.safetensors, a network of family "
+                                            "'mp-resnet'"):
+        check_init(resnet, **data, given=dict(num_blocks=3))

@@ -200,7 +200,7 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
     --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
     options (given: channels and the family's hyperparameters as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
-    ours, theirs = network_family(get_preset(preset).network) if preset else None, network_family(kwargs)
+    ours, theirs = get_preset(preset).family if preset else None, network_family(kwargs)
     if ours not in (None, theirs):
         raise NetworkMisfit(f"--preset={preset} trains the network family {ours!r}, but {name} is of family "
                             f"{theirs!r}; choose a preset of {theirs!r}")
