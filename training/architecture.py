@@ -30,11 +30,6 @@ class NetworkMisfit(EDM2Error):
     """A U-Net that does not fit the run's data, or an --init snapshot that contradicts the data or the options."""
 
 
-def unet_defaults() -> dict:
-    """The U-Net's defaults (the release's) for the arguments that shape it: model_channels and its hyperparameters."""
-    return network_defaults(UNET)
-
-
 def network_defaults(family: families.NetworkFamily) -> dict:
     """A family's defaults for the arguments that shape it: its constructor's (model_channels among them) and its
     hyperparameters'."""
