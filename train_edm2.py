@@ -188,9 +188,10 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
 @config_option(config_params, exclude=("dry_run",), expose=True, help="Read options from a JSON file: a run's "
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @click.option("--preset", type=click.Choice(list(PRESETS)), required=True, help="Training recipe")
-@click.option("--arch", type=click.Choice(families.names()), default=families.DEFAULT_FAMILY, show_default=True,
+@click.option("--arch", type=click.Choice(families.names()),
               help="Network family (edm2.families): " + "; ".join(f"{name}: {families.get(name).summary}"
-                                                                 for name in families.names()))
+                                                                 for name in families.names())
+              + "  [default: the preset's, --init's snapshot's]")
 @click.option("--outdir", "run_dir", metavar="DIR", help="Run directory  [default: training-runs/<preset>]")
 @click.option("--data", metavar="ZIP|DIR|SHARDS|BLEND",
               help="Dataset: ZIP or folder, shard folder, or a blend PATH:WEIGHT,PATH:WEIGHT (or a .json spec)  "
@@ -280,7 +281,7 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
                    "work far better than one process of many threads. Ignored under torchrun  [default: on a CPU "
                    f"one per core, up to {local_launch.MAX_DEFAULT_PROCESSES}; on CUDA 1; $EDM2_PROCESSES]")
 @threads_option
-def main(config: dict | None, preset: str, arch: str, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
+def main(config: dict | None, preset: str, arch: str | None, run_dir: str | None, data: str | None, cond: bool, batch_gpu: int,
          precision: str, ls: float, seed: int, workers: int, compile: bool | None, channels_last: bool | None,
          checkpoint_activations: bool, cpu_16bit: bool, dry_run: bool, time_steps: int, init: str | None,
          **overrides) -> None:

@@ -83,7 +83,7 @@ def arch_network(preset: str, arch: str, dataset: ImageData, img_channels: int, 
     return network
 
 
-def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, given: dict,
+def init_options(init: str, arch: str | None, dataset: ImageData, encoder: Encoder, given: dict,
                  preset: str | None = None) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
     cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
@@ -98,18 +98,19 @@ def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, giv
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
     theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
-    if arch not in (families.DEFAULT_FAMILY, theirs):
+    if arch not in (None, theirs):
         raise click.BadParameter(f"{init} is a network of family {theirs!r}; leave --arch out to take it",
                                  param_hint="--arch")
     dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
-def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, encoder: Encoder,
+def run_network(preset: str, arch: str | None, init: str | None, dataset: ImageData, encoder: Encoder,
                 given: dict, channels: int | None) -> tuple[Encoder, dict]:
-    """The run's encoder and the options that say its network: from --arch and the architecture options, or from
-    the --init snapshot."""
+    """The run's encoder and the options that say its network: from --arch (default: the preset's family) and its
+    family's options, or from the --init snapshot."""
     if init is None:
+        arch = arch or get_preset(preset).family
         img_channels = encoder.out_channels(dataset.num_channels)
         return encoder, dict(network=arch_network(preset, arch, dataset, img_channels, channels, given))
     return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)
