@@ -34,6 +34,12 @@ def test_a_network_family_trains_saves_loads_samples_and_counts(train_data, tmp_
     assert result.exit_code == 0, result.output
     options = json.loads((tmp_path / "run" / "training_options.json").read_text())
     assert options["network"] == {"depth": 2, "family": "mp-resnet"}
+    # The run's options read back: --depth and --arch from its network, the same run.
+    result = CliRunner().invoke(train_edm2.main, [f"--config={tmp_path / 'run' / 'training_options.json'}",
+                                                  "--dry-run"])
+    assert result.exit_code == 0, result.output
+    reread = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert reread == {k: v for k, v in options.items() if k != "run_id"}  # run_id: written by the run, not an option
     snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
     net, metadata = load_network(snapshot)
     assert type(net.network) is MPResNet and len(net.network.blocks) == 2
