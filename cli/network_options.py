@@ -9,9 +9,9 @@ from typing import Callable
 import click
 
 import edm2.architectures  # noqa: F401  (every family, so that each brings its options)
+from cli.types import Integer, IntList
 from edm2 import families
 from edm2.network_args import IntegerBound, IntegersBound
-from cli.types import Integer, IntList
 
 
 def declared() -> dict[str, list[families.NetworkFamily]]:

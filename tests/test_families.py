@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import edm2.architectures  # noqa: F401  (every family registered)
-from cli.network_options import given_hyperparameters, hyperparameter_names, hyperparameter_options
+from cli.network_options import given_hyperparameters, hyperparameter_names, hyperparameter_options, option_type
 from edm2 import families
 from edm2.families import NetworkFamily, UnknownFamily
 from edm2.network_args import IntegerBound, IntegersBound, hyperparameter
@@ -171,3 +171,18 @@ def test_an_option_of_another_family_than_the_init_snapshots_is_one_line():
     with pytest.raises(NetworkMisfit, match="^--num-blocks does not shape init.safetensors, a network of family "
                                             "'mp-resnet'"):
         check_init(resnet, **data, given=dict(num_blocks=3))
+
+
+def test_families_sharing_an_option_name_share_an_option_that_admits_each_ones_values():
+    def family(name, bound):
+        fields = [("width", int, hyperparameter(3, bound, "Width"))]
+        return NetworkFamily(name, Wide, blocks=lambda net: [],
+                             hyperparameters=dataclasses.make_dataclass(f"H{len(name)}", fields, frozen=True))
+
+    narrow, wide = family("narrow", IntegerBound(1, 5)), family("broad", IntegerBound(2, 8))
+    kind = option_type("width", [narrow, wide])
+    assert (kind.min, kind.max) == (1, 8)
+    lists = option_type("width", [family("a", IntegersBound(1, 4, 1, 3)), family("bb", IntegersBound(0, 2, 0, 1))])
+    assert (lists.min, lists.max, lists.allow_empty) == (0, 4, True)
+    with pytest.raises(families.ArchitectureError, match="declare width as different kinds of values"):
+        option_type("width", [narrow, family("c", IntegersBound(1, 4, 1, 3))])
