@@ -12,20 +12,19 @@ from cli import local_launch
 from cli.command import Command
 from cli.config import config_option
 from cli.evaluation import check_features
+from cli.network_options import given_hyperparameters, hyperparameter_names, hyperparameter_options
 from cli.run_setup import choose_encoder, open_dataset, run_network, unrecorded_encoding
 from cli.speed import THREADS, threads_note, threads_option
 from cli.training_options import field_options
-from cli.types import Integer, IntList, bound_type
+from cli.types import bound_type
 from edm2.data.dataset import DatasetError, ImageData
 from edm2.encoders import Encoder
 from edm2.errors import one_line
 from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
-# The U-Net options' bounds are its arguments' (edm2.network_args), --attn-resolutions' too.
-from edm2.network_args import MAX_BLOCKS, MAX_MULT, MAX_RESOLUTION
 from edm2.runtime import distributed, files
 from edm2 import families
-from training.architecture import UNET_OPTIONS, read_init
+from training.architecture import read_init
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
 from training.loop import train
 from training.options import (
@@ -121,7 +120,7 @@ def report_init(opts: TrainingOptions, dataset: ImageData) -> None:
 
 
 def config_params(values: dict, path: str) -> dict:
-    """A training_options.json (or --dry-run output) as parameters: the U-Net shape options taken out of its
+    """A training_options.json (or --dry-run output) as parameters: the network family's options taken out of its
     network, the fields derived from the data and the preset left out (check_derived compares them later), and the
     run's identity too: a branch into another directory is another run, a rerun in the same one keeps its own."""
     network = values.get("network", {})
@@ -129,7 +128,7 @@ def config_params(values: dict, path: str) -> dict:
         raise click.BadParameter(f"{path}: network: expected an object", param_hint="--config")
     params = {k: v for k, v in values.items() if k not in (*DATA_FIELDS, *RECIPE_FIELDS, RUN_ID_KEY)}
     arch = {"arch": network["family"]} if "family" in network else {}
-    return {**{k: network[k] for k in UNET_OPTIONS if k in network}, **arch, **params}
+    return {**{k: network[k] for k in hyperparameter_names() if k in network}, **arch, **params}
 
 
 def run_processes(opts: TrainingOptions) -> int:
@@ -178,25 +177,22 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
                "training_options.json or --dry-run output reruns or branches it; the command line overrides it")
 @field_options(TrainingOptions)  # the options that set the run's options, each declared on its field
 # The network, for data the presets do not cover, and fine-tuning: stored in the snapshots and kept on resume.
-@click.option("--arch", type=click.Choice(families.names()), default=families.DEFAULT_FAMILY, show_default=True,
+@click.option("--arch", type=click.Choice(families.names()),
               help="Network family (edm2.families): " + "; ".join(f"{name}: {families.get(name).summary}"
-                                                                 for name in families.names()))
+                                                                 for name in families.names())
+              + "  [default: the preset's, --init's snapshot's]")
 @click.option("--channels", type=field_type("channels"), help="Channel multiplier  [default: preset]")
-@click.option("--channel-mult", type=IntList(1, MAX_MULT), help="Channel multiplier per U-Net level, e.g. 1,2,2 (each "
-              "level after the first halves the resolution)  [default: preset]")
-@click.option("--num-blocks", type=Integer(1, MAX_BLOCKS), help="Encoder blocks per level (decoder: one more)  "
-              "[default: preset]")
-@click.option("--attn-resolutions", type=IntList(1, MAX_RESOLUTION, allow_empty=True), help="Resolutions with self-attention, "
-              "e.g. 16,8; empty for none (the lowest level's first decoder block always has it)  [default: preset]")
+# The network family's hyperparameters (--num-blocks, --depth, ...), e.g. for data the presets do not cover:
+# stored in the snapshots and kept on resume.
+@hyperparameter_options
 @click.option("-n", "--dry-run", is_flag=True, help="Print the options (stdout), the parameter count and whether "
               "the run would start or resume (stderr), and exit")
 @click.option("--time-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
               help="With --dry-run: time this many training steps after a warm-up step (nothing is written) and "
                    "estimate images/s and the run's remaining time")
 @threads_option
-def main(config: dict | None, arch: str, channels: int | None, channel_mult: tuple[int, ...] | None,
-         num_blocks: int | None, attn_resolutions: tuple[int, ...] | None, dry_run: bool, time_steps: int,
-         preset: str, data: str | None, cond: bool, init: str | None, **fields) -> None:
+def main(config: dict | None, arch: str | None, channels: int | None, dry_run: bool, time_steps: int, preset: str,
+         data: str | None, cond: bool, init: str | None, **fields) -> None:
     """Train an EDM2 diffusion model (paper Section 2-3 recipe) or resume its run directory.
 
     SIGTERM (preemption) or Ctrl-C finishes the current step and writes a training state; after Ctrl-C the
@@ -212,12 +208,12 @@ def main(config: dict | None, arch: str, channels: int | None, channel_mult: tup
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
-    given = dict(channel_mult=channel_mult, num_blocks=num_blocks, attn_resolutions=attn_resolutions)
+    given = given_hyperparameters(fields)
     encoder, network = run_network(preset, arch, init, dataset, encoder, given, channels)
     values = {**fields, "data": data, "cond": cond, "channels": channels, **network}  # --init's network wins
     opts = build_options(preset, dataset, encoder, **values, threads=click.get_current_context().meta.get(THREADS))
     try:
-        check_derived(config or {}, opts.to_json(), (*UNET_OPTIONS, "family"))
+        check_derived(config or {}, opts.to_json(), (*hyperparameter_names(), "family"))
     except OptionsError as e:
         raise click.BadParameter(str(e), param_hint="--config") from None
     processes = run_processes(opts)

@@ -1,5 +1,5 @@
 """train_edm2.py's run from its options: the data (checked for labels), the encoder the data records, and the network
-of --arch and the architecture options or of the --init snapshot, each refused in one line naming its option."""
+of --arch and its family's options or of the --init snapshot, each refused in one line naming its option."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from edm2.encoders import LATENTS, PIXELS, RELEASE_ENCODINGS, Encoder, EncoderSe
 from edm2.errors import SnapshotError, one_line
 from edm2.runtime import files
 from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
-                                   differs_from_preset, read_init, unet_options)
+                                   differs_from_preset, network_options, read_init)
 from training.presets import get_preset
 
 
@@ -67,18 +67,18 @@ def unrecorded_encoding(dataset: ImageData, encoder: Encoder) -> str | None:
             f"its {'PNG images' if encoder.stored_dtype == PIXELS else '.npy latents'} are taken as {encoder.encoding}")
 
 
-def network_options(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
-                    given: dict) -> dict:
-    """The network arguments of family --arch: the preset's with --channel-mult, --num-blocks and --attn-resolutions;
-    impossible ones are refused with a line that names the option. The U-Net's attention resolutions are held to
-    its levels when one of these was typed on the command line or they shape it otherwise than the preset: a
-    --config file that holds the preset's own (a run's training_options.json) leaves out those the data does not
-    have, as the preset does."""
+def arch_network(preset: str, arch: str, dataset: ImageData, img_channels: int, channels: int | None,
+                 given: dict) -> dict:
+    """The network arguments of family --arch: the preset's (where they are of its family's hyperparameters) with the
+    family's options given (cli.network_options); impossible ones are refused with a line that names the option.
+    The U-Net's attention resolutions are held to its levels when one of these was typed on the command line or
+    they shape it otherwise than the preset: a --config file that holds the preset's own (a run's
+    training_options.json) leaves out those the data does not have, as the preset does."""
     channels = channels or get_preset(preset).channels
     source = click.get_current_context().get_parameter_source
     typed = any(value is not None and source(name) == ParameterSource.COMMANDLINE for name, value in given.items())
     try:
-        network = unet_options(get_preset(preset).network, given, arch)
+        network = network_options(get_preset(preset), given, arch)
         if arch == families.DEFAULT_FAMILY:
             check_network_fits_data(dataset.resolution, channels, network,
                                     explicit=typed or differs_from_preset(network, get_preset(preset).network))
@@ -89,7 +89,7 @@ def network_options(preset: str, arch: str, dataset: ImageData, img_channels: in
     return network
 
 
-def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, given: dict,
+def init_options(init: str, arch: str | None, dataset: ImageData, encoder: Encoder, given: dict,
                  preset: str | None = None) -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
     cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
@@ -104,18 +104,19 @@ def init_options(init: str, arch: str, dataset: ImageData, encoder: Encoder, giv
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint="--init") from None
     theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
-    if arch not in (families.DEFAULT_FAMILY, theirs):
+    if arch not in (None, theirs):
         raise click.BadParameter(f"{init} is a network of family {theirs!r}; leave --arch out to take it",
                                  param_hint="--arch")
     dataset.label_dim = snapshot.network_kwargs["label_dim"] if dataset.label_dim else 0
     return snapshot.encoder, dict(channels=snapshot.channels, network=snapshot.network, init=snapshot.path)
 
 
-def run_network(preset: str, arch: str, init: str | None, dataset: ImageData, encoder: Encoder,
+def run_network(preset: str, arch: str | None, init: str | None, dataset: ImageData, encoder: Encoder,
                 given: dict, channels: int | None) -> tuple[Encoder, dict]:
-    """The run's encoder and the options that say its network: from --arch and the architecture options, or from
-    the --init snapshot."""
+    """The run's encoder and the options that say its network: from --arch (default: the preset's family) and its
+    family's options, or from the --init snapshot."""
     if init is None:
+        arch = arch or get_preset(preset).family
         img_channels = encoder.out_channels(dataset.num_channels)
-        return encoder, dict(network=network_options(preset, arch, dataset, img_channels, channels, given))
+        return encoder, dict(network=arch_network(preset, arch, dataset, img_channels, channels, given))
     return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)

@@ -5,7 +5,8 @@ a *family*: a NetworkFamily record registered here under a name. A snapshot reco
 constructor arguments (network_kwargs['family']; a snapshot without it, written before families existed, is of
 the release's family 'edm2'), and everything that builds, probes or counts a network asks the registry:
 `Precond`, `load_network`, the release-pickle importer (family 'edm2'), the magnitude probe and FLOP counts
-(`NetworkFamily.blocks`), `train_edm2.py --arch` (`NetworkFamily.options`), `generate.py` and `count_flops.py`.
+(`NetworkFamily.blocks`), `train_edm2.py --arch` and its options (`NetworkFamily.hyperparameters`), `generate.py` and
+`count_flops.py`.
 
 A family's record:
 
@@ -16,8 +17,10 @@ A family's record:
   edm2.layers.ArchitectureError (they may come from a file), and its arguments are JSON values.
 - blocks: `blocks(F)` lists F's blocks as (name, module) in evaluation order: the magnitude probe reads their
   outputs (paper Figure 3) and FLOP counts report each one.
-- options: the constructor arguments that train_edm2.py's architecture options set (`--channel-mult`,
-  `--num-blocks`, `--attn-resolutions` set those of the same names); the others are refused for this family.
+- hyperparameters: a dataclass whose fields are the constructor arguments that a run chooses, each made with
+  edm2.network_args.hyperparameter(default, bound, help): train_edm2.py has an option of each field's name
+  (`depth` -> `--depth`) with its bound and help, a preset gives some of them, and those of another family's
+  dataclass are refused for this one. The U-Net's are network_args.UNetHyperparameters.
 - summary: one line for `train_edm2.py --help` and error messages.
 
 A new family is its own module that ends with `register(NetworkFamily(...))`, and one import line in
@@ -33,6 +36,7 @@ from typing import Callable
 import torch
 
 from edm2.layers import ArchitectureError
+from edm2.network_args import check_hyperparameters, hyperparameter_fields
 
 DEFAULT_FAMILY = "edm2"  # the release's U-Net (config G); snapshots without a family record are of it
 
@@ -42,14 +46,27 @@ class UnknownFamily(ArchitectureError):
 
 
 @dataclasses.dataclass(frozen=True)
+class NoHyperparameters:
+    """The hyperparameters of a family that has none a run chooses."""
+
+
+@dataclasses.dataclass(frozen=True)
 class NetworkFamily:
-    """A kind of network F that Precond can hold: its name, constructor, blocks and command-line options."""
+    """A kind of network F that Precond can hold: its name, constructor, blocks and hyperparameters."""
 
     name: str
     constructor: Callable[..., torch.nn.Module]
     blocks: Callable[[torch.nn.Module], list[tuple[str, torch.nn.Module]]]
-    options: tuple[str, ...] = ()
+    hyperparameters: type = NoHyperparameters
     summary: str = ""
+
+    def fields(self) -> dict[str, dataclasses.Field]:
+        """The family's hyperparameters by name, in their order: defaults, bounds and help in their metadata."""
+        return hyperparameter_fields(self.hyperparameters)
+
+    def check(self, values: dict) -> None:
+        """Raise ArchitectureError unless every value is one of the family's hyperparameters within its bound."""
+        check_hyperparameters(self.hyperparameters, values)
 
 
 _REGISTRY: dict[str, NetworkFamily] = {}
@@ -59,6 +76,11 @@ def register(family: NetworkFamily) -> NetworkFamily:
     """Add a family under its name and return it; a name is registered once (a second record would be ambiguous)."""
     if not family.name or not isinstance(family.name, str):
         raise ArchitectureError(f"a network family needs a name, not {family.name!r}")
+    hyperparameters = family.hyperparameters
+    if not (isinstance(hyperparameters, type) and dataclasses.is_dataclass(hyperparameters)) or any(
+            "bound" not in f.metadata for f in dataclasses.fields(hyperparameters)):
+        raise ArchitectureError(f"network family {family.name!r}: its hyperparameters must be a dataclass of "
+                                "edm2.network_args.hyperparameter fields")
     known = _REGISTRY.get(family.name)
     if known is not None and known != family:
         raise ArchitectureError(f"network family {family.name!r} is already registered")

@@ -3,13 +3,20 @@
 The arguments come from Python, from our snapshots' metadata and from the release's pickles. The U-Net, its
 preconditioning and the toy denoiser check them here first, so that none of them builds (or allocates) anything
 for an argument it cannot use, and arguments read from a file are refused with one line naming the argument.
+
+The U-Net's layout (unet_layout, Figure 21) follows from its arguments: the G U-Net (edm2.networks) and the paper's
+configurations B to E (edm2.architectures.ladder) build their own layers over it, with the release's state-dict names.
+
+A network family's hyperparameters (edm2.families) are a dataclass of `hyperparameter` fields: each its default,
+its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are UNetHyperparameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
-from typing import Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from edm2.layers import ArchitectureError
 
@@ -80,6 +87,73 @@ def flag(name: str, value: object) -> bool:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class IntegerBound:
+    """The bound of an integer argument: from low to high."""
+
+    low: int
+    high: int
+
+    def check(self, name: str, value: object) -> int:
+        """value, unless the bound refuses it: ArchitectureError naming the argument."""
+        return integer(name, value, self.low, self.high)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegersBound:
+    """The bound of a list argument: min_len to max_len integers, each from low to high."""
+
+    low: int
+    high: int
+    min_len: int
+    max_len: int
+
+    def check(self, name: str, value: object) -> list[int]:
+        """value as a list, unless the bound refuses it: ArchitectureError naming the argument."""
+        return integers(name, value, self.low, self.high, self.min_len, self.max_len)
+
+
+Bound = IntegerBound | IntegersBound
+
+
+def hyperparameter(default: object, bound: Bound, help: str) -> Any:
+    """A field of a family's hyperparameters: its default, the bound of its values and its --help text."""
+    return dataclasses.field(default=default, metadata=dict(bound=bound, help=help))
+
+
+def hyperparameter_fields(hyperparameters: type) -> dict[str, dataclasses.Field]:
+    """The fields of a hyperparameters dataclass by name, in their order."""
+    return {f.name: f for f in dataclasses.fields(hyperparameters)}
+
+
+def check_hyperparameters(hyperparameters: type, values: Mapping[str, object]) -> None:
+    """Raise ArchitectureError unless every value is a field of the hyperparameters dataclass within its bound."""
+    fields = hyperparameter_fields(hyperparameters)
+    for name, value in values.items():
+        if name not in fields:
+            raise ArchitectureError(f"unknown network argument {shown(name)}: the hyperparameters are "
+                                    f"{', '.join(fields) or 'none'}")
+        fields[name].metadata["bound"].check(name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetHyperparameters:
+    """The U-Net's hyperparameters (the release's defaults), and those of the paper's configurations B to F."""
+
+    channel_mult: tuple[int, ...] = hyperparameter(
+        (1, 2, 3, 4), IntegersBound(1, MAX_MULT, 1, MAX_LEVELS),
+        "Channel multiplier per U-Net level, e.g. 1,2,2 (each level after the first halves the resolution)")
+    num_blocks: int = hyperparameter(3, IntegerBound(1, MAX_BLOCKS), "Encoder blocks per level (decoder: one more)")
+    attn_resolutions: tuple[int, ...] = hyperparameter(
+        (16, 8), IntegersBound(1, MAX_RESOLUTION, 0, MAX_LEVELS),
+        "Resolutions with self-attention, e.g. 16,8; empty for none (the lowest level's first decoder block always "
+        "has it)")
+    channels_per_head: int = hyperparameter(64, IntegerBound(1, MAX_CHANNELS), "Channels per attention head")
+
+
+_UNET_BOUNDS = {name: f.metadata["bound"] for name, f in hyperparameter_fields(UNetHyperparameters).items()}
+
+
 def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> None:
     """Raise ArchitectureError unless the UNet arguments (args holds all of them, and may hold more) and the Block
     arguments (defaults filled in) describe a U-Net that can be built and run: each in its range, the resolution halving at every level, and
@@ -91,18 +165,18 @@ def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> 
     integer("img_channels", args["img_channels"], 1, MAX_IMG_CHANNELS)
     integer("label_dim", args["label_dim"], 0, MAX_LABELS)
     channels = integer("model_channels", args["model_channels"], 1, MAX_CHANNELS)
-    mult = integers("channel_mult", args["channel_mult"], 1, MAX_MULT, 1, MAX_LEVELS)
+    mult = _UNET_BOUNDS["channel_mult"].check("channel_mult", args["channel_mult"])
     for name in ("channel_mult_noise", "channel_mult_emb"):
         if args[name] is not None:
             integer(name, args[name], 1, MAX_MULT)
-    integer("num_blocks", args["num_blocks"], 1, MAX_BLOCKS)
-    attention = integers("attn_resolutions", args["attn_resolutions"], 1, MAX_RESOLUTION, 0, MAX_LEVELS)
+    _UNET_BOUNDS["num_blocks"].check("num_blocks", args["num_blocks"])
+    attention = _UNET_BOUNDS["attn_resolutions"].check("attn_resolutions", args["attn_resolutions"])
     for name in ("label_balance", "concat_balance", "res_balance", "attn_balance"):
         real(name, {**args, **block_args}[name], 0, 1)
     real("dropout", block_args["dropout"], 0, 1)
     if block_args["clip_act"] is not None:
         real("clip_act", block_args["clip_act"], 0, MAX_SCALE, low_open=True)
-    per_head = integer("channels_per_head", block_args["channels_per_head"], 1, MAX_CHANNELS)
+    per_head = _UNET_BOUNDS["channels_per_head"].check("channels_per_head", block_args["channels_per_head"])
     levels = len(mult)
     sizes = level_resolutions(resolution, levels)
     if sizes is None:
@@ -134,6 +208,49 @@ def whole_heads(width: int, per_head: int) -> bool:
     that block has no attention)."""
     heads = width // per_head
     return not heads or width % heads == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One layer of a U-Net's encoder or decoder (Figure 21): where it sits and what it does."""
+
+    side: str  # 'enc' or 'dec'
+    name: str  # its key in the side's ModuleDict, e.g. '16x16_block0': the state-dict names
+    in_channels: int
+    out_channels: int
+    resample_mode: str = "keep"  # 'down' or 'up' for the blocks between levels
+    attention: bool = False
+    conv: bool = False  # the encoder's first layer: a 3x3 convolution, no block
+
+
+def unet_layout(img_resolution: int, in_channels: int, cblock: Sequence[int], num_blocks: int,
+                attn_resolutions: Sequence[int]) -> Iterator[Slot]:
+    """The layers of a U-Net of the release's layout (Figure 21), in the order they are built: per level an input
+    convolution (first level) or a downsampling block, then num_blocks blocks; back up, two blocks at the lowest
+    level (the first with attention) or an upsampling block, then num_blocks + 1 blocks, each taking a skip."""
+    skips, cout = [], in_channels
+    for level, channels in enumerate(cblock):
+        res = img_resolution >> level
+        if level == 0:
+            yield Slot("enc", f"{res}x{res}_conv", cout, channels, conv=True)
+            cout = channels
+        else:
+            yield Slot("enc", f"{res}x{res}_down", cout, cout, "down")
+        skips.append(cout)
+        for idx in range(num_blocks):
+            yield Slot("enc", f"{res}x{res}_block{idx}", cout, channels, attention=res in attn_resolutions)
+            cout = channels
+            skips.append(cout)
+    for level, channels in reversed(list(enumerate(cblock))):
+        res = img_resolution >> level
+        if level == len(cblock) - 1:
+            yield Slot("dec", f"{res}x{res}_in0", cout, cout, attention=True)
+            yield Slot("dec", f"{res}x{res}_in1", cout, cout)
+        else:
+            yield Slot("dec", f"{res}x{res}_up", cout, cout, "up")
+        for idx in range(num_blocks + 1):
+            cin, cout = cout + skips.pop(), channels
+            yield Slot("dec", f"{res}x{res}_block{idx}", cin, cout, attention=res in attn_resolutions)
 
 
 def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object) -> None:

@@ -14,6 +14,7 @@ from torch.autograd import forward_ad
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample,
                          self_attention)
+from edm2.network_args import UNetHyperparameters, unet_layout
 
 
 class Block(torch.nn.Module):
@@ -32,7 +33,7 @@ class Block(torch.nn.Module):
         flavor: str = "enc",
         resample_mode: str = "keep",
         attention: bool = False,
-        channels_per_head: int = 64,
+        channels_per_head: int = UNetHyperparameters.channels_per_head,
         dropout: float = 0.0,
         res_balance: float = 0.3,
         attn_balance: float = 0.3,
@@ -110,11 +111,11 @@ class UNet(torch.nn.Module):
         img_channels: int,
         label_dim: int,
         model_channels: int = 192,
-        channel_mult: Sequence[int] = (1, 2, 3, 4),
+        channel_mult: Sequence[int] = UNetHyperparameters.channel_mult,
         channel_mult_noise: int | None = None,
         channel_mult_emb: int | None = None,
-        num_blocks: int = 3,
-        attn_resolutions: Sequence[int] = (16, 8),
+        num_blocks: int = UNetHyperparameters.num_blocks,
+        attn_resolutions: Sequence[int] = UNetHyperparameters.attn_resolutions,
         label_balance: float = 0.5,
         concat_balance: float = 0.5,
         **block_kwargs,
@@ -134,36 +135,13 @@ class UNet(torch.nn.Module):
         self.emb_noise = MPConv(cnoise, cemb, [])
         self.emb_label = MPConv(label_dim, cemb, []) if label_dim else None
 
-        self.enc = torch.nn.ModuleDict()
-        cout = img_channels + 1  # the constant-1 channel
-        for level, channels in enumerate(cblock):
-            res = img_resolution >> level
-            if level == 0:
-                cin, cout = cout, channels
-                self.enc[f"{res}x{res}_conv"] = MPConv(cin, cout, [3, 3])
-            else:
-                self.enc[f"{res}x{res}_down"] = self.block_type(cout, cout, cemb, "enc", "down", **block_kwargs)
-            for idx in range(num_blocks):
-                cin, cout = cout, channels
-                self.enc[f"{res}x{res}_block{idx}"] = self.block_type(
-                    cin, cout, cemb, "enc", attention=res in attn_resolutions, **block_kwargs
-                )
-
-        self.dec = torch.nn.ModuleDict()
-        skips = [block.out_channels for block in self.enc.values()]
-        for level, channels in reversed(list(enumerate(cblock))):
-            res = img_resolution >> level
-            if level == len(cblock) - 1:
-                self.dec[f"{res}x{res}_in0"] = self.block_type(cout, cout, cemb, "dec", attention=True, **block_kwargs)
-                self.dec[f"{res}x{res}_in1"] = self.block_type(cout, cout, cemb, "dec", **block_kwargs)
-            else:
-                self.dec[f"{res}x{res}_up"] = self.block_type(cout, cout, cemb, "dec", "up", **block_kwargs)
-            for idx in range(num_blocks + 1):
-                cin, cout = cout + skips.pop(), channels
-                self.dec[f"{res}x{res}_block{idx}"] = self.block_type(
-                    cin, cout, cemb, "dec", attention=res in attn_resolutions, **block_kwargs
-                )
-        self.out_conv = MPConv(cout, img_channels, [3, 3])
+        self.enc, self.dec = torch.nn.ModuleDict(), torch.nn.ModuleDict()
+        # The input has the constant-1 channel too.
+        for slot in unet_layout(img_resolution, img_channels + 1, cblock, num_blocks, attn_resolutions):
+            getattr(self, slot.side)[slot.name] = MPConv(slot.in_channels, slot.out_channels, [3, 3]) if slot.conv \
+                else self.block_type(slot.in_channels, slot.out_channels, cemb, slot.side, slot.resample_mode,
+                                     attention=slot.attention, **block_kwargs)
+        self.out_conv = MPConv(cblock[0], img_channels, [3, 3])  # the decoder ends at the first level's width
 
     def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
         """The blocks' conditioning from c_noise and the labels (Eq. 75, 88, 81), in the dtype of noise_labels."""
@@ -201,8 +179,7 @@ class UNet(torch.nn.Module):
 
 class Precond(torch.nn.Module):
     """EDM preconditioning around a network of a registered family (Eq. 4-8; by default the U-Net, family 'edm2')
-    plus the log-variance head u(sigma) (Eq. 21). The family's network is `unet`, the name the release's
-    state-dict keys give it."""
+    plus the log-variance head u(sigma) (Eq. 21). The family's network is `network`."""
 
     def __init__(
         self,
@@ -214,7 +191,7 @@ class Precond(torch.nn.Module):
         sigma_data: float = 0.5,
         logvar_channels: int = 128,
         family: str = families.DEFAULT_FAMILY,
-        **unet_kwargs,
+        **network_kwargs,
     ):
         super().__init__()
         network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16)
@@ -228,7 +205,7 @@ class Precond(torch.nn.Module):
             sigma_data=sigma_data,
             logvar_channels=logvar_channels,
             family=family,
-            **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in unet_kwargs.items()},
+            **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in network_kwargs.items()},
         )
         self.img_resolution = img_resolution
         self.img_channels = img_channels
@@ -238,12 +215,19 @@ class Precond(torch.nn.Module):
         self.sigma_data = sigma_data
         # Compute in the 16-bit dtype on the CPU too (bfloat16 on CPUs with bfloat16 units; tests); not saved.
         self.cpu_16bit = False
-        self.unet = self.family.constructor(img_resolution, img_channels, label_dim, **unet_kwargs)
+        # Stored as `unet`, whatever the family: the prefix of every parameter name in the release's pickles and in our
+        # snapshots, EMA tracks and training states ('unet.enc...'), which must keep loading.
+        self.unet = self.family.constructor(img_resolution, img_channels, label_dim, **network_kwargs)
         self.logvar_fourier = MPFourier(logvar_channels)
         self.logvar_linear = MPConv(logvar_channels, 1, [])
 
+    @property
+    def network(self) -> torch.nn.Module:
+        """F, the family's network inside the preconditioning."""
+        return self.unet
+
     def compute_dtype(self, device: torch.device, force_fp32: bool = False) -> torch.dtype:
-        """The U-Net's activation dtype: 16-bit on CUDA (or with cpu_16bit) when enabled, else base_dtype(); a float64
+        """The network's activation dtype: 16-bit on CUDA (or with cpu_16bit) when enabled, else base_dtype(); a float64
         network, a reference computation, computes in float64 on every device."""
         base = self.base_dtype()
         if force_fp32 or base == torch.float64 or (device.type != "cuda" and not self.cpu_16bit):
@@ -284,7 +268,7 @@ class Precond(torch.nn.Module):
         c_in = 1 / (sd**2 + sigma**2).sqrt()
         c_noise = sigma.flatten().log() / 4
 
-        f_x = self.unet((c_in * x).to(dtype), c_noise, class_labels)
+        f_x = self.network((c_in * x).to(dtype), c_noise, class_labels)
         d_x = c_skip * x + c_out * f_x.to(base)
         if not return_logvar:
             return d_x
@@ -298,9 +282,8 @@ def unet_blocks(unet: UNet) -> list[tuple[str, torch.nn.Module]]:
             for name, block in blocks.items() if isinstance(block, Block)]
 
 
-EDM2 = families.register(families.NetworkFamily(
-    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks,
-    options=("channel_mult", "num_blocks", "attn_resolutions"),
+UNET = families.register(families.NetworkFamily(
+    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks, hyperparameters=UNetHyperparameters,
     summary="the magnitude-preserving U-Net of config G (the release's)"))
 
 

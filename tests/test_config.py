@@ -109,7 +109,8 @@ def test_bad_values_are_refused_naming_file_and_key(options_file, tmp_path, key,
 @pytest.mark.bad_input
 def test_a_network_the_preset_does_not_give_is_refused(options_file, tmp_path):
     values = json.loads(options_file.read_text())
-    config = write_config(tmp_path / "c.json", dict(values, network=dict(values["network"], channels_per_head=8)))
+    # label_balance: a U-Net argument that is no hyperparameter, so no option sets it.
+    config = write_config(tmp_path / "c.json", dict(values, network=dict(values["network"], label_balance=0.4)))
     assert_refused(tmp_path, lambda: train(f"--config={config}"), "--config", "network: file has")
 
 

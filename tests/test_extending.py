@@ -13,12 +13,14 @@ import count_flops
 import dataset_tool
 import generate
 import train_edm2
-from edm2.architectures.mp_resnet import MPResNet
+from edm2 import network_args
+from edm2.architectures.mp_resnet import MPResNet, MPResNetHyperparameters
 from edm2.data.dataset import ImageFolderDataset
 from edm2.data.shards import ShardDataset
 from edm2.encoders import DiffusersVAEEncoder, LinearRGBEncoder
 from edm2.eval import flops
 from edm2.formats.snapshot import load_generator, load_network
+from edm2.networks import Precond, count_parameters
 from tests.helpers import assert_refused, save_tiny_vae, write_image_dataset
 
 
@@ -28,14 +30,23 @@ def train(data, outdir, *args):
 
 
 def test_a_network_family_trains_saves_loads_samples_and_counts(train_data, tmp_path):
-    # Two steps of 32 images, then a snapshot: the family's network goes through the whole run.
-    result = train(train_data, tmp_path / "run", "--arch=mp-resnet", "--num-blocks=2", "--duration=64",
+    # Two steps of 32 images, then a snapshot: the family's network, with its own --depth, goes through the whole run.
+    result = train(train_data, tmp_path / "run", "--arch=mp-resnet", "--depth=2", "--duration=64",
                    "--batch=32", "--snapshot=64", "--checkpoint=64", "--status=32")
     assert result.exit_code == 0, result.output
+    options = json.loads((tmp_path / "run" / "training_options.json").read_text())
+    assert options["network"] == {"depth": 2, "family": "mp-resnet"}
+    # The run's options read back: --depth and --arch from its network, the same run.
+    result = CliRunner().invoke(train_edm2.main, [f"--config={tmp_path / 'run' / 'training_options.json'}",
+                                                  "--dry-run"])
+    assert result.exit_code == 0, result.output
+    reread = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert reread == {k: v for k, v in options.items() if k != "run_id"}  # run_id: written by the run, not an option
     snapshot = sorted((tmp_path / "run").glob("network-snapshot-*.safetensors"))[0]
     net, metadata = load_network(snapshot)
-    assert type(net.unet) is MPResNet and len(net.unet.blocks) == 2
-    assert metadata["network_kwargs"]["family"] == "mp-resnet" and net.unet.conv_in.weight.shape == (16, 4, 3, 3)
+    assert type(net.network) is MPResNet and len(net.network.blocks) == 2
+    assert metadata["network_kwargs"]["family"] == "mp-resnet" and metadata["network_kwargs"]["depth"] == 2
+    assert net.network.conv_in.weight.shape == (16, 4, 3, 3)
 
     out = tmp_path / "images"
     result = CliRunner().invoke(generate.main, [f"--net={snapshot}", f"--outdir={out}", "--seeds=0-2", "--steps=2",
@@ -52,6 +63,28 @@ def test_a_network_family_trains_saves_loads_samples_and_counts(train_data, tmp_
     assert flops.count_flops(net).by_op()["_convolution"] == convolutions
 
 
+def dry_run_network(result) -> tuple[dict, dict, int]:
+    """The network arguments, the data's description and the parameter count that a --dry-run prints."""
+    assert result.exit_code == 0, result.output
+    options = json.loads(result.output[: result.output.rindex("}") + 1])
+    count = int(re.search(r"Network: ([0-9,]+) parameters", result.output)[1].replace(",", ""))
+    return options["network"], options["dataset"], count
+
+
+def test_a_family_gets_its_own_defaults_not_the_presets_unet(train_data, tmp_path):
+    # toy-tiny's row is of the U-Net (num_blocks=1, ...): none of its keys reaches mp-resnet, which keeps depth=4.
+    network, data, count = dry_run_network(train(train_data, tmp_path / "run", "--arch=mp-resnet", "--dry-run"))
+    assert network == {"family": "mp-resnet"}
+    with torch.device("meta"):
+        built = Precond(data["resolution"], 3, data["label_dim"], model_channels=16, family="mp-resnet")
+    assert len(built.network.blocks) == MPResNetHyperparameters.depth == 4
+    assert count == count_parameters(built)
+    # The U-Net's configurations share its hyperparameters: toy-tiny's reach config-e.
+    network, _, _ = dry_run_network(train(train_data, tmp_path / "run", "--arch=config-e", "--dry-run"))
+    assert network == dict(channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16,
+                           family="config-e")
+
+
 @pytest.mark.bad_input
 def test_an_unknown_network_family_is_one_line(train_data, tmp_path):
     assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--arch=dit-xl"), "--arch", "'dit-xl'",
@@ -59,9 +92,24 @@ def test_an_unknown_network_family_is_one_line(train_data, tmp_path):
 
 
 @pytest.mark.bad_input
-def test_an_option_the_family_does_not_take_is_one_line(train_data, tmp_path):
-    assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--arch=mp-resnet", "--channel-mult=1,2"),
-                   "--channel-mult does not shape the network family 'mp-resnet', which takes --num-blocks")
+@pytest.mark.parametrize("args, line", [
+    (["--arch=mp-resnet", "--channel-mult=1,2"],
+     "--channel-mult does not shape the network family 'mp-resnet', which takes --depth"),
+    (["--depth=3"], "--depth does not shape the network family 'edm2', which takes --channel-mult, --num-blocks, "
+                    "--attn-resolutions, --channels-per-head"),
+    (["--arch=config-e", "--depth=3"], "--depth does not shape the network family 'config-e'"),
+], ids=["unet option for mp-resnet", "depth for the unet", "depth for config-e"])
+def test_an_option_the_family_does_not_take_is_one_line(args, line, train_data, tmp_path):
+    assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", *args), line)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("value", ["0", "65"])
+def test_the_bound_of_a_family_option_is_its_dataclass_field_s(value, train_data, tmp_path):
+    bound = network_args.hyperparameter_fields(MPResNetHyperparameters)["depth"].metadata["bound"]
+    assert (bound.low, bound.high) == (1, 64)
+    assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--arch=mp-resnet", f"--depth={value}"),
+                   "Invalid value for '--depth'", f"{value} is not in the range 1<=x<=64")
 
 
 def recorded(path, **record):

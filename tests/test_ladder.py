@@ -2,6 +2,7 @@
 (edm2.architectures.config_f), each tested for its defining change against the paper's definition (Appendix
 B.2-B.6), G left as it was, their sizes against Table 1, and bad input."""
 
+import json
 import math
 
 import numpy as np
@@ -336,6 +337,19 @@ def test_a_preset_and_init_of_different_configurations_is_one_line(train_data, t
             f"--init={init}"]
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, args), "--init",
                    "--preset=config-c-toy trains the network family 'config-c', but g.safetensors is of family 'edm2'")
+
+
+def test_a_ladder_preset_trains_its_configuration_unless_arch_says_otherwise(train_data, tmp_path):
+    def network(*args):
+        result = CliRunner().invoke(train_edm2.main, [*TRAIN_ARGS, f"--data={train_data}",
+                                                      f"--outdir={tmp_path / 'run'}", "--dry-run", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[: result.output.rindex("}") + 1])["network"]
+
+    toy_small = dict(channel_mult=[1, 2, 2], num_blocks=1, attn_resolutions=[8], channels_per_head=32)
+    assert network("--preset=config-e-toy") == dict(toy_small, family="config-e")
+    assert network("--preset=config-e-toy", "--arch=edm2") == toy_small  # the same hyperparameters, G's U-Net
+    assert network("--preset=config-e-toy", "--arch=mp-resnet") == dict(family="mp-resnet")  # none of them
 
 
 @pytest.mark.parametrize("config", ["B", "C", "F", "G"])

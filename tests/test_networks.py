@@ -9,6 +9,7 @@ import torch
 from edm2 import networks
 from edm2.layers import ArchitectureError, force_weight_normalization, normalize
 from edm2.networks import Block, Precond, count_macs, count_parameters
+from edm2.network_args import unet_layout
 from tests.helpers import (ATTENTION_ROUTES, DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS,
                            take_attention_route, tiny_precond)
 
@@ -236,3 +237,32 @@ def test_arguments_at_their_bounds_build():
                       channels_per_head=4096, sigma_data=1000.0, dropout=1.0)
     assert net.unet.enc["12x12_block2"].num_heads == 4 and net.unet.enc["96x96_block0"].num_heads == 0
     assert tiny_precond(label_dim=0, channel_mult=[1], attn_resolutions=[], channels_per_head=1).init_kwargs["label_dim"] == 0
+
+
+# Figure 21's layout for 8x8 RGB data, two levels of 16 and 32 channels, one block each, attention at 4x4, written
+# out by hand: (side, name, in, out, resampling, attention); the decoder's blocks take the encoder's outputs as skips,
+# last first (32, 16, then 16, 16).
+TWO_LEVELS = [
+    ("enc", "8x8_conv", 4, 16, "keep", False), ("enc", "8x8_block0", 16, 16, "keep", False),
+    ("enc", "4x4_down", 16, 16, "down", False), ("enc", "4x4_block0", 16, 32, "keep", True),
+    ("dec", "4x4_in0", 32, 32, "keep", True), ("dec", "4x4_in1", 32, 32, "keep", False),
+    ("dec", "4x4_block0", 64, 32, "keep", True), ("dec", "4x4_block1", 48, 32, "keep", True),
+    ("dec", "8x8_up", 32, 32, "up", False), ("dec", "8x8_block0", 48, 16, "keep", False),
+    ("dec", "8x8_block1", 32, 16, "keep", False)]
+
+
+def test_the_unet_layout_is_figure_21s_and_every_u_net_is_built_from_it():
+    layout = list(unet_layout(8, 4, [16, 32], num_blocks=1, attn_resolutions=[4]))
+    assert [(s.side, s.name, s.in_channels, s.out_channels, s.resample_mode, s.attention) for s in layout] == TWO_LEVELS
+    assert [s.conv for s in layout] == [True] + [False] * 10
+    arch = dict(model_channels=16, channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=16)
+    for family in ("edm2", "config-b", "config-e", "config-f"):
+        unet = tiny_precond(label_dim=0, family=family, **arch).network
+        built = [(side, name, m.weight.shape[1] if name.endswith("_conv") else m.in_channels, m.out_channels)
+                 for side in ("enc", "dec") for name, m in getattr(unet, side).items()]
+        want = [(side, name, cin, cout) for side, name, cin, cout, _, _ in TWO_LEVELS]
+        if family == "config-b":  # ADM's input has no constant channel
+            want[0] = ("enc", "8x8_conv", 3, 16)
+        assert built == want, family
+        blocks = [m for side in ("enc", "dec") for name, m in getattr(unet, side).items() if not name.endswith("_conv")]
+        assert [(b.resample_mode, b.num_heads) for b in blocks] == [(r, 2 * a) for *_, r, a in TWO_LEVELS[1:]], family

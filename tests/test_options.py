@@ -13,7 +13,7 @@ from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import save_network
 from edm2.runtime import distributed
-from training.architecture import NetworkMisfit, read_init, unet_options
+from training.architecture import NetworkMisfit, network_options, read_init
 from training.loop import train
 from training.options import OptionsError, TrainingOptions
 from training.run.preflight import dataset_description
@@ -47,7 +47,7 @@ def test_options_built_in_python_refuse_an_architecture_with_the_command_lines_m
     args, values = ARCHITECTURES[case]
     line = cli_error(f"--data={train_data}", f"--outdir={tmp_path / 'run'}", *args)
     channels = values.pop("channels", None)
-    network = unet_options(get_preset("toy-tiny").network, values)
+    network = network_options(get_preset("toy-tiny"), values)
     with pytest.raises(NetworkMisfit) as info:
         toy_tiny_options(channels=channels, network=network, run_dir=str(tmp_path / "run"), data=str(train_data))
     assert line == f"Error: {info.value}"
@@ -135,7 +135,7 @@ PREFLIGHT = {
     "other encoder": (dict(encoder={"class": "StabilityVAEEncoder"}), None, "the options' encoder is"),
     "batch over rounds": (dict(batch=16, batch_gpu=5), None,
                           "batch 16 is not divisible by 1 process(es) x batch-gpu 5"),
-    "another U-Net": (dict(network=dict(INIT_UNET, channels_per_head=4)), None, "network={"),
+    "another U-Net": (dict(network=dict(INIT_UNET, label_balance=0.4)), None, "network={"),
     "labels not widened": ({}, "two classes", "init.safetensors is a network of 4 classes, but the data's labels are "
                                               "one-hot over 2"),
 }

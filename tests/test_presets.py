@@ -1,8 +1,11 @@
 """Release presets against paper Table 6 and the release's durations, intervals and checkpoints."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from edm2 import families
 from edm2.networks import count_parameters
 from training.options import TrainingOptions
 from training.presets import PRESETS, PresetError, get_preset
@@ -109,3 +112,23 @@ def test_precision_selects_the_unet_dtype(precision, fp16, bf16):
     assert net.compute_dtype(torch.device("cpu")) == torch.float32
     want = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     assert net.compute_dtype(torch.device("cuda", 0)) == want
+
+
+def test_a_preset_names_its_family_and_gives_only_that_familys_hyperparameters():
+    for name, p in PRESETS.items():
+        family = families.get(p.family)
+        assert set(p.hyperparameters) <= set(family.fields()), name
+        assert p.network == (dict(p.hyperparameters) if p.family == "edm2" else dict(p.hyperparameters,
+                                                                                    family=p.family))
+    assert get_preset("config-e-toy").family == "config-e" and get_preset("toy-tiny").family == "edm2"
+    toy = get_preset("toy-tiny")
+    with pytest.raises(PresetError, match="^a preset of the network family 'mp-resnet': unknown network argument "
+                                          "'channel_mult': the hyperparameters are depth$"):
+        dataclasses.replace(toy, family="mp-resnet")
+    with pytest.raises(PresetError, match="^a preset of the network family 'edm2': num_blocks=0: expected an integer "
+                                          "from 1 to 64$"):
+        dataclasses.replace(toy, hyperparameters=dict(num_blocks=0))
+    with pytest.raises(PresetError, match="unknown network family 'dit'"):
+        dataclasses.replace(toy, family="dit", hyperparameters={})
+    assert dataclasses.replace(toy, family="mp-resnet", hyperparameters=dict(depth=2)).network == dict(
+        depth=2, family="mp-resnet")

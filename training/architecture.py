@@ -1,6 +1,6 @@
-"""The network of a run: its family (--arch, edm2.families), the options that shape it (--channel-mult, --num-blocks,
---attn-resolutions: those the family takes) checked against the data, and the architecture, encoder and weights a
-run takes over from a snapshot (--init)."""
+"""The network of a run: its family (--arch, edm2.families), the options that shape it (the family's
+hyperparameters: --channel-mult, --num-blocks, ... for the U-Net, --depth for mp-resnet) checked against the data, and
+the architecture, encoder and weights a run takes over from a snapshot (--init)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,10 @@ from edm2.errors import EDM2Error
 from edm2.families import DEFAULT_FAMILY
 from edm2.formats.snapshot import load_generator
 from edm2.network_args import attention_levels, level_resolutions, whole_heads
-from edm2.networks import EDM2, Block, Precond, UNet
+from edm2.networks import UNET, Precond
 from edm2.runtime import files
-from training.presets import get_preset
+from training.presets import Preset, get_preset
 
-# The network arguments that train_edm2.py sets with options of the same names (dashes for underscores): the
-# U-Net's; a family takes those of them its NetworkFamily.options names.
-UNET_OPTIONS = EDM2.options
 # Precond arguments that a run sets from its data and options, not from an --init snapshot's architecture.
 RUN_ARGUMENTS = ("img_resolution", "img_channels", "label_dim", "model_channels", "dropout", "use_fp16", "use_bf16")
 
@@ -33,18 +30,29 @@ class NetworkMisfit(EDM2Error):
     """A U-Net that does not fit the run's data, or an --init snapshot that contradicts the data or the options."""
 
 
-def unet_defaults() -> dict:
-    """The U-Net's defaults (the release's) for the arguments that shape it: model_channels, UNET_OPTIONS and
-    channels_per_head."""
-    unet = inspect.signature(UNet).parameters
-    defaults = {name: unet[name].default for name in ("model_channels", *UNET_OPTIONS)}
-    return dict(defaults, channels_per_head=inspect.signature(Block).parameters["channels_per_head"].default)
+def network_defaults(family: families.NetworkFamily) -> dict:
+    """A family's defaults for the arguments that shape it: its constructor's (model_channels among them) and its
+    hyperparameters'."""
+    takes = inspect.signature(family.constructor).parameters.values()
+    defaults = {p.name: p.default for p in takes if p.default is not inspect.Parameter.empty}
+    return dict(defaults, **{name: f.default for name, f in family.fields().items()})
 
 
 def effective(network: dict, name: str) -> int | list[int]:
-    """The value of a U-Net argument for these network arguments: theirs, else the default; sequences as lists."""
-    value = network.get(name, unet_defaults()[name])
+    """The value of a network argument for these network arguments: theirs, else their family's default; sequences
+    as lists."""
+    value = network[name] if name in network else network_defaults(families.family_of(network))[name]
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def hyperparameters_given(network: dict) -> dict:
+    """The hyperparameters of network's family as its options would give them: theirs, None where they have none."""
+    return {name: network.get(name) for name in families.family_of(network).fields()}
+
+
+def option_name(name: str) -> str:
+    """The train_edm2.py option of a network argument: --num-blocks for num_blocks."""
+    return "--" + name.replace("_", "-")
 
 
 def check_network_fits_data(resolution: int, channels: int, network: dict, explicit: bool = True) -> None:
@@ -76,29 +84,35 @@ def check_network_fits_data(resolution: int, channels: int, network: dict, expli
 
 
 def differs_from_preset(network: dict, preset_network: dict) -> bool:
-    """Whether network arguments shape the U-Net (UNET_OPTIONS) otherwise than the preset's: only then are its
+    """Whether network arguments shape the U-Net (its hyperparameters) otherwise than the preset's: only then are its
     attention resolutions checked strictly (check_network_fits_data's explicit). The preset's own, stored in a
     run's training_options.json and read back with --config, are the preset's choice, not the user's."""
     def shape(values: dict) -> dict:
-        return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items() if k in UNET_OPTIONS}
+        return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items() if k in UNET.fields()}
     return shape(network) != shape(preset_network)
 
 
-def unet_options(preset_network: dict, given: dict, arch: str = families.DEFAULT_FAMILY) -> dict:
-    """The network arguments of a run of family arch: the preset's (for another family than the U-Net, those its
-    constructor takes), with the UNET_OPTIONS given on the command line (those not None) and the family's name
-    (unless the U-Net's); NetworkMisfit names a given option that the family does not take."""
+def network_options(preset: Preset, given: dict, arch: str = families.DEFAULT_FAMILY) -> dict:
+    """The network arguments of a run of family arch: the preset's hyperparameters where arch has its family's
+    (the U-Net's reach the paper's configurations of the U-Net, no other family), with the hyperparameters given
+    on the command line (those not None) and the family's name (unless the U-Net's); NetworkMisfit names a given
+    option that the family does not take, or one outside its bound."""
     family = families.get(arch)
-    takes = inspect.signature(family.constructor).parameters
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
-    network = {k: v for k, v in preset_network.items() if family is EDM2 or open_ended or k in takes}
+    fields = family.fields()
+    shared = families.get(preset.family).hyperparameters is family.hyperparameters
+    network = dict(preset.hyperparameters) if shared else {}
     for name, value in given.items():
-        if value is not None and name not in family.options:
-            raise NetworkMisfit(f"--{name.replace('_', '-')} does not shape the network family {arch!r}, which takes "
-                                f"{', '.join('--' + o.replace('_', '-') for o in family.options) or 'no such options'}")
+        if value is not None and name not in fields:
+            raise NetworkMisfit(f"{option_name(name)} does not shape the network family {arch!r}, which takes "
+                                f"{', '.join(map(option_name, fields)) or 'no such options'}")
         if value is not None:
             network[name] = value
-    return network if family is EDM2 else dict(network, family=arch)
+    for name, value in network.items():
+        try:
+            fields[name].metadata["bound"].check(name, value)
+        except families.ArchitectureError as e:  # "name=value: expected ...", said as the option is typed
+            raise NetworkMisfit(f"{option_name(name)}={_text(value)}: {str(e).partition(': ')[2]}") from None
+    return network if arch == families.DEFAULT_FAMILY else dict(network, family=arch)
 
 
 def check_family_fits_data(resolution: int, img_channels: int, label_dim: int, channels: int, network: dict) -> None:
@@ -179,9 +193,9 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
     --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
-    options (given: channels and UNET_OPTIONS as given on the command line, None where not given)."""
+    options (given: channels and the family's hyperparameters as given on the command line, None where not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
-    ours, theirs = network_family(get_preset(preset).network) if preset else None, network_family(kwargs)
+    ours, theirs = get_preset(preset).family if preset else None, network_family(kwargs)
     if ours not in (None, theirs):
         raise NetworkMisfit(f"--preset={preset} trains the network family {ours!r}, but {name} is of family "
                             f"{theirs!r}; choose a preset of {theirs!r}")
@@ -199,10 +213,16 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
             f"a network of {classes} classes: train it with --cond=True on data labeled within 0-{classes - 1}")
         have = "--cond=False" if not label_dim else f"the data's labels go up to {label_dim - 1}"
         raise NetworkMisfit(f"{name} is {what} ({have})")
+    takes = families.family_of(kwargs).fields()
     for option, value in given.items():
+        if value is None:
+            continue
+        if option != "channels" and option not in takes:
+            raise NetworkMisfit(f"{option_name(option)} does not shape {name}, a network of family "
+                                f"{network_family(kwargs)!r}; leave it out")
         theirs = effective(kwargs, "model_channels" if option == "channels" else option)
-        if value is not None and (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
-            raise NetworkMisfit(f"--{option.replace('_', '-')}={_text(value)} contradicts {name}, whose U-Net has "
+        if (list(value) if isinstance(value, (list, tuple)) else value) != theirs:
+            raise NetworkMisfit(f"{option_name(option)}={_text(value)} contradicts {name}, whose network has "
                                 f"{_text(theirs)}; leave it out to take the snapshot's")
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import edm2.architectures  # noqa: F401  (every family a preset may name)
+from edm2 import families
 from edm2.errors import EDM2Error
 
 Ki, Mi = 1 << 10, 1 << 20
 
 
 class PresetError(EDM2Error):
-    """No preset has the name asked for."""
+    """No preset has the name asked for, or a preset row gives what its network family does not take."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +33,23 @@ class Preset:
     status: int = 128 * Ki
     snapshot: int = 8 * Mi
     checkpoint: int = 128 * Mi
-    network: dict = dataclasses.field(default_factory=dict)  # Precond arguments beyond the release's defaults
+    family: str = families.DEFAULT_FAMILY  # the network family (edm2.families)
+    # Some of the family's hyperparameters (NetworkFamily.hyperparameters), where the recipe differs from its defaults.
+    hyperparameters: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuse a row whose hyperparameters are not its family's, or outside their bounds (PresetError)."""
+        try:
+            families.get(self.family).check(self.hyperparameters)
+        except families.ArchitectureError as e:
+            raise PresetError(f"a preset of the network family {self.family!r}: {e}") from None
+
+    @property
+    def network(self) -> dict:
+        """The Precond arguments beyond the release's defaults: the hyperparameters, and the family unless it is the
+        U-Net's (as a run's options record them)."""
+        family = {} if self.family == families.DEFAULT_FAMILY else dict(family=self.family)
+        return dict(self.hyperparameters, **family)
 
 
 IMG512 = "datasets/img512-sd.zip"  # latents of the Stable Diffusion VAE, `dataset_tool.py encode`
@@ -73,12 +91,12 @@ PRESETS: dict[str, Preset] = {
     # ramp-up and decay shrunk to the run length.
     "toy-tiny": Preset(data=TOY, duration=2 * Ki, channels=16, dropout=0.00, lr=0.0100, decay=100, P_mean=-0.8,
                        P_std=1.6, batch=32, rampup_Mimg=0.0005, status=256, snapshot=1 * Ki, checkpoint=1 * Ki,
-                       network=TOY_TINY_UNET),
+                       hyperparameters=TOY_TINY_UNET),
     # About five minutes on a CPU core (~110 images/s): the quickstart demo on 16x16 shapes from
     # `dataset_tool.py toy --resolution=16`. lr 0.02 beat 0.01 in a 16Ki-image trial at this batch.
     "toy-small": Preset(data=TOY, duration=32 * Ki, channels=32, dropout=0.00, lr=0.0200, decay=200, P_mean=-0.8,
                         P_std=1.6, batch=64, rampup_Mimg=0.002, status=2 * Ki, snapshot=8 * Ki, checkpoint=16 * Ki,
-                        network=TOY_SMALL_UNET),
+                        hyperparameters=TOY_SMALL_UNET),
 }
 
 # The paper's Table 1 ladder (families config-b/c/d/e of edm2.architectures.ladder, config-f of
@@ -93,11 +111,10 @@ LADDER_RATES = {"B": (0.0002, 0), "C": (0.0002, 0), "D": (0.0100, 0), "E": (0.01
 LADDER_DROPOUT = 0.10
 for _config, (_lr, _decay) in LADDER_RATES.items():
     PRESETS[f"config-{_config.lower()}-img512"] = dataclasses.replace(
-        PRESETS["edm2-img512-s"], lr=_lr, decay=_decay, dropout=LADDER_DROPOUT,
-        network=dict(family=f"config-{_config.lower()}"))
+        PRESETS["edm2-img512-s"], lr=_lr, decay=_decay, dropout=LADDER_DROPOUT, family=f"config-{_config.lower()}")
     PRESETS[f"config-{_config.lower()}-toy"] = dataclasses.replace(
         PRESETS["toy-small"], lr=2 * _lr, decay=_decay and PRESETS["toy-small"].decay,
-        network=dict(TOY_SMALL_UNET, family=f"config-{_config.lower()}"))
+        family=f"config-{_config.lower()}")
 PRESETS["config-g-img512"] = PRESETS["edm2-img512-s"]
 PRESETS["config-g-toy"] = PRESETS["toy-small"]
 

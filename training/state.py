@@ -121,7 +121,7 @@ class TrainingState:
         if opts.uses_channels_last(device):
             to_channels_last(net)
         net.cpu_16bit = opts.cpu_16bit
-        net.unet.checkpoint_blocks = opts.checkpoint_activations
+        net.network.checkpoint_blocks = opts.checkpoint_activations
         return cls(net, adam(net.parameters(), device), power_function_ema(net, opts.ema_stds, opts.ema_shard))
 
     def load(self, saved: dict) -> None:

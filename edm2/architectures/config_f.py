@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from edm2 import families
 from edm2.layers import FourierFeatures
+from edm2.network_args import UNetHyperparameters
 from edm2.networks import Block, UNet, unet_blocks
 
 
@@ -63,5 +64,5 @@ class FUNet(UNet):
 
 
 FAMILY = families.register(families.NetworkFamily(
-    name="config-f", constructor=FUNet, blocks=unet_blocks, options=("channel_mult", "num_blocks", "attn_resolutions"),
+    name="config-f", constructor=FUNet, blocks=unet_blocks, hyperparameters=UNetHyperparameters,
     summary="the paper's CONFIG F: G's U-Net with plain SiLU, sums and concatenation, no gains, Eq. 35 features"))

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, FourierFeatures, MPConv, conv_or_linear, deinterleaved, resample,
                          self_attention)
+from edm2.network_args import UNetHyperparameters, unet_layout
 
 CONFIGS = ("B", "C", "D", "E")
 
@@ -225,9 +226,11 @@ class LadderUNet(torch.nn.Module):
     """The U-Net of CONFIG B, C, D or E: the G U-Net's levels, blocks and names over LadderBlock."""
 
     def __init__(self, img_resolution: int, img_channels: int, label_dim: int, config: str = "E",
-                 model_channels: int = 192, channel_mult: Sequence[int] = (1, 2, 3, 4),
-                 channel_mult_noise: int | None = None, channel_mult_emb: int | None = None, num_blocks: int = 3,
-                 attn_resolutions: Sequence[int] = (16, 8), channels_per_head: int = 64, dropout: float = 0.0):
+                 model_channels: int = 192, channel_mult: Sequence[int] = UNetHyperparameters.channel_mult,
+                 channel_mult_noise: int | None = None, channel_mult_emb: int | None = None,
+                 num_blocks: int = UNetHyperparameters.num_blocks,
+                 attn_resolutions: Sequence[int] = UNetHyperparameters.attn_resolutions,
+                 channels_per_head: int = UNetHyperparameters.channels_per_head, dropout: float = 0.0):
         if config not in FLAVORS:
             raise ArchitectureError(f"unknown network configuration {network_args.shown(config)}; choose one of "
                                     f"{', '.join(CONFIGS)}")
@@ -246,32 +249,13 @@ class LadderUNet(torch.nn.Module):
         self.emb_label = flavor.label_layer(label_dim, cemb, []) if label_dim else None
         kw = dict(flavor=flavor, channels_per_head=channels_per_head, dropout=dropout)
 
-        self.enc = torch.nn.ModuleDict()
-        cout = img_channels + flavor.constant_channel
-        for level, channels in enumerate(cblock):
-            res = img_resolution >> level
-            if level == 0:
-                cin, cout = cout, channels
-                self.enc[f"{res}x{res}_conv"] = layer(cin, cout, [3, 3])
-            else:
-                self.enc[f"{res}x{res}_down"] = LadderBlock(cout, cout, cemb, resample_mode="down", **kw)
-            for idx in range(num_blocks):
-                cin, cout = cout, channels
-                self.enc[f"{res}x{res}_block{idx}"] = LadderBlock(cin, cout, cemb, attention=res in attn_resolutions,
-                                                                  **kw)
-        self.dec = torch.nn.ModuleDict()
-        skips = [block.out_channels for block in self.enc.values()]
-        for level, channels in reversed(list(enumerate(cblock))):
-            res = img_resolution >> level
-            if level == len(cblock) - 1:
-                self.dec[f"{res}x{res}_in0"] = LadderBlock(cout, cout, cemb, attention=True, **kw)
-                self.dec[f"{res}x{res}_in1"] = LadderBlock(cout, cout, cemb, **kw)
-            else:
-                self.dec[f"{res}x{res}_up"] = LadderBlock(cout, cout, cemb, resample_mode="up", **kw)
-            for idx in range(num_blocks + 1):
-                cin, cout = cout + skips.pop(), channels
-                self.dec[f"{res}x{res}_block{idx}"] = LadderBlock(cin, cout, cemb, attention=res in attn_resolutions,
-                                                                  **kw)
+        self.enc, self.dec = torch.nn.ModuleDict(), torch.nn.ModuleDict()
+        for slot in unet_layout(img_resolution, img_channels + flavor.constant_channel, cblock, num_blocks,
+                                attn_resolutions):
+            getattr(self, slot.side)[slot.name] = layer(slot.in_channels, slot.out_channels, [3, 3]) if slot.conv \
+                else LadderBlock(slot.in_channels, slot.out_channels, cemb, resample_mode=slot.resample_mode,
+                                 attention=slot.attention, **kw)
+        cout = cblock[0]  # the decoder ends at the first level's width
         self.out_norm = flavor.norm(cout)
         self.out_conv = flavor.last_layer(cout, img_channels, [3, 3])
 
@@ -315,4 +299,4 @@ SUMMARIES = {"B": "the paper's CONFIG B: the EDM baseline's ADM U-Net without at
 # The families 'config-b' to 'config-e' (F is config_f's, G the release's 'edm2').
 FAMILIES = {config: families.register(families.NetworkFamily(
     name=f"config-{config.lower()}", constructor=_constructor(config), blocks=ladder_blocks,
-    options=("channel_mult", "num_blocks", "attn_resolutions"), summary=SUMMARIES[config])) for config in CONFIGS}
+    hyperparameters=UNetHyperparameters, summary=SUMMARIES[config])) for config in CONFIGS}

@@ -142,18 +142,18 @@ class _Pricer(TorchFunctionMode):
 def _parts(net: Precond) -> list[tuple[str, torch.nn.Module]]:
     """The parts a count reports: the family's blocks, and the other modules of the network holding weights or
     buffers of their own outside the blocks (embeddings, first and last layers)."""
-    blocks = net.family.blocks(net.unet)
+    blocks = net.family.blocks(net.network)
     inside = {id(m) for _, block in blocks for m in block.modules()}
-    others = [(name, m) for name, m in net.unet.named_modules() if id(m) not in inside
+    others = [(name, m) for name, m in net.network.named_modules() if id(m) not in inside
               and (next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None)
-              and m is not net.unet]
+              and m is not net.network]
     return blocks + others
 
 
 def _hooks(net: Precond, stack: list[str], parts: dict[str, Cost]) -> list:
     """Hooks that name the part being evaluated, and add the release's gain artifact of each MPConv with gain 1."""
     hooks = []
-    for name, module in [("unet", net.unet), *_parts(net)]:
+    for name, module in [("unet", net.network), *_parts(net)]:
         hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
         hooks.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
 
@@ -161,7 +161,7 @@ def _hooks(net: Precond, stack: list[str], parts: dict[str, Cost]) -> list:
         if not isinstance(kwargs.get("gain", args[1] if len(args) > 1 else 1), torch.Tensor):
             parts.setdefault(stack[-1], Cost()).update(reciprocal=1, mul=1)
 
-    hooks += [m.register_forward_pre_hook(constant_gain, with_kwargs=True) for m in layers.mpconvs(net.unet)]
+    hooks += [m.register_forward_pre_hook(constant_gain, with_kwargs=True) for m in layers.mpconvs(net.network)]
     return hooks
 
 

@@ -37,7 +37,7 @@ def block_output_rms(net: Precond, x: torch.Tensor, sigma: torch.Tensor,
             counts[name] = output.numel()
         return hook
 
-    blocks = net.family.blocks(net.unet)
+    blocks = net.family.blocks(net.network)
     _forward_hooked(net, [(m, record(name)) for name, m in blocks], x, sigma, labels)
     return {name: math.sqrt(float(sums[name]) / counts[name]) for name, _ in blocks if name in sums}
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from edm2.errors import SnapshotError, shown
 from edm2.formats.snapshot import read_metadata
-from training.architecture import UNET_OPTIONS, InitSnapshot, NetworkMisfit, check_init, read_init
+from training.architecture import InitSnapshot, NetworkMisfit, check_init, hyperparameters_given, read_init
 from training.lr_schedule import learning_rate_schedule
 from training.options import OptionsError, TrainingOptions, rounds_per_step
 
@@ -91,7 +91,7 @@ def check_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encod
     if opts.init is None:
         return
     snapshot = read_init(opts.init)
-    given = dict(channels=opts.channels, **{name: opts.network.get(name) for name in UNET_OPTIONS})
+    given = dict(channels=opts.channels, **hyperparameters_given(opts.network))
     check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels, label_dim=dataset.label_dim,
                encoder=encoder, given=given, preset=opts.preset)
     name, classes = os.path.basename(snapshot.path), snapshot.network_kwargs["label_dim"]
