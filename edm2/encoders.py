@@ -301,7 +301,7 @@ class DiffusersVAEEncoder(StabilityVAEEncoder):
 
 class LinearRGBEncoder(Encoder):
     """sRGB pixels stored as they are, seen by the network in linear light, ((x / 255) ** gamma) * 2 - 1: the
-    README's worked example of a data encoding (Extending)."""
+    worked example of a data encoding (docs/extending.md)."""
 
     encoding = "linear-rgb"
 

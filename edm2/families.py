@@ -24,8 +24,8 @@ A family's record:
 - summary: one line for `train_edm2.py --help` and error messages.
 
 A new family is its own module that ends with `register(NetworkFamily(...))`, and one import line in
-edm2/architectures/__init__.py, which imports every family so that any snapshot's family is known (see README,
-Extending). The release's U-Net registers as 'edm2' in edm2/networks.py.
+edm2/architectures/__init__.py, which imports every family so that any snapshot's family is known (see
+docs/extending.md). The release's U-Net registers as 'edm2' in edm2/networks.py.
 """
 
 from __future__ import annotations

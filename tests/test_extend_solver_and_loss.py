@@ -1,4 +1,4 @@
-"""README's Extending examples, applied to the one file each names and run end to end: a solver (its order, its
+"""docs/extending.md's examples, applied to the one file each names and run end to end: a solver (its order, its
 evaluations, generate.py) and a loss weighting (train_edm2.py with the uncertainty off, the snapshot's record,
 calculate_metrics.py sweep against a computation by hand); and the loss records' bad input."""
 
@@ -41,7 +41,7 @@ def readme_example(title: str) -> tuple[str, str, str]:
 
 
 def apply_example(module: types.ModuleType, title: str, table: str, monkeypatch) -> tuple[str, types.ModuleType]:
-    """Edit module's file as the README says (the function before the table, the row first in it), load the edited
+    """Edit module's file as docs/extending.md says (the function before the table, the row first in it), load the edited
     file as a module, and add its new row to the live table for this test. Returns the row's name and the module."""
     section, function, row = readme_example(title)
     path = module.__file__

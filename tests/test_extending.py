@@ -1,4 +1,4 @@
-"""The README's Extending examples, run end to end: the network family 'mp-resnet' (edm2/architectures/mp_resnet.py),
+"""docs/extending.md's examples, run end to end: the network family 'mp-resnet' (edm2/architectures/mp_resnet.py),
 the data encoding 'linear-rgb' (edm2.encoders.LinearRGBEncoder), a second VAE ('diffusers-vae', a 16-channel
 AutoencoderKL) and recorded encodings; and the one-line answers to a family or an encoding that is not registered."""
 

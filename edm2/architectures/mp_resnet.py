@@ -1,4 +1,4 @@
-"""'mp-resnet': the README's worked example of a network family (Extending, A network family).
+"""'mp-resnet': docs/extending.md's worked example of a network family (A network family).
 
 The U-Net's own blocks (edm2.networks.Block, Figure 21) stacked at one resolution: no down- or upsampling and no
 skip connections, a baseline for asking what the U-Net's levels buy. It takes --channels and --dropout, and its own
@@ -65,4 +65,4 @@ class MPResNet(torch.nn.Module):
 FAMILY = register(NetworkFamily(
     name="mp-resnet", constructor=MPResNet, hyperparameters=MPResNetHyperparameters,
     blocks=lambda net: [(f"block{i}", block) for i, block in enumerate(net.blocks)],
-    summary="the U-Net's blocks at one resolution, no skips (the README's example)"))
+    summary="the U-Net's blocks at one resolution, no skips (docs/extending.md's example)"))
