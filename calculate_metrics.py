@@ -25,9 +25,9 @@ from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 from edm2.eval.sweep import Measure, run_sweep
 from edm2.formats.snapshot import SnapshotError, load_generator
-from edm2.generation import MAX_SEED, generate_images
-from edm2.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.networks import Precond
+from edm2.procedures.generation import MAX_SEED, generate_images
+from edm2.procedures.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
 from edm2.runtime.speed import SamplingSpeed

@@ -14,10 +14,10 @@ import click
 import torch
 
 from cli.command import Command
-from edm2 import presets_generate
 from edm2.eval import flops
 from edm2.formats.snapshot import load_network
 from edm2.networks import Precond
+from edm2.procedures import presets_generate
 from training import presets
 
 # The data of the release's training presets: (resolution, channels, classes) of what the network sees,

@@ -22,10 +22,10 @@ from cli.types import Guidance, Integer, Number, SeedList, SigmaInterval
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line
 from edm2.formats.snapshot import load_generator
-from edm2.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges,
-                             generate_images, load_guide, read_generated_labels, save_generated_labels)
-from edm2.image_grid import save_png, tile
-from edm2.presets_generate import DEFAULT_PRESET, PRESETS
+from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, generate_images,
+                                        load_guide, read_generated_labels, save_generated_labels)
+from edm2.procedures.image_grid import save_png, tile
+from edm2.procedures.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH
 from edm2.sampler import SELF, SamplerError, check_settings

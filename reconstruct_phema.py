@@ -1,6 +1,6 @@
 """Post-hoc EMA reconstruction (paper Section 3.2, Appendix C.5): choose the EMA length after training.
 
-The work is edm2.posthoc's; this command line finds the inputs, names the outputs and writes them.
+The work is edm2.procedures.posthoc's; this command line finds the inputs, names the outputs and writes them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import tqdm
 from cli.command import Command
 from cli.speed import threads_option
 from cli.types import MAX_KIMG, MAX_STD_COUNT, Integer, StdList
-from edm2 import posthoc
 from edm2.formats.snapshot import save_network, snapshot_name
+from edm2.procedures import posthoc
 from edm2.runtime import distributed, files, locks
 
 
@@ -90,7 +90,7 @@ def main(indir, outdir, stds, kimg, inprefix, instd, batch, skip, prefix):
 
     Outputs are PREFIX-KIMG-STD.safetensors snapshots that edm2.formats.snapshot.load_network and generate.py
     read. Inputs are our network-snapshot-*.safetensors files or the release's raw snapshot pickles
-    (edm2-img512-xs-0134217-0.050.pkl). From Python: edm2.posthoc.reconstruct.
+    (edm2-img512-xs-0134217-0.050.pkl). From Python: edm2.procedures.posthoc.reconstruct.
     """
     with distributed.session(single_process=True):
         indir = indir if indir is not None else newest_run_dir()

@@ -26,11 +26,11 @@ from edm2.runtime import distributed, files
 from edm2 import families
 from training.architecture import read_init
 from training.run.dry_run import parameter_count, start_or_resume, timed_speed
-from training.loop import train
 from training.options import (
     BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, default_grid,
     rounds_per_step,
 )
+from training.run.loop import train
 from training.run.preflight import dataset_description, init_notes
 from training.presets import get_preset
 from training.run.run_dir import RUN_ID_KEY

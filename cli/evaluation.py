@@ -20,7 +20,7 @@ from edm2.data.sources import open_data
 from edm2.eval import prdc, scores
 from edm2.eval.detectors import PUBLISHED
 from edm2.eval.stats_files import MAX_KEPT_FEATURES
-from edm2.generation import MAX_SEED
+from edm2.procedures.generation import MAX_SEED
 from edm2.runtime import distributed, files
 from edm2.runtime.pinned_files import stream_sha256
 from edm2.sampler import SELF, edm_sampler

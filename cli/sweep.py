@@ -18,7 +18,6 @@ from cli.evaluation import GuidanceList
 from cli.solver import recorded, schedule_option, solver_option
 from cli.types import MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, IntList, SigmaInterval, StdList
 
-from edm2 import posthoc
 from edm2.data.dataset import DatasetError
 from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
@@ -26,8 +25,9 @@ from edm2.errors import SnapshotError
 from edm2.eval import sweep
 from edm2.eval.validation import ValidationError, ValidationSamples
 from edm2.formats.snapshot import load_network, read_metadata, save_network, snapshot_name
-from edm2.generation import GenerationError, load_guide
 from edm2.loss import LossError, recorded_loss
+from edm2.procedures import posthoc
+from edm2.procedures.generation import GenerationError, load_guide
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_IMAGES
 from edm2.sampler import SELF

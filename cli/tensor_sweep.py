@@ -12,9 +12,10 @@ from cli import sweep as sweep_cli
 from cli.command import Command
 from cli.speed import threads_option
 from cli.types import MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, Number, StdList
-from edm2 import phema, posthoc
+from edm2 import phema
 from edm2.eval import tensor_sweep as ts
 from edm2.eval.sweep import Measure
+from edm2.procedures import posthoc
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES
 

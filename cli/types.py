@@ -9,13 +9,13 @@ import click
 
 from edm2 import phema, sampler
 from edm2.formats.snapshot import MAX_NIMG, std_tag
-from edm2.generation import MAX_SEED, SeedRanges
+from edm2.procedures.generation import MAX_SEED, SeedRanges
 from training.sections import Bound, Count, GridShape, Images
 
 # Bounds of the integer options that several commands share.
 MAX_KIMG = (MAX_NIMG - 1) // 1000  # training times in thousands of images (edm2.formats.snapshot.MAX_NIMG)
 MAX_RESOLUTION = 8192  # image sizes: 16 times ImageNet-512's, 200 MB per RGB image
-MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.generation.MAX_SEED)
+MAX_SEED_OPTION = MAX_SEED - 1  # seeds lie in [0, 2**32) (edm2.procedures.generation.MAX_SEED)
 
 
 def shown(text: str) -> str:
@@ -85,7 +85,7 @@ class Guidance(Number):
 class SeedList(click.ParamType):
     """Seeds like '0-63', '1,5,9' or '0-3,10': distinct, in the order given, held as ranges (never one list).
 
-    Seeds must lie in [0, 2**32) (edm2.generation.MAX_SEED), so '0-99999999999' is refused, not expanded.
+    Seeds must lie in [0, 2**32) (edm2.procedures.generation.MAX_SEED), so '0-99999999999' is refused, not expanded.
     """
 
     name = "seeds"

@@ -150,14 +150,15 @@ def edm_sampler(
     """Solve the probability-flow ODE from sigma_max to 0 (EDM Algorithm 1/2 with sigma(t) = t), or a stochastic
     solver's SDE, with a solver of edm2.solvers.SOLVERS on the noise levels of a schedule of edm2.schedules.SCHEDULES.
 
-    randn_like draws the fresh noise of churn and of a stochastic solver (edm2.generation.SeededRandom.randn_like
-    keeps each image on its own generator, so that an image depends on its seed alone, not on its batch).
-    With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the steps whose noise level lies
-    in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance 1. gnet=SELF guides
-    net by its own unconditional prediction, both halves from one call on a doubled batch. It records no gradients,
-    and normalizes the weights of net and gnet once for the whole run (edm2.layers.weights_normalized_once).
-    callback(step), as in k-diffusion, gets each step's start: x, i, sigma, sigma_hat (x and sigma after churn) and
-    denoised = D(x; sigma_hat); those x and the returned sample form the trajectory.
+    randn_like draws the fresh noise of churn and of a stochastic solver
+    (edm2.procedures.generation.SeededRandom.randn_like keeps each image on its own generator, so that an image depends
+    on its seed alone, not on its batch). With guidance_interval = (sigma_lo, sigma_hi), guidance applies only to the
+    steps whose noise level lies in (sigma_lo, sigma_hi] (guided_step); the others evaluate net alone, as with guidance
+    1. gnet=SELF guides net by its own unconditional prediction, both halves from one call on a doubled batch. It
+    records no gradients, and normalizes the weights of net and gnet once for the whole run
+    (edm2.layers.weights_normalized_once). callback(step), as in k-diffusion, gets each step's start: x, i, sigma,
+    sigma_hat (x and sigma after churn) and denoised = D(x; sigma_hat); those x and the returned sample form the
+    trajectory.
     """
     check_settings(num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho, guidance=guidance,
                    S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise, dtype=dtype, solver=solver,

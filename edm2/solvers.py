@@ -8,8 +8,9 @@ along the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma (EDM Eq. 4 
 or, for a stochastic rule, along a reverse SDE whose fresh noise comes from context.randn_like. It returns x at
 t_next and its first evaluation, D(x; t_cur) (what the sampler's callback reports). The last step ends at
 t_next = 0, where a rule evaluates once. context (StepContext) holds the run's noise source, each image's draws from
-its own generator (edm2.generation.SeededRandom), so an image depends on its seed and not on its batch; and memory,
-a dict the rule may keep between the steps of one run (a multistep method's earlier evaluations), empty at first.
+its own generator (edm2.procedures.generation.SeededRandom), so an image depends on its seed and not on its batch; and
+memory, a dict the rule may keep between the steps of one run (a multistep method's earlier evaluations), empty at
+first.
 """
 
 from __future__ import annotations

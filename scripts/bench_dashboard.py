@@ -25,7 +25,7 @@ def child(mode: str, train_args: list[str]) -> None:
     """Train in this process, the dashboard off or timed, and print the seconds spent in it."""
     sys.path.insert(0, str(REPO))
     import train_edm2
-    from training import loop
+    from training.run import loop
     from training.run import dashboard
 
     spent = [0.0]

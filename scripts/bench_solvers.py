@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its edm2, not an installed one
 from edm2.formats.snapshot import load_network
-from edm2.generation import seeded_inputs
+from edm2.procedures.generation import seeded_inputs
 from edm2.sampler import edm_sampler
 from edm2.solvers import SOLVERS, evaluations
 from edm2.toy.gmm import ground_truth

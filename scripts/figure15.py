@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cli.command import Command  # noqa: E402
-from edm2 import plots, posthoc  # noqa: E402
+from edm2 import plots  # noqa: E402
 from edm2.data.dataset import ImageFolderDataset  # noqa: E402
 from edm2.encoders import encoder_from_config  # noqa: E402
 from edm2.eval.magnitudes import bucket_magnitudes  # noqa: E402
@@ -28,6 +28,7 @@ from edm2.eval.validation import ValidationSamples  # noqa: E402
 from edm2.formats.snapshot import load_network  # noqa: E402
 from edm2.loss import recorded_loss  # noqa: E402
 from edm2.plots.ladder import PANELS, figure15, growth  # noqa: E402
+from edm2.procedures import posthoc  # noqa: E402
 from edm2.runtime import files  # noqa: E402
 
 

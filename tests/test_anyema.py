@@ -1,4 +1,4 @@
-"""edm2.anyema: post-hoc EMA of a plain nn.Module (not an EDM2 network) trained by its own loop."""
+"""edm2.procedures.anyema: post-hoc EMA of a plain nn.Module (not an EDM2 network) trained by its own loop."""
 
 import json
 
@@ -8,9 +8,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from edm2 import phema, posthoc
-from edm2.anyema import AnyEMAError, PostHocEMA, file_name, synthesize
+from edm2 import phema
 from edm2.errors import EDM2Error
+from edm2.procedures import posthoc
+from edm2.procedures.anyema import AnyEMAError, PostHocEMA, file_name, synthesize
 
 STEPS, SAVE_EVERY, STDS, TARGET = 240, 20, (0.05, 0.10), 0.075
 

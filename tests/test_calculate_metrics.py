@@ -25,7 +25,7 @@ import dataset_tool
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.eval import detectors, metrics, stats_files
 from edm2.formats.snapshot import load_network, save_network
-from edm2.generation import generate_images
+from edm2.procedures.generation import generate_images
 from edm2.runtime.locks import hold_destination
 from edm2.sampler import SELF
 from edm2.runtime.distributed import free_port

@@ -740,7 +740,7 @@ def test_convert_reports_transparency_and_drops_keeps_or_composites_it(tmp_path)
 
 def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):
     from edm2.encoders import StandardRGBEncoder
-    from edm2.image_grid import save_png
+    from edm2.procedures.image_grid import save_png
     from tests.helpers import TRAIN_ARGS, tiny_precond
     from training.run.sample_grid import sample_grid
     import train_edm2

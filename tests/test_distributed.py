@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from edm2.generation import SeedRanges
+from edm2.procedures.generation import SeedRanges
 from edm2.runtime import distributed
 from edm2.runtime.distributed import free_port
 from tests.helpers import REPO

@@ -15,12 +15,12 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from cli import evaluation
-from edm2 import generation
 from edm2.encoders import StandardRGBEncoder
 from edm2.eval import detectors, metrics, prdc, sweep as sweep_lib
 from edm2.eval.stats_files import MAX_KEPT_FEATURES, StatsError, load_stats, save_stats
 from edm2.formats.snapshot import save_network
 from edm2.plots.sweep import ema_guidance_figure, guidance_figure
+from edm2.procedures import generation
 from edm2.sampler import edm_sampler
 from tests.helpers import TinyInceptionStandIn, assert_refused, pin_detector_file, randomized, tiny_precond
 

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 import generate
 from cli.types import SeedList
-from edm2 import presets_generate
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.formats import snapshot
-from edm2.generation import MAX_SEED, generate_images
+from edm2.procedures import presets_generate
+from edm2.procedures.generation import MAX_SEED, generate_images
 from edm2.runtime.files import TMP_SUFFIX, temporary_name
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.runtime.distributed import free_port
@@ -343,7 +343,7 @@ def never_sample(*args, **kwargs):
 def test_a_vae_that_cannot_load_is_refused_before_sampling(tmp_path, monkeypatch):
     # Our own latent-space snapshot whose VAE is not there (offline): refused before the first batch is sampled.
     net = latent_snapshot(tmp_path / "latent.safetensors", tmp_path / "no-vae")
-    monkeypatch.setattr("edm2.generation.edm_sampler", never_sample)
+    monkeypatch.setattr("edm2.procedures.generation.edm_sampler", never_sample)
     assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [f"--net={net}", f"--outdir={tmp_path / 'out'}",
                                                                         "--seeds=0-3", "--steps=1"]),
                    "--net", "cannot load the VAE", "no-vae")
@@ -366,7 +366,7 @@ def test_a_latent_snapshot_loads_its_vae_before_sampling_and_decodes_with_it(tmp
         return net, encoder, metadata
 
     monkeypatch.setattr(generate, "load_generator", load_generator)
-    monkeypatch.setattr("edm2.generation.edm_sampler", sampler)
+    monkeypatch.setattr("edm2.procedures.generation.edm_sampler", sampler)
     net = latent_snapshot(tmp_path / "latent.safetensors", tiny_vae_dir)
     run_cli([f"--net={net}", f"--outdir={tmp_path / 'out'}", "--seeds=0", "--steps=1"])
     # The tiny VAE upsamples twice: 8x8 latents become 16x16 RGB images.

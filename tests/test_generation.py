@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edm2 import generation
 from edm2.encoders import StandardRGBEncoder
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import save_network
-from edm2.generation import MAX_SEED, SeedRanges
+from edm2.procedures import generation
+from edm2.procedures.generation import MAX_SEED, SeedRanges
 from edm2.sampler import SELF
 from tests.helpers import tiny_precond
 

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import train_edm2
-import training.loop
+import training.run.loop
 import training.step
 from edm2.loss import EDM2Loss
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
@@ -33,7 +33,7 @@ STOPPED = re.compile(r"Error: training stopped at kimg [\d.]+ \((\d+) images\): 
 def train(data, outdir, *args):
     """train_edm2.py with SHORT in-process; without the dashboard, whose figures would take most of the time."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(training.loop, "_dashboard", lambda *args: None)
+        patch.setattr(training.run.loop, "_dashboard", lambda *args: None)
         return CliRunner().invoke(train_edm2.main, [*SHORT, f"--data={data}", f"--outdir={outdir}", *map(str, args)])
 
 
@@ -178,7 +178,7 @@ def test_a_state_holding_non_finite_values_or_impossible_moments_is_skipped(case
 
 def poisoner(case: str, at_nimg: int):
     """A training_step that, once the run reaches at_nimg images, makes the state hold what case says."""
-    step = training.loop.training_step
+    step = training.run.loop.training_step
 
     def poisoned(s):
         loss = step(s)
@@ -205,7 +205,7 @@ def test_a_state_going_non_finite_with_a_finite_loss_is_never_written(case, reas
     outdir = tmp_path / "run"
     shutil.copytree(good_run, outdir)
     before = digests(outdir)
-    monkeypatch.setattr(training.loop, "training_step", poisoner(case, 192))
+    monkeypatch.setattr(training.run.loop, "training_step", poisoner(case, 192))
     assert stopped(train(train_data, outdir, "--duration=256", "--status=0")) == (192, reason)
     assert digests(outdir) == before
     assert_all_finite(outdir)

@@ -14,8 +14,8 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import save_network
 from edm2.runtime import distributed
 from training.architecture import NetworkMisfit, network_options, read_init
-from training.loop import train
 from training.options import OptionsError, TrainingOptions
+from training.run.loop import train
 from training.run.preflight import dataset_description
 from training.presets import get_preset
 from tests.helpers import (DATA_8X8, TRAIN_ARGS, assert_one_error_line, randomized, tiny_precond, toy_tiny_options,

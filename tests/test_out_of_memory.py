@@ -9,7 +9,7 @@ from click.testing import CliRunner
 import generate
 import toy_example
 import train_edm2
-import training.loop
+import training.run.loop
 from cli.command import Command, memory_hint, out_of_memory
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats import snapshot
@@ -53,7 +53,7 @@ def test_an_error_that_is_not_about_memory_stays_a_traceback():
 @pytest.mark.bad_input
 def test_training_out_of_memory_is_one_line(train_data, tmp_path, monkeypatch):
     # Before: a DefaultCPUAllocator traceback.
-    monkeypatch.setattr(training.loop, "training_step", impossible_allocation)
+    monkeypatch.setattr(training.run.loop, "training_step", impossible_allocation)
     assert_refused(tmp_path, lambda: CliRunner().invoke(train_edm2.main, [
         *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--workers=0"]),
         "out of memory", "DefaultCPUAllocator", "give a smaller --batch-gpu, --batch or --channels")

@@ -1,4 +1,4 @@
-"""edm2.posthoc from Python: the files reconstruct_phema.py writes, from a run folder, a list of files or
+"""edm2.procedures.posthoc from Python: the files reconstruct_phema.py writes, from a run folder, a list of files or
 networks in memory, and the library's errors."""
 
 import copy
@@ -11,9 +11,10 @@ import torch
 from click.testing import CliRunner
 
 import reconstruct_phema
-from edm2 import anyema, phema, posthoc
+from edm2 import phema
 from edm2.formats import snapshot
 from edm2.formats.snapshot import save_network
+from edm2.procedures import anyema, posthoc
 from tests.helpers import FAKE_RUN, fake_training_run, tiny_precond
 
 

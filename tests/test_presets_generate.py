@@ -2,12 +2,12 @@
 
 import pytest
 
-from edm2 import presets_generate
+from edm2.procedures import presets_generate
 
 RELEASE = "https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/"
 
 # name: network file, guiding network file ("-": none), guidance. Typed from the release's list of
-# published networks (its README and generate_images.py), independently of edm2/presets_generate.py.
+# published networks (its README and generate_images.py), independently of edm2/procedures/presets_generate.py.
 EXPECTED = """
 edm2-img512-xs-fid               edm2-img512-xs-2147483-0.135.pkl         -                                        1
 edm2-img512-xs-dino              edm2-img512-xs-2147483-0.200.pkl         -                                        1

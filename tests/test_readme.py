@@ -126,7 +126,7 @@ def page_section(heading: str) -> str:
 def test_readme_python_api_runs_on_a_training_run(reference_run, tmp_path, monkeypatch):
     # The Python API's post-hoc block (docs/api.md), run as written in a folder whose training-runs/toy-small is a
     # real (toy-tiny) run.
-    blocks = [readme_python_block("edm2.posthoc")]
+    blocks = [readme_python_block("edm2.procedures.posthoc")]
     (tmp_path / "training-runs").mkdir()
     (tmp_path / "training-runs" / "toy-small").symlink_to(reference_run, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
@@ -143,7 +143,7 @@ def test_readme_any_model_posthoc_ema_runs(tmp_path, monkeypatch):
     # EMA loaded.
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}
-    exec(compile(readme_python_block("edm2.anyema"), "docs/api.md", "exec"), namespace)
+    exec(compile(readme_python_block("edm2.procedures.anyema"), "docs/api.md", "exec"), namespace)
     saved = sorted(p.name for p in (tmp_path / "ema-snapshots").iterdir())
     assert saved == [f"ema-{step:09d}-{std}.safetensors" for step in range(100, 1001, 100) for std in ("0.050", "0.100")]
     state = namespace["synthesize"]("ema-snapshots", std=0.08)

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 import reconstruct_phema
 from cli.types import StdList
-from edm2 import phema, posthoc
+from edm2 import phema
 from edm2.formats.snapshot import load_network, save_network
+from edm2.procedures import posthoc
 from edm2.runtime import files
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler

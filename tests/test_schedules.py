@@ -14,10 +14,11 @@ from click.testing import CliRunner
 import calculate_metrics
 import generate
 from cli import sweep as sweep_cli
-from edm2 import generation, sampler, schedules
+from edm2 import sampler, schedules
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
-from edm2.generation import generate_images
+from edm2.procedures import generation
+from edm2.procedures.generation import generate_images
 from tests.helpers import (TinyInceptionStandIn, assert_refused, fake_training_run, pin_detector_file, read_pngs,
                            tiny_precond)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edm2 import sampler
-from edm2.generation import seeded_inputs
+from edm2.procedures.generation import seeded_inputs
 from tests.helpers import REPO, tiny_precond
 
 SIGMA_MIN, SIGMA_MAX = 0.002, 80.0

@@ -16,7 +16,7 @@ from edm2.data.dataset_files import DatasetError
 from edm2.errors import SnapshotError
 from edm2.eval import stats_files
 from edm2.formats import release_pickle, snapshot
-from edm2.generation import GenerationError, read_generated_labels
+from edm2.procedures.generation import GenerationError, read_generated_labels
 from edm2.runtime import bounded_json, files, pinned_files
 from training.run import checkpoint, dashboard
 from training.run.run_lock import LOCK_FILE

@@ -17,10 +17,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from edm2.encoders import StandardRGBEncoder
-from edm2.generation import generate_images
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
+from edm2.procedures.generation import generate_images
 from edm2.runtime import speed
 from edm2.runtime.inductor_options import RecomputeCPUMasks, training_options
 from training import step as step_module

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 import calculate_metrics
 from cli import sweep as cli_sweep
-from edm2 import generation, posthoc
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.eval.sweep import SweepError, SweepResults, best_warnings, run_sweep
 from edm2.formats.snapshot import METADATA_KEY, load_network, read_metadata, save_network
 from edm2.plots.sweep import sweep_figure
+from edm2.procedures import generation, posthoc
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.sampler import edm_sampler
 from tests.helpers import (REPO, TinyInceptionStandIn, assert_one_error_line, assert_refused, fake_training_run,

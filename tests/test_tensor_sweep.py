@@ -7,7 +7,6 @@ import pytest
 from click.testing import CliRunner
 
 import calculate_metrics
-from edm2 import posthoc
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.eval.magnitudes import bucket
@@ -15,6 +14,7 @@ from edm2.eval.sweep import round_to_stored
 from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.loss import recorded_loss
 from edm2.formats.snapshot import read_metadata
+from edm2.procedures import posthoc
 from tests.helpers import assert_refused
 
 NUM, GLOBAL, STDS = 16, 0.1, (0.05, 0.1, 0.2)

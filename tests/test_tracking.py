@@ -23,9 +23,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import generate
 import plot_run
 import train_edm2
-from edm2 import generation
 from edm2.encoders import StabilityVAEEncoder
-from edm2.image_grid import tile
+from edm2.procedures import generation
+from edm2.procedures.image_grid import tile
 from training.run import sample_grid, trackers
 from training.run.dashboard import LOSS_MEAN_TAG, snapshot_numbers
 from training.options import DEFAULT_GRID, DEFAULT_GRID_STEPS, default_grid

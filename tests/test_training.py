@@ -12,10 +12,10 @@ import torch
 from edm2.data.dataset import ImageFolderDataset
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
-from training import loop
 from training.run import checkpoint
 from training.data_order import DataOrder, round_seed, run_batches
 from training.options import OptionsError, OptionsMismatch, TrainingOptions, check_same_hyperparameters, rounds_per_step
+from training.run import loop
 from training.step import accumulate_gradients, drop_labels, optimizer_step
 from tests.helpers import REPO, tiny_precond
 

@@ -11,7 +11,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import calculate_metrics
 import train_edm2
-from edm2 import posthoc
 from edm2.eval import detectors
 from edm2.eval.stats_files import save_stats
 from edm2.formats.snapshot import load_network
@@ -19,6 +18,7 @@ from edm2.loss import recorded_loss
 from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.encoders import StandardRGBEncoder
 from edm2.data.dataset import ImageFolderDataset
+from edm2.procedures import posthoc
 from tests.helpers import TRAIN_ARGS, TinyInceptionStandIn, assert_refused, pin_detector_file
 from training.run import metrics as run_metrics
 from training.run.trackers import TENSORBOARD_DIR

@@ -14,7 +14,7 @@ from edm2.formats.snapshot import load_network
 import edm2.architectures  # noqa: F401  registers the other families
 from edm2.networks import Precond, count_macs
 from edm2.plots.run import dashboard_figure
-import training.loop
+import training.run.loop
 from edm2.runtime import host_memory, speed, utilization
 from tests.helpers import (ATTENTION_ROUTES, REPO, run_training, take_attention_route, toy_tiny_options,
                            train_command, train_env)
@@ -197,10 +197,10 @@ def test_a_single_process_of_several_threads_is_told_that_processes_hold_up_unde
 def test_the_start_line_says_whether_this_cpu_computes_16_bit_natively(units, precision, cpu_16bit, note,
                                                                         monkeypatch):
     # Issue 31, item 4: bfloat16 on a CPU without AMX or AVX-512 BF16 trained 7x slower than float32 (an AVX2 EPYC).
-    monkeypatch.setattr(training.loop, "cpu_16bit_units", lambda: units)
+    monkeypatch.setattr(training.run.loop, "cpu_16bit_units", lambda: units)
     opts = toy_tiny_options(precision=precision, cpu_16bit=cpu_16bit)
     dtype = "bfloat16" if cpu_16bit else "float32"
-    assert training.loop._precision_note(opts, dtype, torch.device("cpu")) == note
+    assert training.run.loop._precision_note(opts, dtype, torch.device("cpu")) == note
 
 
 def test_the_cpu_16bit_units_are_those_torch_reports():

@@ -14,11 +14,11 @@ from edm2 import families
 from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
 from edm2.families import DEFAULT_FAMILY
-from edm2.generation import MAX_SEED
 from edm2.loss import (DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, UNCERTAINTIES,
                        WEIGHTINGS)
 from edm2.network_args import MAX_CHANNELS, shown
 from edm2.phema import MAX_STD
+from edm2.procedures.generation import MAX_SEED
 from edm2.runtime.limits import MAX_BATCH, MAX_DEFAULT_PROCESSES, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset

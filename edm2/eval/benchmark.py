@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.utils.benchmark
 
-from edm2.generation import seeded_inputs
 from edm2.networks import Precond
+from edm2.procedures.generation import seeded_inputs
 from edm2.runtime.utilization import forward_flops
 from edm2.sampler import edm_sampler
 from edm2.solvers import evaluations

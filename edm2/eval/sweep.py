@@ -1,7 +1,7 @@
 """The EMA-length sweep (paper Figure 5): metrics of post-hoc EMA reconstructions across sigma_rel, at one or
 more training times, each network built in memory, measured, and let go.
 
-edm2.posthoc.combine builds the networks `batch` at a time in one pass over the snapshots, so memory stays at
+edm2.procedures.posthoc.combine builds the networks `batch` at a time in one pass over the snapshots, so memory stays at
 one input network plus `batch` outputs however many lengths are swept. Each network is rounded to float16 as
 a reconstruction file stores it, so a row measures exactly what reconstruct_phema.py would write for that
 length. The results file keeps the sweep's settings and one row per (training time, sigma_rel); it is rewritten
@@ -21,12 +21,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from edm2 import posthoc
 from edm2.errors import EDM2Error
 from edm2.eval import scores
 from edm2.eval.metrics import calculate_stats
 from edm2.eval.validation import ValidationSamples, validation_loss
-from edm2.generation import generate_images
+from edm2.procedures import posthoc
+from edm2.procedures.generation import generate_images
 from edm2.runtime import bounded_json, distributed, files
 
 SWEEP_JSON, SWEEP_PNG = "ema-sweep.json", "ema-sweep.png"
@@ -205,7 +205,7 @@ def table_text(rows: Sequence[dict], metric: str, guidances: Sequence[float]) ->
 
 def row_text(row: dict, metrics: Sequence[str], show_guidance: bool = False) -> str:
     """One sweep row as a table line: training time, sigma_rel (and guidance), the metrics, and the reconstruction's
-    profile error (Eq. 134) with its verdict (edm2.posthoc.profile_quality)."""
+    profile error (Eq. 134) with its verdict (edm2.procedures.posthoc.profile_quality)."""
     error = max(row["profile_error"], 0.0)  # rounding leaves -1e-17 where the length is a tracked one
     guidance = f" guidance {row['guidance']:g}" if show_guidance else ""
     return (f"kimg {row['kimg']} sigma_rel {row['std']:.3f}{guidance}: "

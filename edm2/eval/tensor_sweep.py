@@ -1,13 +1,13 @@
 """The per-tensor EMA-length sweep (paper Figure 5b): one weight tensor's EMA length varied at a time, every other
 tensor kept at a global length, the network measured at each; no retraining, only post-hoc reconstruction.
 
-One pass of edm2.posthoc.combine builds the network at the global length and at every swept length (batched as
-`batch` outputs per pass); the global network's parameters and the chosen tensors at each swept length are kept,
-so memory is two networks plus the chosen tensors at every swept length. A tensor at a swept length is the
-whole-network reconstruction's tensor at that length (solved together with the other lengths: the coefficients
-differ from a lone solve by float64 round-off, see combine_per_tensor). As in edm2.eval.sweep, every network is
-rounded to float16 as a reconstruction file stores it. The whole-network sweep at the same lengths is measured too,
-the thick curve of Figure 5b.
+One pass of edm2.procedures.posthoc.combine builds the network at the global length and at every swept length (batched
+as `batch` outputs per pass); the global network's parameters and the chosen tensors at each swept length are kept, so
+memory is two networks plus the chosen tensors at every swept length. A tensor at a swept length is the whole-network
+reconstruction's tensor at that length (solved together with the other lengths: the coefficients differ from a lone
+solve by float64 round-off, see combine_per_tensor). As in edm2.eval.sweep, every network is rounded to float16 as a
+reconstruction file stores it. The whole-network sweep at the same lengths is measured too, the thick curve of Figure
+5b.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from edm2 import posthoc
 from edm2.eval.magnitudes import bucket
 from edm2.eval.sweep import round_to_stored
+from edm2.procedures import posthoc
 
 TENSOR_SWEEP_JSON, TENSOR_SWEEP_PNG = "ema-tensor-sweep.json", "ema-tensor-sweep.png"
 CHOICES = ("all", "buckets")  # every weight tensor of the U-Net, or the first named of each resolution bucket

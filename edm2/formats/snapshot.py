@@ -75,7 +75,7 @@ def save_network(path: str | os.PathLike, net: torch.nn.Module, metadata: dict, 
 def save_state(path: str | os.PathLike, state: dict[str, torch.Tensor], metadata: dict, key: str,
                dtype: torch.dtype) -> None:
     """Write a state dict (floating-point tensors as dtype) and JSON metadata under `key` atomically to a
-    .safetensors file; also the post-hoc EMA tracks of any module (edm2.anyema)."""
+    .safetensors file; also the post-hoc EMA tracks of any module (edm2.procedures.anyema)."""
     # One fresh CPU tensor per name (a conversion is that copy): safetensors refuses tied weights' shared storage.
     tensors = {name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
                for name, t in state.items()}

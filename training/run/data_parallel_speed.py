@@ -1,6 +1,6 @@
 """The training step as `torchrun --nproc_per_node=N` runs it on a CPU, measured: N processes of a few threads each
 (torchrun's default is one), each computing batch / N images, gradients averaged by Gloo's DistributedDataParallel
-as in training/loop.py (scripts/bench_release.py, scripts/bench_load.py).
+as in training/run/loop.py (scripts/bench_release.py, scripts/bench_load.py).
 
 On a CPU shared with other work the toy presets' steps hold up far better over processes than over threads: each
 process's operators run without an OpenMP barrier between them, and the processes meet once per step, in the

@@ -67,7 +67,7 @@ def timed_speed(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Enc
     device, rank, world_size = distributed.device(), distributed.get_rank(), distributed.get_world_size()
     batch_gpu, rounds = rounds_per_step(opts.batch, opts.batch_gpu, world_size)
     state = TrainingState.create(opts, encoder.out_channels(dataset.num_channels), device)
-    model = data_parallel(state.net, world_size, device)  # as training.loop trains
+    model = data_parallel(state.net, world_size, device)  # as training.run.loop trains
     order = order_for(dataset, opts.seed, rank, world_size, batch_gpu, 0)
     step = TrainingStep.of_run(state, opts, encoder, iter(data_loader(dataset, order, opts.workers, device)),
                                device=device, rounds=rounds, model=model, rank=rank)

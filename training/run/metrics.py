@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from edm2 import posthoc
 from edm2.errors import one_line
 from edm2.eval import scores
 from edm2.eval.detectors import load_detector
@@ -24,7 +23,8 @@ from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import load_stats
 from edm2.eval.validation import ValidationSamples, validation_loss
 from edm2.formats.snapshot import load_network
-from edm2.generation import generate_images
+from edm2.procedures import posthoc
+from edm2.procedures.generation import generate_images
 from edm2.runtime import distributed
 from training.options import TrainingOptions
 from training.run.run_dir import SNAPSHOT_PREFIX, snapshot_path

@@ -4,7 +4,7 @@
 The grid has ROWS x COLS images; image (r, c) has seed r * COLS + c and, for a class-conditional network, the
 class r % label_dim, so each row is one class. Every image is what `generate.py --no-compile --net=SNAPSHOT
 --seeds=... --class=r%label_dim --steps=STEPS` writes for its seed (on the CPU, where nothing compiles by default,
-plain generate.py); edm2.image_grid.tile joins them as generate.py --grid does.
+plain generate.py); edm2.procedures.image_grid.tile joins them as generate.py --grid does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from edm2.errors import one_line
 from edm2.formats.snapshot import images_tag, load_network
-from edm2.generation import sample_batch
-from edm2.image_grid import save_png, tile
+from edm2.procedures.generation import sample_batch
+from edm2.procedures.image_grid import save_png, tile
 from edm2.runtime import files
 from edm2.runtime.speed import SamplingSpeed
 

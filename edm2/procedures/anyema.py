@@ -4,8 +4,8 @@ For a plain nn.Module trained by any loop. PostHocEMA tracks power-function EMA 
 the same tracker as our training (edm2.phema.PowerFunctionEMA) and stores them at intervals as
 `{folder}/{prefix}-{step:09d}-{std_tag(std)}.safetensors`: the module's state dict (floating tensors in a chosen
 dtype, float32 by default) plus JSON metadata under the key 'edm2-ema'. synthesize() solves the least-squares
-weights of Algorithm 3 and combines the stored tracks with edm2.posthoc.combine, the code reconstruct_phema.py
-runs, into an EMA of any length.
+weights of Algorithm 3 and combines the stored tracks with edm2.procedures.posthoc.combine, the code
+reconstruct_phema.py runs, into an EMA of any length.
 
 Time is counted in optimizer steps: the paper's t is any monotone counter (our training counts images), and
 sigma_rel is relative to it, so only the ratios of times matter. update(step) after step `step` folds in the
@@ -28,8 +28,9 @@ import safetensors
 import safetensors.torch
 import torch
 
-from edm2 import phema, posthoc
+from edm2 import phema
 from edm2.errors import EDM2Error, SnapshotError
+from edm2.procedures import posthoc
 # read_metadata checks the version
 from edm2.formats.snapshot import FORMAT_VERSION, STD_TAG, WEIGHT_DTYPES, read_metadata, save_state, std_tag
 
@@ -171,8 +172,8 @@ def synthesize(folder: str | os.PathLike, std: float, step: int | None = None, p
     """The state dict of an EMA with sigma_rel `std` at `step` (default: the newest saved), from saved tracks.
 
     Uses every track saved up to then (Eq. 129 with the weights of Algorithm 3); floating tensors are float32.
-    tensor_stds gives named parameters their own sigma_rel (paper Figure 5b; edm2.posthoc.combine_per_tensor),
-    the others keep `std`.
+    tensor_stds gives named parameters their own sigma_rel (paper Figure 5b;
+    edm2.procedures.posthoc.combine_per_tensor), the others keep `std`.
     """
     tensor_stds = dict(tensor_stds or {})
     phema.std_to_exp(np.float64([std, *tensor_stds.values()]))  # an impossible sigma_rel: refused before any read

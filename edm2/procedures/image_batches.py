@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from edm2.generation import GRID_FILE
+from edm2.procedures.generation import GRID_FILE
 from edm2.runtime import distributed
 
 
