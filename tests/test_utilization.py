@@ -215,7 +215,7 @@ def test_forward_flops_count_two_per_multiply_accumulate_of_every_family(monkeyp
     take_attention_route(monkeypatch, route)
     with torch.device("meta"):
         nets = [preset_network(name) for name in ("toy-tiny", "edm2-img64-xs", "config-b-toy", "config-f-toy")]
-        nets.append(Precond(8, 3, 0, model_channels=16, family="mp-resnet", num_blocks=2))
+        nets.append(Precond(8, 3, 0, model_channels=16, family="mp-resnet", depth=2))
     for net in nets:
         assert utilization.forward_flops(net) == 2 * count_macs(net) > 0
         assert utilization.training_flops_per_image(net) == 6 * count_macs(net)
