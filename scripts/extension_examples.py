@@ -24,6 +24,7 @@ import click
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = ["--preset=toy-tiny", "--duration=64", "--snapshot=64", "--checkpoint=64", "--status=32"]
+SNAPSHOT = "<the run's newest snapshot>"  # resolved when the command runs, after the training that writes it
 
 
 def section(page: str, title: str) -> str:
@@ -57,8 +58,19 @@ def lines_of(clone: Path, path: str, pattern: str | None = None) -> int:
     return sum(1 for line in lines if line.strip())
 
 
+def resolved(argument: str) -> str:
+    """An argument with SNAPSHOT replaced by the newest network snapshot of the run directory before it."""
+    if SNAPSHOT not in argument:
+        return argument
+    prefix, rest = argument.split(SNAPSHOT, 1)
+    folder = Path(prefix.split("=", 1)[-1])
+    found = sorted(folder.glob("network-snapshot-*.safetensors"))
+    return argument.replace(SNAPSHOT, found[-1].name if found else "none")
+
+
 def run(clone: Path, *args: str) -> tuple[bool, str]:
     """Run a command line of the clone with one thread; (ended well, its last line of output)."""
+    args = tuple(map(resolved, args))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     result = subprocess.run([sys.executable, *args], cwd=clone, env=env, capture_output=True, text=True)
     output = (result.stdout + result.stderr).strip().splitlines()
@@ -79,7 +91,7 @@ def tiny_vae(path: Path, latent_channels: int) -> Path:
 
 def examples(clone: Path, page: str, data: Path, work: Path) -> list[tuple[str, list[str], list[list[str]]]]:
     """(name, files touched with their lines, command lines) of each example, its edits made in the clone."""
-    snapshot = "network-snapshot-0000000-0.100.safetensors"
+    snapshot = SNAPSHOT
     solver_file, solver_lines = apply_blocks(clone, section(page, "A solver"), "SOLVERS")
     loss_file, loss_lines = apply_blocks(clone, section(page, "A loss weighting"), "WEIGHTINGS")
     vae = tiny_vae(work / "vae16", 16)
