@@ -99,3 +99,14 @@ def test_the_readme_links_every_docs_page():
     topics = {f"docs/{name}.md" for name in ("recipe", "data", "training", "dynamics", "evaluation", "speed",
                                               "extending", "formats", "api", "reliability")}
     assert topics <= {f"docs/{page.name}" for page in PAGES[1:]} <= linked
+
+
+def test_the_readme_orients_and_every_other_topic_has_its_page():
+    # The README holds what EDM2 is, how to start, the ImageNet workflow, the docs index and the two maps (the code's
+    # layout and the paper's equations in the code), in that order; every other topic is a heading of a docs page.
+    readme = (REPO / "README.md").read_text()
+    sections = re.findall(r"^## (.+)$", readme, flags=re.M)
+    assert sections == ["Quickstart", "Install", "The full ImageNet-512 workflow", "Documentation", "Layout",
+                        "The paper in the code"]
+    opening = readme[:readme.index("## Quickstart")]
+    assert "EDM2" in opening.split("\n\n")[1] and "docs/recipe.md" in opening
