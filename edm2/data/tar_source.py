@@ -80,6 +80,9 @@ def tar_paths(spec: str | os.PathLike) -> list[str]:
             files.open_input(path).close()  # refuses a FIFO or device without waiting on it
         except FileNotFoundError:
             raise TarSourceError(f"{spec}: no tar file {path}") from None
+        except IsADirectoryError:
+            raise TarSourceError(f"{shown(path)}: a folder, not a regular file; a tar source is regular .tar "
+                                 f"files") from None
         except OSError as e:
             raise TarSourceError(f"{shown(path)}: {e.strerror or e}; a tar source is regular .tar files") from None
     return paths
@@ -117,7 +120,7 @@ def _opened(raw: BinaryIO) -> BinaryIO:
 def _members(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, bytes | None]]:
     """(name, data) of the files of one tar in order (data only where wanted(name), else None); TarSourceError naming
     the archive and the member for a member that is no regular file or too large, and for a damaged or cut archive."""
-    where = "at its first member"
+    where, last = "at its first member", None
     try:
         with files.open_input(path) as raw:
             stream = _Tail(_opened(raw))
@@ -135,7 +138,7 @@ def _members(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, by
                         raise TarSourceError(f"{path}: member {name} declares {member.size} bytes, more than the "
                                              f"{MAX_MEMBER_BYTES} a sample's file may hold")
                     yield member.name, tar.extractfile(member).read() if wanted(member.name) else None
-                    where = f"after member {name}"
+                    where, last = f"in or after member {name}", name  # tarfile checks the data when it skips it
                 end = stream.block(tar.offset)
     except TarSourceError:
         raise
@@ -143,8 +146,8 @@ def _members(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, by
         reason = str(e) or type(e).__name__
         raise TarSourceError(f"{path}: cannot read the archive {where} ({reason}): a damaged or cut tar") from None
     if end is not None and end != bytes(_HEADER):  # tarfile ends quietly at a cut or damaged header
-        raise TarSourceError(f"{path}: the archive ends {where} without its end-of-archive block: a damaged or cut "
-                             f"tar")
+        raise TarSourceError(f"{path}: the archive ends {f'after member {last}' if last else 'before any member'} "
+                             f"without its end-of-archive block: a damaged or cut tar")
 
 
 def _samples(path: str, wanted: tuple[str, ...]) -> Iterator[dict]:
@@ -221,7 +224,8 @@ class TarSource:
         self.labels = None if labels[0] is None else np.array(labels, dtype=np.int64)
         self.label_dim = 0 if self.labels is None else int(self.labels.max()) + 1
         self.starts = np.cumsum([0] + self.counts)
-        self._reading: tuple[int, Iterator[tuple[str, dict]]] | None = None  # the next position and its samples
+        # The position after the last sample read, the samples from there on, and that last (tar, sample).
+        self._reading: tuple[int, Iterator[tuple[str, dict]], tuple[str, dict] | None] | None = None
         self.image_shape = list(self.pixels(0, 1).shape[1:])
 
     def __len__(self) -> int:
@@ -234,19 +238,22 @@ class TarSource:
                 yield path, sample
 
     def _sample(self, position: int) -> tuple[str, dict]:
-        """The tar and sample at a position: read on from the last one read, or anew from its tar when before it."""
+        """The tar and sample at a position: the last one read again, read on from it, or read anew from its tar
+        when before it."""
+        if self._reading is not None and self._reading[0] == position + 1:
+            return self._reading[2]
         if self._reading is None or self._reading[0] > position:
             if self._reading is not None:
                 self._reading[1].close()
             k = int(np.searchsorted(self.starts, position, side="right")) - 1
-            self._reading = int(self.starts[k]), self._from(k)
-        at, samples = self._reading
+            self._reading = int(self.starts[k]), self._from(k), None
+        at, samples, found = self._reading
         for _ in range(position + 1 - at):
             found = next(samples, None)
             if found is None:
                 raise TarSourceError(f"{self.spec}: holds fewer than the {len(self)} samples it held when listed "
                                      f"(changed since)")
-        self._reading = position + 1, samples
+        self._reading = position + 1, samples, found
         return found
 
     def pixels(self, first: int, n: int) -> np.ndarray:
