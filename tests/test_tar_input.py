@@ -80,7 +80,8 @@ def test_a_json_sidecar_nested_200000_levels_is_one_line(tmp_path):
 
 
 def test_a_json_sidecar_with_a_key_twice_is_one_line(tmp_path):
-    tar = write_tar(tmp_path / "a.tar", count=0, extra=[("0000.png", png(0)), ("0000.json", b'{"label": 1, "label": 2}')])
+    tar = write_tar(tmp_path / "a.tar", count=0,
+                    extra=[("0000.png", png(0)), ("0000.json", b'{"label": 1, "label": 2}')])
     refused(tmp_path, tar, "member 0000.json", "the key label appears twice")
 
 
