@@ -240,3 +240,13 @@ def test_converted_one_sample_shards_hold_the_tar_samples_in_order(tmp_path):
     shards = ShardDataset(tmp_path / "t.shards")
     assert np.array_equal(np.stack([shards[i][0] for i in range(9)]), expected)
     assert [int(shards.raw_labels[i]) for i in range(9)] == [i % 2 for i in range(9)]
+
+
+# ----------------------------------------------------------------------------------------------
+# encode reads tars as convert does.
+
+def test_encode_refuses_a_malformed_tar_in_one_line_before_loading_the_vae(tmp_path):
+    tar = write_tar(tmp_path / "a.tar", extra=[("0002.png", png(9))])
+    missing = tmp_path / "no-vae"  # never loaded: the source is checked first
+    assert_refused(tmp_path, lambda: run("encode", "--source", tar, "--dest", tmp_path / "t.shards",
+                                         "--vae", missing), "a.tar", "member 0002.png", "has its .png twice")
