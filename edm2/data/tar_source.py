@@ -152,7 +152,7 @@ def _members(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, by
 
 def _samples(path: str, wanted: tuple[str, ...]) -> Iterator[dict]:
     """The samples of one tar in order, by webdataset's rule (KEY.EXT members in a row make one sample):
-    {"__key__": key, "__member__": its first member's name, ext: data (for the extensions wanted, else None)}.
+    {"__key__": key, ext: data (for the extensions wanted, else None)}.
     A key given twice, in a row or not, is refused."""
     base_plus_ext = _base_plus_ext()
     sample: dict | None = None
@@ -176,7 +176,7 @@ def _samples(path: str, wanted: tuple[str, ...]) -> Iterator[dict]:
                 raise TarSourceError(f"{path}: member {shown(name)}: sample {shown(key)} appears a second time, "
                                      f"after other samples")
             seen.add(key)
-            sample = {"__key__": key, "__member__": name}
+            sample = {"__key__": key}
         sample[ext] = data
     if sample is not None:
         yield sample
