@@ -85,6 +85,11 @@ def test_a_json_sidecar_with_a_key_twice_is_one_line(tmp_path):
     refused(tmp_path, tar, "member 0000.json", "the key label appears twice")
 
 
+def test_a_class_of_5000_digits_is_one_line(tmp_path):
+    tar = write_tar(tmp_path / "a.tar", count=0, extra=[("0000.png", png(0)), ("0000.cls", b"7" * 5000)])
+    refused(tmp_path, tar, "a.tar", "sample 0000 has class 7777", "not a non-negative integer of at most 20 digits")
+
+
 def test_a_member_declaring_8_gib_in_a_file_that_ends_there(tmp_path):
     tar = write_tar(tmp_path / "a.tar", count=1)
     header = tarfile.TarInfo("0001.png")

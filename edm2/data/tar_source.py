@@ -196,7 +196,8 @@ def _class(sample: dict, path: str) -> int | None:
             raise TarSourceError(str(e)) from None
         label = meta.get("label", meta.get("class")) if isinstance(meta, dict) else None
     if label is not None and not is_class(label):
-        raise TarSourceError(f"{where} has class {shown(str(label))}, not a non-negative integer")
+        raise TarSourceError(f"{where} has class {shown(str(label)[:40])}, not a non-negative integer of at most "
+                             f"{bounded_json.MAX_INT_DIGITS} digits")
     return label
 
 
