@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode_shards, encodings_storing, is_shards,
-                          make_encoder, open_dataset, ready, recorded_encoding, tar_only)
+                          make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
@@ -247,9 +247,9 @@ def encode(source: Path, dest: Path, vae: str | None, batch: int, max_images: in
     encoder = vae_encoder(encoding, encoding_settings, vae, batch, "'--encoding-settings'")
     if is_shards(dest):
         with distributed.session(), claimed_dest(dest, "encode"):
+            samples = open_shard_source(source, transform_for(transform, resolution), ".png")  # checked before the VAE
             ready(encoder, vae_hint(vae))
-            return encode_shards(source, dest, encoder, batch, (max_images, shard_size),
-                                 transform_for(transform, resolution))
+            return encode_shards(samples, source, dest, encoder, batch, (max_images, shard_size))
     if is_tar_source(source):
         raise click.BadParameter(f"{source}: tar shards encode into shards: --dest=NAME.shards", param_hint="'--dest'")
     with distributed.session(), claimed_dest(dest, "encode"):

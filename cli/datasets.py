@@ -168,11 +168,10 @@ def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarr
                f"{dest}")
 
 
-def encode_shards(source: Path, dest: Path, encoder: Encoder, batch: int, sizes: tuple[int | None, int | None],
-                  transform_image: Callable[[np.ndarray], np.ndarray]) -> None:
-    """encode into a latent shard dataset of the encoder's encoding, over every process (resumable by shard); sizes:
-    (--max-images, --shard-size)."""
-    samples = open_shard_source(source, transform_image, ".png")
+def encode_shards(samples: TarSource | ImageFolderDataset | ShardDataset, source: Path, dest: Path,
+                  encoder: Encoder, batch: int, sizes: tuple[int | None, int | None]) -> None:
+    """encode the samples of --source (open_shard_source's) into a latent shard dataset of the encoder's encoding,
+    over every process (resumable by shard); sizes: (--max-images, --shard-size)."""
     first = samples.pixels(0, 1) if isinstance(samples, TarSource) else samples[0][0][None]
     shape = list(encoder.encode_pixels(torch.from_numpy(first).to(distributed.device())).shape[1:])
     identity = {"source": str(source.resolve()), "batch": batch}

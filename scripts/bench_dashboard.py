@@ -60,6 +60,9 @@ def main(data: str, preset: str, duration: str | None, repeats: int, child_mode:
     if child_mode:
         child(child_mode, [*train_args, f"--outdir={outdir}"])
         return
+    sys.path.insert(0, str(REPO))
+    from edm2.runtime import bounded_json
+
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
             for mode in ("off", "on"):
@@ -67,8 +70,9 @@ def main(data: str, preset: str, duration: str | None, repeats: int, child_mode:
                 out = subprocess.run([sys.executable, __file__, f"--data={data}", f"--preset={preset}",
                                       *([f"--duration={duration}"] if duration else []), f"--child={mode}",
                                       f"--outdir={run}"], capture_output=True, text=True, check=True).stdout
-                rows = [json.loads(line) for line in (run / "stats.jsonl").read_text().splitlines()]
-                spent = json.loads(out.strip().splitlines()[-1])["dashboard_s"]
+                stats = run / "stats.jsonl"
+                rows = [bounded_json.parse(line, str(stats)) for line in stats.read_text().splitlines()]
+                spent = bounded_json.parse(out.strip().splitlines()[-1], "the training process's output")["dashboard_s"]
                 print(f"dashboard {mode:3s}  training {rows[-1]['elapsed_s']:7.1f} s  in the dashboard {spent:5.2f} s "
                       f"({100 * spent / rows[-1]['elapsed_s']:.2f}%)", flush=True)
 

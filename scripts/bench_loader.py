@@ -96,9 +96,11 @@ def memory_child(path: str, batches: int) -> None:
 
 
 def measure_memory(path: str, batches: int) -> dict:
+    from edm2.runtime import bounded_json
+
     out = subprocess.run([sys.executable, __file__, "child", path, str(batches)], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"), check=True)
-    return json.loads(out.stdout.splitlines()[-1])
+    return bounded_json.parse(out.stdout.splitlines()[-1], "the measuring process's output")
 
 
 def throughput(path: str, samples: int) -> float:

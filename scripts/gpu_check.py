@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
 from edm2.errors import EDM2Error, one_line
-from edm2.runtime import files
+from edm2.runtime import bounded_json, files
 from scripts import gpu_check_sections as sections
 
 # name: (what it checks, the most seconds it may take, its function)
@@ -97,8 +97,8 @@ def launch_section(name: str, out: Path, seconds: float) -> dict:
 def outcome(path: Path, status: str, seconds: float, tail: str) -> dict:
     """A report entry from a section's results file and how its process ended."""
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
+        saved = bounded_json.read(path)
+    except (OSError, bounded_json.JSONFileError):
         saved = {"results": {}}
     entry = dict(status=status, seconds=round(seconds, 1), results=saved.get("results", {}))
     if status != "ok":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from edm2.eval import benchmark
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
+from edm2.runtime import bounded_json
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed, set_precision
 from edm2.runtime.utilization import training_flops_per_image
 from training.run.benchmark import preset_network, synthetic_step, with_unit_gains
@@ -264,7 +264,8 @@ def section_torchrun(probe: Probe, config: Config, record: Record, out: Path,
 
     for name, command in torchrun_commands(out, config.torchrun_duration).items():
         check(name, command)
-    rows = [json.loads(line) for line in (out / "run" / "stats.jsonl").read_text().splitlines()]
+    stats = out / "run" / "stats.jsonl"
+    rows = [bounded_json.parse(line, str(stats)) for line in stats.read_text().splitlines()]
     status = [row for row in rows if "images_per_s" in row]  # the metrics' rows have none
     record("stats_rows", len(status))
     record("images_per_s", status[-1]["images_per_s"])

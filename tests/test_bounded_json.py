@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,16 @@ def test_read_object_is_an_object_none_or_one_error_of_the_callers_class(tmp_pat
         bounded_json.read_object(tmp_path / "list.json", CallersError)
     with pytest.raises(CallersError, match=f"^{re.escape(str(tmp_path / 'folder.json'))}: cannot read"):
         bounded_json.read_object(tmp_path / "folder.json", CallersError)
+
+
+def test_every_json_the_project_reads_goes_through_the_bounded_reader():
+    """A plain json.load or json.loads of read data would bring back the RecursionError and the unbounded numbers;
+    only a round trip of our own objects (json.loads(json.dumps(...))) may use the json module's parser."""
+    repo = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+                            cwd=repo, capture_output=True, text=True, check=True).stdout.split()
+    plain = re.compile(r"\bjson\.loads?\((?!json\.dumps\()")
+    found = [f"{name}:{number}" for name in listed if not name.startswith("tests/")
+             and name != "edm2/runtime/bounded_json.py"
+             for number, line in enumerate((repo / name).read_text().splitlines(), 1) if plain.search(line)]
+    assert found == []

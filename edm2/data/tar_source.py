@@ -1,39 +1,58 @@
 """Webdataset tar shards as a source of images (img2dataset's layout: KEY.jpg/png/webp plus KEY.cls or KEY.json
-per sample), read through the `webdataset` package (the optional extra edm2[webdataset]).
+per sample), grouped into samples by webdataset's key rule (the `webdataset` package: the extra edm2[webdataset]).
 
-The source is a .tar file, a folder of .tar files (sorted by name), or a brace pattern (data/{00000..00099}.tar).
-A first pass lists the samples of each tar and their classes; samples are then read by global position.
+The source is a .tar file (plain, or compressed by gzip, bzip2 or xz), a folder of .tar files (sorted by name), or a
+brace pattern (data/{00000..00099}.tar). A first pass reads every tar to its end and checks it whole (each member a
+regular file of bounded size, each key once, each class and JSON sidecar readable, the end-of-archive block there),
+so a malformed archive is one line naming the archive and the member before any work. Samples are then read in
+order: a read that starts where the last one stopped continues in the open tar, so reading every sample once reads
+each tar once.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
-import itertools
-import json
+import lzma
 import os
+import tarfile
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from edm2.data.convert import read_image
 from edm2.data.dataset_json import is_class
-from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, open_image
+from edm2.data.dataset_files import IMAGE_ERRORS, MAX_FILE_BYTES, DatasetError, open_image
+from edm2.errors import shown
+from edm2.runtime import bounded_json, files
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+LABEL_KEYS = ("cls", "json")
 TAR_INSTALL = "pip install webdataset (or the extra: pip install 'edm2[webdataset]')"
+MAX_MEMBER_BYTES = MAX_FILE_BYTES  # a sample's file is bounded as a file of a folder or ZIP dataset is
+# The first bytes of a compressed tar, and the reader that decompresses it (the tar's bytes, or EOFError at a cut).
+_COMPRESSED = {b"\x1f\x8b": lambda raw: gzip.GzipFile(fileobj=raw), b"BZh": bz2.BZ2File,
+               b"\xfd7zXZ\x00": lzma.LZMAFile}
+_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+_HEADER = tarfile.BLOCKSIZE
+_KIND = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
+         tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO"}
 
 
 class TarSourceError(DatasetError):
-    """Tar shards that cannot be used: the package missing, a sample without its image or class, mixed sizes."""
+    """Tar shards that cannot be used: the package missing, a malformed archive or member, a sample without its image
+    or class, mixed sizes."""
 
 
-def _tariterators():
+def _base_plus_ext() -> Callable[[str], tuple[str | None, str | None]]:
     try:
         from webdataset import tariterators
     except ImportError:
         raise TarSourceError(f"reading webdataset tar shards needs the webdataset package: {TAR_INSTALL}") from None
-    return tariterators
+    return tariterators.base_plus_ext
 
 
 def is_tar_source(spec: str | os.PathLike) -> bool:
@@ -47,37 +66,138 @@ def is_tar_source(spec: str | os.PathLike) -> bool:
 
 
 def tar_paths(spec: str | os.PathLike) -> list[str]:
-    """The tar files of a source, in order."""
+    """The tar files of a source, in order; each must be a regular file (a FIFO would never end)."""
     spec = str(spec)
     if Path(spec).is_dir():
         paths = sorted(str(p) for p in Path(spec).glob("*.tar"))
     else:
         from braceexpand import braceexpand  # webdataset's dependency
         paths = list(braceexpand(spec)) if "{" in spec else [spec]
-    missing = [p for p in paths if not Path(p).is_file()]
-    if missing or not paths:
-        raise TarSourceError(f"{spec}: no tar file {missing[0] if missing else 'found'}")
+    if not paths:
+        raise TarSourceError(f"{spec}: no tar file found")
+    for path in paths:
+        try:
+            files.open_input(path).close()  # refuses a FIFO or device without waiting on it
+        except FileNotFoundError:
+            raise TarSourceError(f"{spec}: no tar file {path}") from None
+        except IsADirectoryError:
+            raise TarSourceError(f"{shown(path)}: a folder, not a regular file; a tar source is regular .tar "
+                                 f"files") from None
+        except OSError as e:
+            raise TarSourceError(f"{shown(path)}: {e.strerror or e}; a tar source is regular .tar files") from None
+    return paths
     return paths
 
 
-def _samples(path: str):
-    return _tariterators().tarfile_samples([{"url": path}])
+class _Tail:
+    """A byte stream that keeps its last bytes read, so the block where tarfile stopped can be looked at after it."""
+
+    KEEP = 4 * tarfile.RECORDSIZE  # tarfile reads ahead one record at a time
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.end, self.tail = stream, 0, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.end += len(data)
+        self.tail = (self.tail + data)[-self.KEEP:]
+        return data
+
+    def block(self, offset: int) -> bytes | None:
+        """The (at most) one header block of bytes from offset, None when no longer held."""
+        start = self.end - len(self.tail)
+        return self.tail[offset - start:offset - start + _HEADER] if offset >= start else None
+
+
+def _opened(raw: BinaryIO) -> BinaryIO:
+    """The tar bytes of a file: the file itself, or its decompression (by its first bytes)."""
+    magic = raw.read(6)
+    raw.seek(0)
+    opener = next((opener for prefix, opener in _COMPRESSED.items() if magic.startswith(prefix)), None)
+    return raw if opener is None else opener(raw)
+
+
+def _members(path: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, bytes | None]]:
+    """(name, data) of the files of one tar in order (data only where wanted(name), else None); TarSourceError naming
+    the archive and the member for a member that is no regular file or too large, and for a damaged or cut archive."""
+    where, last = "at its first member", None
+    try:
+        with files.open_input(path) as raw:
+            stream = _Tail(_opened(raw))
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for member in tar:
+                    tar.members = []  # one pass: keep no member list
+                    name = shown(member.name)
+                    where = f"in member {name}"
+                    if member.isdir():
+                        continue
+                    if not member.isreg():
+                        kind = _KIND.get(member.type, f"of tar type {member.type!r}")
+                        raise TarSourceError(f"{path}: member {name} is {kind}, not a regular file")
+                    if member.size > MAX_MEMBER_BYTES:
+                        raise TarSourceError(f"{path}: member {name} declares {member.size} bytes, more than the "
+                                             f"{MAX_MEMBER_BYTES} a sample's file may hold")
+                    yield member.name, tar.extractfile(member).read() if wanted(member.name) else None
+                    where, last = f"in or after member {name}", name  # tarfile checks the data when it skips it
+                end = stream.block(tar.offset)
+    except TarSourceError:
+        raise
+    except _READ_ERRORS as e:
+        reason = str(e) or type(e).__name__
+        raise TarSourceError(f"{path}: cannot read the archive {where} ({reason}): a damaged or cut tar") from None
+    if end is not None and end != bytes(_HEADER):  # tarfile ends quietly at a cut or damaged header
+        raise TarSourceError(f"{path}: the archive ends {f'after member {last}' if last else 'before any member'} "
+                             f"without its end-of-archive block: a damaged or cut tar")
+
+
+def _samples(path: str, wanted: tuple[str, ...]) -> Iterator[dict]:
+    """The samples of one tar in order, by webdataset's rule (KEY.EXT members in a row make one sample):
+    {"__key__": key, ext: data (for the extensions wanted, else None)}.
+    A key given twice, in a row or not, is refused."""
+    base_plus_ext = _base_plus_ext()
+    sample: dict | None = None
+    seen: set[str] = set()
+
+    def wants(name: str) -> bool:
+        return (base_plus_ext(name)[1] or "").lower() in wanted
+
+    for name, data in _members(path, wants):
+        key, ext = base_plus_ext(name)
+        if key is None:
+            continue  # no extension: webdataset skips it too
+        ext = ext.lower()
+        if sample is not None and key == sample["__key__"]:
+            if ext in sample:
+                raise TarSourceError(f"{path}: member {shown(name)}: sample {shown(key)} has its .{ext} twice")
+        else:
+            if sample is not None:
+                yield sample
+            if key in seen:
+                raise TarSourceError(f"{path}: member {shown(name)}: sample {shown(key)} appears a second time, "
+                                     f"after other samples")
+            seen.add(key)
+            sample = {"__key__": key}
+        sample[ext] = data
+    if sample is not None:
+        yield sample
 
 
 def _class(sample: dict, path: str) -> int | None:
     """The sample's class from KEY.cls (a decimal integer) or KEY.json ({"label": n} or {"class": n})."""
+    where = f"{path}: sample {shown(sample['__key__'])}"
     label = None
     if "cls" in sample:
         text = sample["cls"].decode("ascii", "replace").strip()
-        label = int(text) if text.isdigit() else text
+        label = int(text) if text.isdigit() and len(text) <= bounded_json.MAX_INT_DIGITS else text
     elif "json" in sample:
         try:
-            meta = json.loads(sample["json"])
-        except ValueError as e:
-            raise TarSourceError(f"{path}: sample {sample['__key__']} has unreadable JSON ({e})") from None
+            meta = bounded_json.parse(sample["json"], f"{path}: member {shown(sample['__key__'])}.json")
+        except bounded_json.JSONFileError as e:
+            raise TarSourceError(str(e)) from None
         label = meta.get("label", meta.get("class")) if isinstance(meta, dict) else None
     if label is not None and not is_class(label):
-        raise TarSourceError(f"{path}: sample {sample['__key__']} has class {label!r}, not a non-negative integer")
+        raise TarSourceError(f"{where} has class {shown(str(label)[:40])}, not a non-negative integer of at most "
+                             f"{bounded_json.MAX_INT_DIGITS} digits")
     return label
 
 
@@ -89,13 +209,13 @@ class TarSource:
         self.counts, labels = [], []
         for path in self.paths:
             count = 0
-            for sample in _samples(path):
+            for sample in _samples(path, LABEL_KEYS):
                 if not any(key in sample for key in IMAGE_KEYS):
-                    raise TarSourceError(f"{path}: sample {sample['__key__']} has no image "
+                    raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has no image "
                                          f"({', '.join(IMAGE_KEYS)})")
                 labels.append(_class(sample, path))
                 if (labels[-1] is None) != (labels[0] is None):
-                    raise TarSourceError(f"{path}: sample {sample['__key__']} has "
+                    raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has "
                                          f"{'no' if labels[-1] is None else 'a'} class (cls or json 'label'), "
                                          f"the first sample {'has' if labels[-1] is None else 'none'}")
                 count += 1
@@ -105,32 +225,54 @@ class TarSource:
         self.labels = None if labels[0] is None else np.array(labels, dtype=np.int64)
         self.label_dim = 0 if self.labels is None else int(self.labels.max()) + 1
         self.starts = np.cumsum([0] + self.counts)
+        # The position after the last sample read, the samples from there on, and that last (tar, sample).
+        self._reading: tuple[int, Iterator[tuple[str, dict]], tuple[str, dict] | None] | None = None
         self.image_shape = list(self.pixels(0, 1).shape[1:])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def _from(self, k: int) -> Iterator[tuple[str, dict]]:
+        """(tar, sample) of every sample from the first of tar k on, each tar read once, in order."""
+        for path in self.paths[k:]:
+            for sample in _samples(path, IMAGE_KEYS):
+                yield path, sample
+
+    def _sample(self, position: int) -> tuple[str, dict]:
+        """The tar and sample at a position: the last one read again, read on from it, or read anew from its tar
+        when before it."""
+        if self._reading is not None and self._reading[0] == position + 1:
+            return self._reading[2]
+        if self._reading is None or self._reading[0] > position:
+            if self._reading is not None:
+                self._reading[1].close()
+            k = int(np.searchsorted(self.starts, position, side="right")) - 1
+            self._reading = int(self.starts[k]), self._from(k), None
+        at, samples, found = self._reading
+        for _ in range(position + 1 - at):
+            found = next(samples, None)
+            if found is None:
+                raise TarSourceError(f"{self.spec}: holds fewer than the {len(self)} samples it held when listed "
+                                     f"(changed since)")
+        self._reading = position + 1, samples, found
+        return found
+
     def pixels(self, first: int, n: int) -> np.ndarray:
         """Samples [first, first + n) as uint8 NCHW, transformed; every one of the first's shape."""
-        out = []
-        k = int(np.searchsorted(self.starts, first, side="right")) - 1
-        while len(out) < n:
-            skip = first + len(out) - int(self.starts[k])
-            for sample in itertools.islice(_samples(self.paths[k]), skip, skip + n - len(out)):
-                out.append(self._image(sample, self.paths[k]))
-            k += 1
+        out = [self._image(*self._sample(position)) for position in range(first, first + n)]
         shapes = {image.shape for image in out}
         if len(shapes) > 1 or (hasattr(self, "image_shape") and list(out[0].shape) != self.image_shape):
             raise TarSourceError(f"{self.spec}: images of shapes {sorted(shapes)} among samples {first} to "
                                  f"{first + n - 1}; mixed sizes (use --resolution and --transform)")
         return np.stack(out)
 
-    def _image(self, sample: dict, path: str) -> np.ndarray:
+    def _image(self, path: str, sample: dict) -> np.ndarray:
         data = next(sample[key] for key in IMAGE_KEYS if key in sample)
         try:
             with open_image(io.BytesIO(data)):  # refuses a header of too many pixels before decoding
                 pass
             image = self.transform(read_image(data)[0])  # tar sources drop alpha, as convert does by default
         except IMAGE_ERRORS as e:
-            raise TarSourceError(f"{path}: cannot read the image of sample {sample['__key__']} ({e})") from None
+            raise TarSourceError(f"{path}: cannot read the image of sample {shown(sample['__key__'])} "
+                                 f"({e})") from None
         return image.transpose(2, 0, 1)
