@@ -6,6 +6,8 @@ the tensor sweep, the training metrics and the dashboard's loss per noise level.
 import json
 import shutil
 
+import safetensors.torch
+
 import PIL.Image
 import numpy as np
 import pytest
@@ -18,15 +20,19 @@ from edm2 import loss as loss_module
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.eval.validation import OWN, VALIDATION_LOSSES, sigma_grid
-from edm2.formats.snapshot import load_network
+from edm2.formats.snapshot import load_network, read_metadata
 from tests.helpers import TRAIN_ARGS, assert_refused, validation_loss_by_hand, toy_tiny_options
-from tests.test_extend_solver_and_loss import apply_example, copy_with_loss
 from training.run import metrics as run_metrics
 from training.run.dashboard import PROBE_IMAGES, Dashboard
 
 NUM, SEED = 8, 3
-# A run that changed both: the documentation's min-SNR weighting, its uncertainty off, and another noise distribution.
-CHANGED = dict(weighting="min-snr", uncertainty="off", P_mean=-1.2, P_std=2.0)
+# A run that changed both: another weighting (the test's), its uncertainty off, and another noise distribution.
+CHANGED = dict(weighting="inverse-sigma2", uncertainty="off", P_mean=-1.2, P_std=2.0)
+
+
+def inverse_sigma2(sigma, sigma_data):
+    """A weighting unlike Eq. 15's: lambda(sigma) = 1 / sigma^2."""
+    return 1 / sigma**2
 
 
 def record(name, P_mean, P_std, weighting="edm2"):
@@ -34,11 +40,21 @@ def record(name, P_mean, P_std, weighting="edm2"):
 
 
 @pytest.fixture
-def min_snr(monkeypatch):
-    """docs/extending.md's min-SNR weighting, registered for this test; returns its weight function."""
-    name, extended = apply_example(loss_module, "A loss weighting", "WEIGHTINGS", monkeypatch)
-    assert name == CHANGED["weighting"]
-    return extended.min_snr_weight
+def changed_weighting(monkeypatch):
+    """CHANGED's weighting, registered in edm2.loss.WEIGHTINGS for this test."""
+    monkeypatch.setitem(loss_module.WEIGHTINGS, CHANGED["weighting"],
+                        loss_module.Weighting(inverse_sigma2, about="1 / sigma^2, a test's"))
+
+
+def copy_recording(run, dest, loss):
+    """A copy of a run's snapshots whose metadata records this loss: the same weights, trained by another loss."""
+    dest.mkdir()
+    for path in run.glob("network-snapshot-*.safetensors"):
+        metadata = read_metadata(path)
+        metadata["loss"] = dict(metadata["loss"], **loss)
+        safetensors.torch.save_file(safetensors.torch.load_file(str(path)), str(dest / path.name),
+                                    metadata={"edm2": json.dumps(metadata)})
+    return dest
 
 
 def sweep(indir, train_data, dest, *args):
@@ -47,9 +63,10 @@ def sweep(indir, train_data, dest, *args):
         f"--num={NUM}", f"--batch={NUM}", f"--seed={SEED}", f"--dest={dest}", *args])
 
 
-def test_runs_of_other_losses_measured_by_one_fixed_loss_compare(reference_run, train_data, tmp_path, min_snr):
+def test_runs_of_other_losses_measured_by_one_fixed_loss_compare(reference_run, train_data, tmp_path,
+                                                                 changed_weighting):
     # The same weights recorded as trained by EDM2's loss (toy-tiny: ln(sigma) ~ N(-0.8, 1.6^2)) and by CHANGED.
-    changed = copy_with_loss(reference_run, tmp_path / "changed", CHANGED)
+    changed = copy_recording(reference_run, tmp_path / "changed", CHANGED)
     rows = {}
     for run in ("reference", "changed"):
         for name in (OWN, "edm2", "edm2-64"):
@@ -66,7 +83,7 @@ def test_runs_of_other_losses_measured_by_one_fixed_loss_compare(reference_run, 
     # Each number against Eq. 14 by hand (tests.helpers): the same float32 outputs, float64 sums in another order.
     by_hand = {
         ("reference", OWN): validation_loss_by_hand(net, train_data, NUM, SEED, -0.8, 1.6),
-        ("changed", OWN): validation_loss_by_hand(net, train_data, NUM, SEED, -1.2, 2.0, weight=min_snr),
+        ("changed", OWN): validation_loss_by_hand(net, train_data, NUM, SEED, -1.2, 2.0, weight=inverse_sigma2),
         **{(run, "edm2"): validation_loss_by_hand(net, train_data, NUM, SEED, -0.4, 1.0)
            for run in ("reference", "changed")},
         **{(run, "edm2-64"): validation_loss_by_hand(net, train_data, NUM, SEED, -0.8, 1.6)
@@ -79,7 +96,7 @@ def test_runs_of_other_losses_measured_by_one_fixed_loss_compare(reference_run, 
     assert rows["changed", "edm2"]["loss"] == rows["reference", "edm2"]["loss"]
     # Every row records the loss it measured, the default by its name 'own' and the run's formula.
     assert rows["reference", OWN]["validation_loss"] == record(OWN, -0.8, 1.6)
-    assert rows["changed", OWN]["validation_loss"] == record(OWN, -1.2, 2.0, weighting="min-snr")
+    assert rows["changed", OWN]["validation_loss"] == record(OWN, -1.2, 2.0, weighting=CHANGED["weighting"])
     for run in ("reference", "changed"):
         assert rows[run, "edm2"]["validation_loss"] == record("edm2", -0.4, 1.0)
         assert rows[run, "edm2-64"]["validation_loss"] == record("edm2-64", -0.8, 1.6)
@@ -179,13 +196,13 @@ def test_the_dashboards_loss_per_noise_level_follows_the_fixed_loss(reference_ru
 def test_an_unknown_validation_loss_is_one_line(reference_run, train_data, tmp_path):
     known = list(VALIDATION_LOSSES)
     commands = {
-        "sweep": lambda: sweep(reference_run, train_data, tmp_path / "out", "--validation-loss=min-snr"),
+        "sweep": lambda: sweep(reference_run, train_data, tmp_path / "out", "--validation-loss=inverse-sigma2"),
         "tensor-sweep": lambda: CliRunner().invoke(calculate_metrics.main, [
             "tensor-sweep", f"--indir={reference_run}", "--global-std=0.1", "--std=0.05", f"--data={train_data}",
-            f"--dest={tmp_path / 'out'}", "--validation-loss=min-snr"]),
+            f"--dest={tmp_path / 'out'}", "--validation-loss=inverse-sigma2"]),
         "train": lambda: CliRunner().invoke(train_edm2.main, [
             *TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--metrics=loss",
-            "--validation-loss=min-snr"]),
+            "--validation-loss=inverse-sigma2"]),
     }
     for command, invoke in commands.items():
-        assert_refused(tmp_path, invoke, "--validation-loss", "min-snr", *known)
+        assert_refused(tmp_path, invoke, "--validation-loss", "inverse-sigma2", *known)

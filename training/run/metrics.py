@@ -7,9 +7,9 @@ with --validation-loss, a fixed one named in its metric ('loss_edm2_2k') and rec
 
 Each value is named with its sample count ('fid2k', 'loss2k', 'precision_dinov2_2k': metric_name), so a 2k FID never
 passes for a 50k one. A row {kimg, nimg, ema_std, seconds, metrics: {name: value}}, and with the loss
-validation_loss: {name, weighting, noise, P_mean, P_std} (edm2.eval.validation.loss_record), goes to stats.jsonl (which a
-resume trims to its training state, so a resumed run neither repeats nor skips a row), to the trackers under
-'metrics/' and to the dashboard. A metric that fails prints one warning and training goes on.
+validation_loss: {name, weighting, noise, P_mean, P_std} (edm2.eval.validation.loss_record), goes to stats.jsonl
+(which a resume trims to its training state, so a resumed run neither repeats nor skips a row), to the trackers
+under 'metrics/' and to the dashboard. A metric that fails prints one warning and training goes on.
 """
 
 from __future__ import annotations
