@@ -23,7 +23,7 @@ from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
 from edm2.eval import sweep
-from edm2.eval.validation import OWN, VALIDATION_LOSSES, ValidationError, ValidationSamples
+from edm2.eval.validation import OWN, VALIDATION_LOSSES, ValidationError, ValidationSamples, fixed_losses_text
 from edm2.formats.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.loss import LossError, recorded_loss
 from edm2.procedures import posthoc
@@ -47,9 +47,8 @@ Examples:
 
 validation_loss_option = click.option(
     "--validation-loss", help="The validation loss of --metrics=loss: 'own', each run's own (its snapshots' weighting "
-    "and noise distribution), or a fixed one that compares runs trained with other losses (edm2: Eq. 15, ln(sigma) ~ "
-    "N(-0.4, 1.0^2); edm2-64: N(-0.8, 1.6^2))", type=click.Choice(list(VALIDATION_LOSSES)), default=OWN,
-    show_default=True)
+    f"and noise distribution), or a fixed one that compares runs trained with other losses ({fixed_losses_text()})",
+    type=click.Choice(list(VALIDATION_LOSSES)), default=OWN, show_default=True)
 
 
 def options(fn: Callable) -> Callable:

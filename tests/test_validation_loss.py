@@ -19,9 +19,10 @@ import train_edm2
 from edm2 import loss as loss_module
 from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
-from edm2.eval.validation import OWN, VALIDATION_LOSSES, sigma_grid
+from edm2.eval.validation import OWN, VALIDATION_LOSSES, ValidationError, measured_loss, sigma_grid
 from edm2.formats.snapshot import load_network, read_metadata
 from tests.helpers import TRAIN_ARGS, assert_refused, validation_loss_by_hand, toy_tiny_options
+from training.options import OptionsError
 from training.run import metrics as run_metrics
 from training.run.dashboard import PROBE_IMAGES, Dashboard
 
@@ -206,3 +207,17 @@ def test_an_unknown_validation_loss_is_one_line(reference_run, train_data, tmp_p
     }
     for command, invoke in commands.items():
         assert_refused(tmp_path, invoke, "--validation-loss", "inverse-sigma2", *known)
+
+
+@pytest.mark.bad_input
+def test_an_unknown_validation_loss_in_python_names_the_table():
+    own = loss_module.EDM2Loss(-0.8, 1.6)
+    with pytest.raises(ValidationError, match=r"'inverse-sigma2' is not registered \(known: own, edm2, edm2-64\)"):
+        measured_loss("inverse-sigma2", own)
+    with pytest.raises(OptionsError, match=r"--validation-loss='inverse-sigma2': expected one of own, edm2, edm2-64"):
+        toy_tiny_options(validation_loss="inverse-sigma2")
+    # The default is the run's own loss itself; a fixed one keeps only the run's sigma_data and uncertainty.
+    assert measured_loss(OWN, own) is own
+    fixed = measured_loss("edm2", loss_module.EDM2Loss(-1.2, 2.0, 0.25, uncertainty="off"))
+    assert (fixed.record(), fixed.sigma_data) == (dict(weighting="edm2", noise="log-normal", uncertainty="off",
+                                                       P_mean=-0.4, P_std=1.0), 0.25)

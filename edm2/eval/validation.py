@@ -2,11 +2,11 @@
 
 The validation loss is Eq. 14: the denoising error of Eq. 13 weighted by lambda(sigma) (Eq. 15 for EDM2's
 weighting), in expectation over the training distribution of noise levels (Eq. 16, ln(sigma) ~ N(P_mean, P_std^2),
-for EDM2's). Both are the network's own training loss (an edm2.loss.EDM2Loss, rebuilt from a snapshot's record by
-edm2.loss.recorded_loss), never defaults. With the uncertainty off, Eq. 14 is the expected training loss itself;
-with it learned (Eq. 21), u(sigma) is left out, as Eq. 14 leaves it out. It is reported per element (Eq. 13's squared norm divided by the number
-of elements), so with EDM2's weighting a denoiser that returns c_skip(sigma) x, as an initialized EDM2 network
-does, scores exactly 1 on data of variance sigma_data^2.
+for EDM2's). By default both are the network's own training loss (an edm2.loss.EDM2Loss, rebuilt from a
+snapshot's record by edm2.loss.recorded_loss), never defaults. With the uncertainty off, Eq. 14 is the expected
+training loss itself; with it learned (Eq. 21), u(sigma) is left out, as Eq. 14 leaves it out. It is reported per
+element (Eq. 13's squared norm divided by the number of elements), so with EDM2's weighting a denoiser that
+returns c_skip(sigma) x, as an initialized EDM2 network does, scores exactly 1 on data of variance sigma_data^2.
 
 The expectation is estimated on fixed samples. Sample i is the dataset image at sample_indices(...)[i]; its
 own generator, seeded with seed + i, draws sigma (for log-normal: one normal number), then the unit noise n, then,
@@ -15,7 +15,7 @@ nor on the number of processes, and every network of a sweep is measured on the 
 
 Runs trained with another weighting or noise distribution measure different things by their own losses; a fixed,
 named validation loss of VALIDATION_LOSSES (measured_loss) is the same formula for all of them, so their numbers
-compare. OWN, the run's own loss, stays the default; every row records the one it measured (ValidationSamples.record).
+compare. OWN, the run's own loss, is the default; every row records the one it measured (ValidationSamples.record).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ VALIDATION_LOSSES: dict[str, FixedLoss | None] = {
     "edm2-64": FixedLoss(DEFAULT_WEIGHTING, DEFAULT_NOISE, -0.8, 1.6,
                          "Eq. 15's lambda, ln(sigma) ~ N(-0.8, 1.6^2) (Eq. 16; the ImageNet-64 and toy presets')"),
 }
+
+
+def fixed_losses_text() -> str:
+    """The fixed validation losses with their few words, for a command line's help."""
+    return "; ".join(f"{name}: {fixed.about}" for name, fixed in VALIDATION_LOSSES.items() if fixed is not None)
 
 
 def measured_loss(name: str, own: EDM2Loss) -> EDM2Loss:
