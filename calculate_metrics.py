@@ -302,17 +302,19 @@ def gen(net_path: str, gnet_path: str | None, guidance: float, guidance_interval
 @threads_option
 def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics: list[str], batch_size: int,
           inception: str | None, dinov2: str | None, data_path: str | None, ref_path: str | None, num_images: int,
-          seed: int, gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
-          solver: str, schedule: str, dest: Path | None, save_dir: Path | None, ema_batch: int) -> None:
+          seed: int, validation_loss: str, gnet_path: str | None, guidance: list[float],
+          guidance_interval: tuple[float, float] | None, solver: str, schedule: str, dest: Path | None,
+          save_dir: Path | None, ema_batch: int) -> None:
     """Metrics across EMA lengths (paper Figure 5) and guidance strengths (Figure 14) of a run, each network
     reconstructed in memory once and measured at every strength; resumable."""
     distances = [metric for metric in metrics if metric != "loss"]
     check_generation_options(gnet_path, max(guidance), guidance_interval, seed, num_images)
     settings = sweep_cli.check_options(metrics, num_images, seed, data_path, ref_path, gnet_path, guidance,
-                                       guidance_interval, solver, schedule)
+                                       guidance_interval, solver, schedule, validation_loss)
     plan = sweep_cli.plan(indir, kimgs, stds, dest, save_dir, settings)
     with distributed.session(), sweep_cli.held_outputs(plan):
-        samples = sweep_cli.validation_samples(data_path, plan, num_images, seed) if "loss" in metrics else None
+        samples = (sweep_cli.validation_samples(data_path, plan, num_images, seed, validation_loss)
+                   if "loss" in metrics else None)
         reference = load_reference(ref_path, distances) if distances else None
         device = distributed.device()
         gnet = (sweep_cli.guiding_network(gnet_path, sweep_cli.network_shape(plan.metadata), plan.metadata, device)
@@ -327,7 +329,7 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
                           dict(guidance_interval=guidance_interval, solver=solver, schedule=schedule))
         main_rank = distributed.is_main()
         run_sweep(plan.times, stds, measure, plan.results if main_rank else None, ema_batch,
-                  plan.save if main_rank else None, report=click.echo, guidances=guidance)
+                  plan.save if main_rank else None, report=click.echo, guidances=guidance, recorded=measure.recorded)
         if main_rank:
             sweep_cli.finish(plan, metrics, guidance)
 

@@ -23,7 +23,7 @@ from edm2.data.sources import open_data
 from edm2.encoders import Encoder, EncoderError, encoder_from_config
 from edm2.errors import SnapshotError
 from edm2.eval import sweep
-from edm2.eval.validation import ValidationError, ValidationSamples
+from edm2.eval.validation import OWN, VALIDATION_LOSSES, ValidationError, ValidationSamples, fixed_losses_text
 from edm2.formats.snapshot import load_network, read_metadata, save_network, snapshot_name
 from edm2.loss import LossError, recorded_loss
 from edm2.procedures import posthoc
@@ -45,6 +45,12 @@ Examples:
 """
 
 
+validation_loss_option = click.option(
+    "--validation-loss", help="The validation loss of --metrics=loss: 'own', each run's own (its snapshots' weighting "
+    f"and noise distribution), or a fixed one that compares runs trained with other losses ({fixed_losses_text()})",
+    type=click.Choice(list(VALIDATION_LOSSES)), default=OWN, show_default=True)
+
+
 def options(fn: Callable) -> Callable:
     """The sweep's own options (the metric options are calculate_metrics.metric_options')."""
     for option in reversed([
@@ -60,6 +66,7 @@ def options(fn: Callable) -> Callable:
                      type=Integer(2, MAX_IMAGES), default=50000, show_default=True),
         click.option("--seed", help="First seed of the images and of the loss's samples", metavar="INT",
                      type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True),
+        validation_loss_option,
         click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the run's own "
                      "unconditional prediction (trained with --label-dropout)", metavar="PATH|URL|self"),
         click.option("--guidance", help="Guidance strength of the generated images (1 = no guidance), or several, "
@@ -82,10 +89,11 @@ def options(fn: Callable) -> Callable:
 
 def check_options(metrics: list[str], num: int, seed: int, data_path: str | None, ref_path: str | None,
                   gnet_path: str | None, guidance: list[float], guidance_interval: tuple[float, float] | None,
-                  solver: str, schedule: str) -> dict:
+                  solver: str, schedule: str, validation_loss: str = OWN) -> dict:
     """Refuse metrics without their input (the generation options are calculate_metrics.check_generation_options');
     returns the settings a results file records (its rows record the training times and EMA lengths, so a rerun
-    may add either)."""
+    may add either; a fixed validation loss is recorded by name, the run's own by its absence, as in the files
+    written before there were others)."""
     distances = [metric for metric in metrics if metric != "loss"]
     if "loss" in metrics and data_path is None:
         raise click.BadParameter("--metrics=loss needs the dataset to measure it on", param_hint="--data")
@@ -93,8 +101,9 @@ def check_options(metrics: list[str], num: int, seed: int, data_path: str | None
         raise click.BadParameter(f"--metrics={','.join(distances)} needs reference statistics", param_hint="--ref")
     # Files of one guidance strength predate lists and record a number.
     guidance = guidance[0] if len(guidance) == 1 else guidance
+    fixed = {} if validation_loss == OWN or "loss" not in metrics else dict(validation_loss=validation_loss)
     return dict(metrics=metrics, num=num, seed=seed, data=data_path, ref=ref_path, gnet=gnet_path, guidance=guidance,
-                guidance_interval=guidance_interval, **recorded(solver, schedule))
+                guidance_interval=guidance_interval, **recorded(solver, schedule), **fixed)
 
 
 @dataclasses.dataclass
@@ -188,9 +197,10 @@ def network_shape(metadata: dict) -> types.SimpleNamespace:
                                                                "sigma_data")})
 
 
-def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> ValidationSamples:
+def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int, name: str = OWN) -> ValidationSamples:
     """The validation loss's fixed samples of --data, checked against the run's network, with the loss the snapshots
-    record (their weighting and noise distribution; EDM2's for snapshots from before these were recorded)."""
+    record (their weighting and noise distribution; EDM2's for snapshots from before these were recorded), or the
+    fixed validation loss of that name (edm2.eval.validation.VALIDATION_LOSSES)."""
     shape = network_shape(plan.metadata)
     try:
         loss = recorded_loss(plan.metadata.get("loss"), shape.sigma_data)
@@ -198,7 +208,7 @@ def validation_samples(data_path: str, plan: SweepPlan, num: int, seed: int) -> 
         raise click.BadParameter(f"the snapshots' metadata: {e}, which --metrics=loss needs", param_hint="--indir")
     try:
         dataset = open_data(data_path, use_labels=bool(shape.label_dim))
-        return ValidationSamples(dataset, plan.encoder, shape, num, loss, seed)
+        return ValidationSamples(dataset, plan.encoder, shape, num, loss, seed, name)
     except (DatasetError, ValidationError, EncoderError) as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
 

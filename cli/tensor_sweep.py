@@ -15,6 +15,7 @@ from cli.types import MAX_KIMG, MAX_SEED_OPTION, MAX_STD_COUNT, Integer, Number,
 from edm2 import phema
 from edm2.eval import tensor_sweep as ts
 from edm2.eval.sweep import Measure
+from edm2.eval.validation import OWN
 from edm2.procedures import posthoc
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES
@@ -51,6 +52,7 @@ def parse_tensors(ctx: click.Context, param: click.Parameter, value: str) -> str
               default=1000, show_default=True)
 @click.option("--seed", help="First seed of the loss's samples", metavar="INT", type=Integer(0, MAX_SEED_OPTION),
               default=0, show_default=True)
+@sweep_cli.validation_loss_option
 @click.option("--batch", "batch_size", help="Samples per batch", metavar="INT", type=Integer(1, MAX_BATCH), default=64,
               show_default=True)
 @click.option("--dest", help="Folder for ema-tensor-sweep.json and .png  [default: INDIR/plots]", metavar="DIR",
@@ -59,24 +61,28 @@ def parse_tensors(ctx: click.Context, param: click.Parameter, value: str) -> str
               type=Integer(1, MAX_STD_COUNT), default=8, show_default=True)
 @threads_option
 def command(indir: Path, global_std: float, stds: list[float], tensors: str | list[str], kimg: int | None,
-            data_path: str, num_images: int, seed: int, batch_size: int, dest: Path | None, ema_batch: int) -> None:
+            data_path: str, num_images: int, seed: int, validation_loss: str, batch_size: int, dest: Path | None,
+            ema_batch: int) -> None:
     """The validation loss with one weight tensor's EMA length moved at a time (paper Figure 5b)."""
     if not 0 < global_std < phema.MAX_STD:
         raise click.BadParameter(f"{global_std} is outside (0, {phema.MAX_STD:.4f}), the range of sigma_rel",
                                  param_hint="--global-std")
-    settings = dict(metrics=["loss"], num=num_images, seed=seed, data=data_path, ref=None, gnet=None)
+    # A fixed validation loss by name; the run's own by its absence, as in the files written before there were others.
+    fixed = {} if validation_loss == OWN else dict(validation_loss=validation_loss)
+    settings = dict(metrics=["loss"], num=num_images, seed=seed, data=data_path, ref=None, gnet=None, **fixed)
     plan = sweep_cli.plan(indir, None if kimg is None else (kimg,), stds, dest, None, settings)
     (inputs, out_nimg), = plan.times
     chosen = _chosen(tensors, inputs[-1].path)
     lock = plan.dest / ts.TENSOR_SWEEP_JSON
     with distributed.session(), locks.hold_destination(lock, "calculate_metrics.py tensor-sweep"):
-        samples = sweep_cli.validation_samples(data_path, plan, num_images, seed)
+        samples = sweep_cli.validation_samples(data_path, plan, num_images, seed, validation_loss)
         measure = Measure(["loss"], plan.encoder, [], batch_size, distributed.device(), samples=samples)
         try:
             rows = ts.tensor_sweep([s.track() for s in inputs], out_nimg, global_std, stds, chosen, measure, ema_batch,
                                    report=click.echo)
         except posthoc.PosthocError as e:  # a release pickle's names are known only once it is loaded
             raise click.BadParameter(str(e), param_hint="--tensors") from None
+        rows = [dict(row, **measure.recorded) for row in rows]
         _finish(plan.dest, rows, global_std, dict(plan.settings, global_std=global_std, kimg=out_nimg // 1000))
 
 

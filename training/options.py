@@ -13,6 +13,7 @@ import torch
 from edm2 import families
 from edm2.errors import EDM2Error
 from edm2.eval.scores import METRICS
+from edm2.eval.validation import OWN, VALIDATION_LOSSES, fixed_losses_text
 from edm2.families import DEFAULT_FAMILY
 from edm2.loss import (DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING, NOISE_DISTRIBUTIONS, UNCERTAINTIES,
                        WEIGHTINGS)
@@ -180,6 +181,11 @@ class TrainingOptions:
     metrics_ref: str | None = option(REPORTING, default=None, flag=Flag(
         "Reference statistics for the metrics of images (calculate_metrics.py ref); detectors from "
         "$EDM2_CACHE_DIR/detectors/", metavar="NPZ|PKL|URL"))
+    # What the loss metric and the dashboard's loss per noise level measure (edm2.eval.validation.VALIDATION_LOSSES).
+    validation_loss: str = option(REPORTING, default=OWN, flag=Flag(
+        "The validation loss of --metrics=loss and of the dashboard's loss per noise level: 'own', the run's own "
+        "weighting and noise distribution, or a fixed one that compares runs trained with other losses "
+        f"({fixed_losses_text()})", choices=VALIDATION_LOSSES))
     # A post-hoc sigma_rel (Eq. 129) reconstructed from the run's snapshots; None: the first track.
     metrics_ema: float | None = option(REPORTING, Real(0, MAX_STD, low_open=True, high_open=True), optional=True,
                                        default=None, flag=Flag(

@@ -79,7 +79,8 @@ class SweepResults:
 
 class Measure:
     """The metrics of one network: metrics of generated images against reference statistics (edm2.eval.scores),
-    and the validation loss (edm2.eval.validation) on fixed samples; each row's numbers for every rank."""
+    and the validation loss (edm2.eval.validation) on fixed samples; each row's numbers for every rank, and what
+    every row records beside them (recorded: the validation loss measured, by name and formula)."""
 
     def __init__(self, metrics: Sequence[str], encoder, seeds: Sequence[int], batch_size: int,
                  device: torch.device, detectors: dict | None = None, reference: dict | None = None,
@@ -91,6 +92,7 @@ class Measure:
         self.keep = max([reference[d]["features"].shape[0] for d in self.reference if "features" in reference[d]]
                         + [0]) if any(scores.needs_features(m) for m in metrics) else 0
         self._loss = math.nan  # the last network's validation loss, which no guidance strength changes
+        self.recorded = dict(validation_loss=samples.record()) if "loss" in metrics and samples is not None else {}
 
     def __call__(self, net: torch.nn.Module, guidance: float | None = None,
                  same_network: bool = False) -> dict[str, float]:
@@ -124,10 +126,12 @@ def round_to_stored(net: torch.nn.Module) -> torch.nn.Module:
 def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequence[float], measure: Callable,
               results: SweepResults | None, batch: int = 8,
               save: Callable[[float, torch.nn.Module, dict], None] | None = None,
-              report: Callable[[str], None] = print, guidances: Sequence[float | None] = (None,)) -> None:
+              report: Callable[[str], None] = print, guidances: Sequence[float | None] = (None,),
+              recorded: dict | None = None) -> None:
     """Measure every (training time, sigma_rel, guidance strength) that results lacks; times are
     posthoc.select_inputs' answers. Each network is built once and measured at every strength it lacks:
     measure(net, guidance), or measure(net) at the one strength None stands for (the measure's own; rows say none).
+    Every row also holds recorded's entries (Measure.recorded: the validation loss it measured).
 
     Every rank calls this with the same arguments; rank 0 passes the results file and save, the others None.
     """
@@ -150,7 +154,8 @@ def run_sweep(times: Sequence[tuple[list[posthoc.Snapshot], int]], stds: Sequenc
                     check_finite_values(values, inputs, std, out_nimg)
                     row = dict(kimg=out_nimg // 1000, nimg=out_nimg, std=std,
                                **({} if guidance is None else {"guidance": guidance}), **values,
-                               profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started)
+                               profile_error=metadata["phema"]["profile_error"], seconds=time.monotonic() - started,
+                               **(recorded or {}))
                     if results is not None:
                         results.add(row)
                         report(row_text(row, list(values), show_guidance=len(guidances) > 1))

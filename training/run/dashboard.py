@@ -6,7 +6,9 @@ Files, each written atomically:
   plots/training.json    the numbers training.png plots: stats.jsonl's loss, learning rate and images/s by kimg,
                          per snapshot lambda(sigma) L(D; sigma) and u(sigma) at the noise levels 'sigma' (no u
                          for a run trained with the uncertainty off, 'uncertainty': 'off'), and the image counts
-                         where the run resumed ('resumes')
+                         where the run resumed ('resumes'); with --validation-loss, the fixed loss's name
+                         ('validation_loss', none for the run's own), whose weighting, P_mean and P_std the loss and
+                         the noise levels then follow, so that runs trained with other losses compare
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
   plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
@@ -27,7 +29,7 @@ import torch
 
 from edm2.errors import EDM2Error, one_line
 from edm2.eval.magnitudes import block_output_rms, weight_rms
-from edm2.eval.validation import ValidationSamples, loss_per_sigma, sigma_grid
+from edm2.eval.validation import OWN, ValidationSamples, loss_per_sigma, sigma_grid
 from edm2.loss import DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING
 from edm2.runtime import bounded_json, files
 from training.run.run_dir import STATS_FILE
@@ -176,8 +178,10 @@ class Dashboard:
     def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
                  cur_nimg: int):
         self.run_dir, self.duration = run_dir, opts.duration
-        self.loss = recipe_loss(opts, net.sigma_data)  # the run's own weighting, as its snapshots record it
-        samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, self.loss)
+        # The run's own loss, as its snapshots record it, or the fixed validation loss of --validation-loss.
+        samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, recipe_loss(opts, net.sigma_data),
+                                    name=opts.validation_loss)
+        self.loss = samples.loss
         self.batch = samples.batch(range(PROBE_IMAGES), device)
         probe = dict(images=PROBE_IMAGES, indices=samples.indices, seeds=f"0-{PROBE_IMAGES - 1}")
         # Another loss is another measurement; EDM2's is named by its absence, as in the records of earlier versions,
@@ -186,8 +190,10 @@ class Dashboard:
         names = {} if names == dict(weighting=DEFAULT_WEIGHTING, noise=DEFAULT_NOISE) else names
         if self.loss.uncertainty != DEFAULT_UNCERTAINTY:
             names["uncertainty"] = self.loss.uncertainty
-        self.training = dict(P_mean=opts.P_mean, P_std=opts.P_std, ema_std=opts.ema_stds[0], probe=probe,
-                             sigma=sigma_grid(opts.P_mean, opts.P_std), noise_levels=[], **names)
+        if opts.validation_loss != OWN:
+            names["validation_loss"] = opts.validation_loss
+        self.training = dict(P_mean=self.loss.P_mean, P_std=self.loss.P_std, ema_std=opts.ema_stds[0], probe=probe,
+                             sigma=sigma_grid(self.loss.P_mean, self.loss.P_std), noise_levels=[], **names)
         self.magnitudes = dict(ema_std=opts.ema_stds[0], probe=probe, rows=[])
         files.remove_stale_temporaries(run_dir / PLOTS_DIR, owned=True)
         earlier = self._earlier_rows(TRAINING_JSON, self.training, ("noise_levels", "resumes"), cur_nimg)

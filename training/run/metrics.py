@@ -2,12 +2,14 @@
 just written (the first EMA track, as stored; or, with --metrics-ema, the post-hoc EMA of that length reconstructed
 from the run's snapshots so far, Eq. 129), generates its share of --metrics-num images with the seeds
 0..N-1 (the same at every evaluation), and the metrics of calculate_metrics.py come from one feature pass summed
-over the ranks; 'loss' is the validation loss (Eq. 14) of N fixed samples of the training data.
+over the ranks; 'loss' is the validation loss (Eq. 14) of N fixed samples of the training data, the run's own or,
+with --validation-loss, a fixed one named in its metric ('loss_edm2_2k') and recorded in the row.
 
 Each value is named with its sample count ('fid2k', 'loss2k', 'precision_dinov2_2k': metric_name), so a 2k FID never
-passes for a 50k one. A row {kimg, nimg, ema_std, seconds, metrics: {name: value}} goes to stats.jsonl (which a
-resume trims to its training state, so a resumed run neither repeats nor skips a row), to the trackers under
-'metrics/' and to the dashboard. A metric that fails prints one warning and training goes on.
+passes for a 50k one. A row {kimg, nimg, ema_std, seconds, metrics: {name: value}}, and with the loss
+validation_loss: {name, weighting, noise, P_mean, P_std} (edm2.eval.validation.loss_record), goes to stats.jsonl
+(which a resume trims to its training state, so a resumed run neither repeats nor skips a row), to the trackers
+under 'metrics/' and to the dashboard. A metric that fails prints one warning and training goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from edm2.eval import scores
 from edm2.eval.detectors import load_detector
 from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import load_stats
-from edm2.eval.validation import ValidationSamples, validation_loss
+from edm2.eval.validation import OWN, ValidationSamples, validation_loss
 from edm2.formats.snapshot import load_network
 from edm2.procedures import posthoc
 from edm2.procedures.generation import generate_images
@@ -37,6 +39,12 @@ def metric_name(metric: str, num: int) -> str:
     """The metric with its sample count: fid2k (2,000), fid50k, fid1500; a '_' after a name that ends in a digit."""
     count = f"{num // 1000}k" if num % 1000 == 0 else str(num)
     return f"{metric}{'_' if metric[-1].isdigit() else ''}{count}"
+
+
+def loss_metric(validation_loss: str) -> str:
+    """The loss metric's name: 'loss' for the run's own, 'loss_edm2' for the fixed one named edm2 (another formula is
+    another curve, so a resume that changes it never joins the two)."""
+    return "loss" if validation_loss == OWN else f"loss_{validation_loss}"
 
 
 class RunMetrics:
@@ -67,7 +75,7 @@ class RunMetrics:
                                f"{one_line(e)}); training goes on.")
             return None
         return dict(kimg=cur_nimg / 1000, nimg=cur_nimg, ema_std=self.ema_std, seconds=time.monotonic() - started,
-                    metrics=values)
+                    **values)
 
     @property
     def ema_std(self) -> float:
@@ -84,8 +92,9 @@ class RunMetrics:
         _, net, _ = next(posthoc.combine([s.track() for s in snapshots], cur_nimg, [opts.metrics_ema]))
         return net
 
-    def _values(self, cur_nimg: int) -> dict[str, float]:
-        """{metric_name: value} of the measured network, in --metrics' order."""
+    def _values(self, cur_nimg: int) -> dict:
+        """The row's metrics, {metric_name: value} of the measured network in --metrics' order, and with the loss
+        the validation loss it measured (validation_loss)."""
         opts, num = self.opts, self.opts.metrics_num
         net = self.network(cur_nimg).to(self.device)
         values = {}
@@ -98,7 +107,11 @@ class RunMetrics:
                                                                  device=self.device))
             stats, _ = calculate_stats(batches, self.detectors, self.device, progress=False, keep_features=self.keep)
             values.update(scores.metric_values(stats, self.reference, self.images, self.device))
+        recorded = {}
         if "loss" in opts.metrics:
-            samples = ValidationSamples(self.dataset, self.encoder, net, num, recipe_loss(opts, net.sigma_data))
+            samples = ValidationSamples(self.dataset, self.encoder, net, num, recipe_loss(opts, net.sigma_data),
+                                        name=opts.validation_loss)
             values["loss"] = validation_loss(net, samples, BATCH, self.device)
-        return {metric_name(metric, num): values[metric] for metric in opts.metrics}
+            recorded = dict(validation_loss=samples.record())
+        names = {metric: loss_metric(opts.validation_loss) if metric == "loss" else metric for metric in opts.metrics}
+        return dict(metrics={metric_name(names[metric], num): values[metric] for metric in opts.metrics}, **recorded)
