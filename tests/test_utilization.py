@@ -13,11 +13,11 @@ import torch
 
 from edm2.formats.snapshot import load_network
 import edm2.architectures  # noqa: F401  registers the other families
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
 from edm2.plots.run import dashboard_figure
 import training.run.loop
 from edm2.runtime import host_memory, speed, utilization
-from tests.helpers import (ATTENTION_ROUTES, REPO, run_training, take_attention_route, toy_tiny_options,
+from tests.helpers import (ATTENTION_ROUTES, REPO, count_macs, run_training, take_attention_route, toy_tiny_options,
                            train_command, train_env)
 from training.run.benchmark import preset_network
 from training.run.dashboard import read_stats
@@ -269,7 +269,7 @@ def test_forward_flops_count_two_per_multiply_accumulate_of_every_family(monkeyp
     take_attention_route(monkeypatch, route)
     with torch.device("meta"):
         nets = [preset_network(name) for name in ("toy-tiny", "edm2-img64-xs", "config-b-toy", "config-f-toy")]
-        nets.append(Precond(8, 3, 0, model_channels=16, family="mp-resnet", num_blocks=2))
+        nets.append(Precond(8, 3, 0, model_channels=16, family="mp-resnet", depth=2))
     for net in nets:
         assert utilization.forward_flops(net) == 2 * count_macs(net) > 0
         assert utilization.training_flops_per_image(net) == 6 * count_macs(net)
