@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from edm2.errors import EDM2Error
+from edm2.errors import EDM2Error, shown
 from edm2.networks import Precond
 from edm2.runtime import bounded_json, files
 
@@ -159,8 +159,8 @@ def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
     if _is_rate(previous) and previous >= measured:
         if previous <= measured * MAX_CACHED_RISE:
             return float(previous), source
-        source = (f"measured now: the {previous:.4g} TFLOP/s cached in {path} is over {MAX_CACHED_RISE:g} times it, "
-                  "no rate of this machine, and is replaced")
+        source = (f"measured now: the {previous:.4g} TFLOP/s cached in {shown(path)} is over {MAX_CACHED_RISE:g} "
+                  "times it, no rate of this machine, and is replaced")
     others = {name: value for name, value in cached.items() if name != key and _is_rate(value)}
     try:
         with files.atomic_path(path) as tmp:
