@@ -34,12 +34,12 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: use its packages
-from edm2.eval.benchmark import seconds_per_call, tflops  # noqa: E402
+from edm2.eval.benchmark import seconds_per_call  # noqa: E402
 from edm2.layers import conv_or_linear, mpconvs  # noqa: E402
 from edm2.runtime import host_memory  # noqa: E402
 from edm2.runtime.speed import SamplingSpeed  # noqa: E402
 from edm2.sampler import edm_sampler  # noqa: E402
-from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_image  # noqa: E402
+from edm2.runtime.utilization import measure_cpu_tflops, training_flops_per_image, utilization  # noqa: E402
 from training.presets import PRESETS  # noqa: E402
 from training.run.benchmark import synthetic_step  # noqa: E402
 from training.run.data_parallel_speed import data_parallel_speed  # noqa: E402
@@ -227,7 +227,7 @@ def main(release: Path, presets: str, resolution: int, batch: int, steps: int, r
         report["presets"][preset] = dict(training=train, sampling=sample)
         base = train["rates"]["release fp32"]
         for name, rate in train["rates"].items():
-            achieved = tflops(train["flops_per_image"], rate)
+            achieved = utilization(train["flops_per_image"], rate, None, 1)["tflops"]
             click.echo(f"{preset} {resolution}px train  {name:32s} {rate:8.1f} img/s  {rate / base:5.2f}x  "
                        f"{achieved / peaks['fp32']:6.1%} of fp32 peak  {achieved / peaks['bf16']:6.1%} of bf16 peak")
         for name, rate in sample["rates"].items():

@@ -1,5 +1,6 @@
 """Benchmark the EDM sampler: images/s at 32 steps of a solver (--solver, Heun by default) without and with guidance
-and, on CUDA, achieved TFLOP/s and model-FLOP utilization; the last line printed is JSON."""
+and their achieved TFLOP/s and model-FLOP utilization (over the peak a training measures against,
+edm2.runtime.utilization.peak_tflops); the last line printed is JSON."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cli.solver import solver_option
 from edm2.eval import benchmark
 from edm2.networks import Precond
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed
+from edm2.runtime.utilization import peak_tflops, utilization
 from training.run.benchmark import preset_network
 
 SIZES = ("xs", "s", "m", "l", "xl", "xxl")
@@ -66,13 +68,13 @@ def main(size, resolution, img_channels, channels, gnet_channels, classes, batch
     print(f"device {device}, {net.img_resolution}x{net.img_resolution}x{net.img_channels}, batch {batch_size}, "
           f"{num_steps} steps, computing in {net.compute_dtype(device)}, compile {speed.compiles(device)}, "
           f"channels-last {speed.uses_channels_last(device)}")
-    peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
+    peak = peak_tflops(device, net.compute_dtype(device))[0]
     result = dict(size=size, batch=batch_size, steps=num_steps, solver=solver, device=str(device), precision=precision,
                   compile=speed.compiles(device), channels_last=speed.uses_channels_last(device), peak_tflops=peak)
     for key, label, g, w in (("", "no guidance", None, 1.0), ("_guided", "guidance 1.4", gnet, 1.4)):
         rate = benchmark.sampling_images_per_s(net, g, w, batch_size, num_steps, repeats, device, solver)
-        result.update({f"images_per_s{key}": rate, f"tflops{key}": benchmark.tflops(flops[w], rate),
-                       f"mfu{key}": benchmark.mfu(flops[w], rate, peak)})
+        speed_row = utilization(flops[w], rate, peak, 1)
+        result.update({f"images_per_s{key}": rate, f"tflops{key}": speed_row["tflops"], f"mfu{key}": speed_row["mfu"]})
         mfu = f", MFU {result['mfu' + key]:.1%}" if peak else ""
         print(f"{label:>13}: {rate:8.2f} images/s, {result['tflops' + key]:.2f} TFLOP/s{mfu}")
     print(json.dumps(result))

@@ -1,5 +1,6 @@
-"""Training throughput of a preset on synthetic data with the loop's own step: images/s and, on CUDA, achieved
-TFLOP/s and model-FLOP utilization; the last line printed is JSON."""
+"""Training throughput of a preset on synthetic data with the loop's own step: images/s, achieved
+TFLOP/s and model-FLOP utilization (over the peak a training measures against, edm2.runtime.utilization.peak_tflops);
+the last line printed is JSON."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from edm2.eval import benchmark
 from edm2.runtime import distributed
 from edm2.runtime.speed import PRECISIONS
-from edm2.runtime.utilization import training_flops_per_image
+from edm2.runtime.utilization import peak_tflops, training_flops_per_image, utilization
 from training.run.benchmark import synthetic_step
 from training.run.outputs import max_memory_gb
 from training.presets import PRESETS
@@ -59,15 +60,15 @@ def main(preset: str, precision: str, batch_gpu: int | None, rounds: int, resolu
                f"{torch.get_num_threads()} CPU thread(s)")
     seconds = benchmark.seconds_per_call(lambda: training_step(step), steps, warmup, device)
     images_per_s = opts.batch / seconds
-    peak = benchmark.peak_tflops(device) if device.type == "cuda" else None
+    peak, source = peak_tflops(device, net.compute_dtype(device))
     result = dict(
         preset=preset, precision=precision, batch=opts.batch, compile=opts.compiles(device),
         channels_last=opts.uses_channels_last(device), checkpoint_activations=checkpoint_activations,
         device=str(device), images_per_s=images_per_s, ms_per_step=seconds * 1000,
-        max_memory_gb=max_memory_gb(device), tflops=benchmark.tflops(flops, images_per_s), peak_tflops=peak,
-        mfu=benchmark.mfu(flops, images_per_s, peak),
+        max_memory_gb=max_memory_gb(device), peak_tflops=peak,
+        **utilization(flops, images_per_s, peak, 1),
     )
-    mfu = f", MFU {result['mfu']:.1%} of {peak:.0f} TFLOP/s" if peak else ""
+    mfu = f", MFU {result['mfu']:.1%} of {peak:.4g} TFLOP/s ({source})" if peak else ""
     click.echo(f"{images_per_s:.1f} images/s ({seconds * 1000:.1f} ms/step, max memory {result['max_memory_gb']:.2f} "
                f"GB), {result['tflops']:.2f} TFLOP/s{mfu}")
     click.echo(json.dumps(result))

@@ -26,7 +26,7 @@ from edm2.loss import EDM2Loss
 from edm2.networks import Precond
 from edm2.runtime import bounded_json
 from edm2.runtime.speed import PRECISIONS, SamplingSpeed, set_precision
-from edm2.runtime.utilization import training_flops_per_image
+from edm2.runtime.utilization import peak_tflops, training_flops_per_image, utilization
 from training.run.benchmark import preset_network, synthetic_step, with_unit_gains
 from training.step import training_step
 
@@ -61,7 +61,7 @@ class Config:
 
 
 class Probe:
-    """The CUDA device as the sections see it: clocks, memory counters and the peak matmul throughput."""
+    """The CUDA device as the sections see it: clocks, memory counters and the data-sheet peak."""
 
     def __init__(self, deadline: float):
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -82,9 +82,9 @@ class Probe:
         """Peak allocated memory since reset_peak_memory."""
         return torch.cuda.max_memory_allocated(self.device) / 2**30
 
-    def peak_tflops(self) -> float:
-        """The MFU denominator: a large bfloat16 matmul's TFLOP/s."""
-        return benchmark.peak_tflops(self.device)
+    def peak_tflops(self) -> float | None:
+        """The MFU denominator, as training's: the device's 16-bit data-sheet peak (None for an unlisted GPU)."""
+        return peak_tflops(self.device, torch.bfloat16)[0]
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         """Whether an error is CUDA running out of memory."""
@@ -161,7 +161,7 @@ def section_toy_training(probe: Probe, config: Config, record: Record) -> None:
             follows_fp32=bool(abs(losses[tail].mean() - reference[tail].mean()) <= allowed)))
 
 
-def training_rate(probe: Probe, config: Config, batch: int, settings: dict, peak: float) -> dict:
+def training_rate(probe: Probe, config: Config, batch: int, settings: dict, peak: float | None) -> dict:
     """images/s, ms/step, TFLOP/s, MFU and peak memory of the preset's training step at a batch per GPU."""
     step = synthetic_step(config.preset, batch, probe.device, **settings)
     flops = training_flops_per_image(step.state.net)
@@ -169,8 +169,8 @@ def training_rate(probe: Probe, config: Config, batch: int, settings: dict, peak
     seconds = benchmark.seconds_per_call(lambda: training_step(step), config.train_steps, config.train_warmup,
                                          probe.device)
     rate = batch / seconds
-    return dict(images_per_s=rate, ms_per_step=1000 * seconds, tflops=benchmark.tflops(flops, rate),
-                mfu=benchmark.mfu(flops, rate, peak), peak_memory_gb=probe.peak_memory_gb())
+    return dict(images_per_s=rate, ms_per_step=1000 * seconds, **utilization(flops, rate, peak, 1),
+                peak_memory_gb=probe.peak_memory_gb())
 
 
 def section_training_speed(probe: Probe, config: Config, record: Record) -> None:
@@ -201,8 +201,7 @@ def section_sampling_speed(probe: Probe, config: Config, record: Record) -> None
             rate = benchmark.sampling_images_per_s(nets[0], nets[1] if guidance != 1 else None, guidance,
                                                    config.sample_batch, config.sample_steps, 1, probe.device)
             record(f"{name}_guidance{guidance:g}", dict(
-                images_per_s=rate, tflops=benchmark.tflops(flops[guidance], rate),
-                mfu=benchmark.mfu(flops[guidance], rate, peak)))
+                images_per_s=rate, **utilization(flops[guidance], rate, peak, 1)))
 
 
 def section_memory(probe: Probe, config: Config, record: Record) -> None:

@@ -61,6 +61,45 @@ IMG64_UNET_PARAMS = {
 # one operation and elementwise operations included; the multiply-accumulates alone (count_macs) are ~1% fewer.
 TABLE6_GMACS = {"xs": 45.5, "s": 102.2, "m": 180.8, "l": 282.2, "xl": 405.9, "xxl": 552.1}
 
+
+def count_macs(net: Precond, batch_size: int = 1) -> int:
+    """Multiply-accumulates of one evaluation in convolutions, linear layers and attention, counted by module hooks
+    (works on the meta device): about 1% under Table 6's 'gigaflops', which also count elementwise operations (see
+    edm2.eval.flops). The tests' own count, independent of edm2.runtime.utilization.forward_flops's
+    torch.utils.flop_counter, which the library uses."""
+    macs = 0
+
+    def conv_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal macs
+        w = module.weight
+        spatial = output.shape[2] * output.shape[3] if output.ndim == 4 else 1
+        macs += output.shape[0] * spatial * w[0].numel() * w.shape[0]
+
+    def attn_hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal macs
+        n, c, h, w = output.shape
+        macs += 2 * n * c * (h * w) ** 2  # q k^T and the weighted sum of v
+
+    # Every family's learned layers hold their kernel as a `weight` of 2 or more dimensions (a group norm's 1-D scale
+    # is no kernel), and its attention blocks count heads in num_heads.
+    layers = [m for m in net.modules() if isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+              and m.weight.ndim >= 2]
+    hooks = [m.register_forward_hook(conv_hook) for m in layers]
+    hooks += [m.register_forward_hook(attn_hook) for m in net.modules() if getattr(m, "num_heads", 0)]
+    try:
+        device = next(net.parameters()).device
+        x = torch.zeros(batch_size, net.img_channels, net.img_resolution, net.img_resolution, device=device)
+        labels = torch.zeros(batch_size, net.label_dim, device=device) if net.label_dim else None
+        was_training = net.training
+        net.eval()
+        with torch.no_grad():
+            net(x, torch.ones(batch_size, device=device), labels, return_logvar=True)
+        net.train(was_training)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return macs // batch_size
+
 # ---------------------------------------------------------------------------------------------------
 # Tiny networks.
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import train_edm2
 from tests.helpers import TRAIN_ARGS, assert_refused, tree
-from training.run.run_lock import RunLock
+from training.run.run_dir import RunLock
 
 
 def dry_run(*args: str):

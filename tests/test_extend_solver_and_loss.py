@@ -24,10 +24,9 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.eval import benchmark
 from edm2.eval.validation import loss_per_sigma
 from edm2.formats.snapshot import load_network, read_metadata, save_network
-from edm2.networks import count_macs
 from edm2.procedures.generation import generate_images
 from training.options import OptionsError, OptionsMismatch, check_same_hyperparameters
-from tests.helpers import (REPO, TRAIN_ARGS, assert_refused, read_pngs, tiny_precond, toy_tiny_options,
+from tests.helpers import (REPO, TRAIN_ARGS, assert_refused, count_macs, read_pngs, tiny_precond, toy_tiny_options,
                            validation_loss_by_hand)
 
 

@@ -72,6 +72,14 @@ def test_toy_training_section_loss_goes_down_and_paths_agree(tmp_path):
     assert results["fp32"]["decreasing"]
 
 
+def test_the_probes_mfu_denominator_is_the_data_sheet_peak_a_training_uses(monkeypatch):
+    probe = object.__new__(sections.Probe)
+    probe.device = torch.device("cuda", 0)
+    for name, peak in (("NVIDIA H200", 989.4), ("NVIDIA H100 PCIe", 756.0), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert probe.peak_tflops() == peak
+
+
 def test_speed_and_memory_sections_report_rates_mfu_and_peaks(tmp_path):
     speed = run("c_training_speed", tmp_path)
     for batch in (4, 8):

@@ -19,8 +19,8 @@ from edm2.architectures.ladder import (AffineGroupNorm, BiasedLayer, DriftingMPC
 from edm2.eval.magnitudes import bucket_magnitudes
 from edm2.families import UnknownFamily
 from edm2.layers import MPConv, force_weight_normalization
-from edm2.networks import Precond, UNet, count_macs, count_parameters, unet_blocks
-from tests.helpers import TRAIN_ARGS, assert_refused, tiny_precond
+from edm2.networks import Precond, UNet, count_parameters, unet_blocks
+from tests.helpers import TRAIN_ARGS, assert_refused, count_macs, tiny_precond
 from training.lr_schedule import learning_rate_schedule
 from training.presets import get_preset
 

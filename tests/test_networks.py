@@ -8,9 +8,9 @@ import torch
 
 from edm2 import networks
 from edm2.layers import ArchitectureError, force_weight_normalization, normalize
-from edm2.networks import Block, Precond, count_macs, count_parameters
+from edm2.networks import Block, Precond, count_parameters
 from edm2.network_args import unet_layout
-from tests.helpers import (ATTENTION_ROUTES, DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS,
+from tests.helpers import (ATTENTION_ROUTES, DATA, IMG64_UNET_PARAMS, IMG512_PARAMS, SIZES, TABLE6_GMACS, count_macs,
                            take_attention_route, tiny_precond)
 
 

@@ -21,8 +21,7 @@ from edm2.runtime.locks import DestinationInUse
 from training.run import checkpoint, run_dir
 from training.options import TrainingOptions
 from training.run.checkpoint import Checkpoints
-from training.run.run_dir import RunDirectory
-from training.run.run_lock import LOCK_FILE, RunLock
+from training.run.run_dir import LOCK_FILE, RunDirectory, RunLock
 from tests.helpers import REPO, TRAIN_ARGS, assert_refused, dead_pid, train_env
 
 

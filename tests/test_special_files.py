@@ -19,7 +19,7 @@ from edm2.formats import release_pickle, snapshot
 from edm2.procedures.generation import GenerationError, read_generated_labels
 from edm2.runtime import bounded_json, files, pinned_files
 from training.run import checkpoint, dashboard
-from training.run.run_lock import LOCK_FILE
+from training.run.run_dir import LOCK_FILE
 from tests.helpers import TRAIN_ARGS, assert_one_error_line, write_image_dataset
 
 

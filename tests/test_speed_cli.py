@@ -106,14 +106,16 @@ def test_benchmarks_end_with_a_json_line():
     train = last_json_line("bench_train.py", "--preset=toy-tiny", "--batch-gpu=4", "--resolution=8", "--steps=1",
                            "--warmup=0", "--precision=fp32")
     assert train["images_per_s"] > 0 and train["batch"] == 4 and train["compile"] is False
-    # On the CPU: TFLOP/s from the counted MACs, no MFU (no measured peak).
-    assert train["tflops"] > 0 and train["mfu"] is None and train["peak_tflops"] is None
+    # On the CPU as a training reports it: TFLOP/s from the counted FLOPs, MFU over the CPU's measured peak.
+    assert train["tflops"] > 0 and train["peak_tflops"] > 0
+    assert train["mfu"] == pytest.approx(train["tflops"] / train["peak_tflops"], rel=1e-12)
     sampler = last_json_line("bench_sampler.py", "--resolution=8", "--channels=16", "--batch=2", "--steps=2",
                              "--repeats=1", "--classes=0")
     assert sampler["images_per_s"] > 0 and sampler["images_per_s_guided"] > 0
     # Guidance evaluates both networks: twice the FLOPs per image for a guiding net of the same size.
     assert sampler["tflops_guided"] / sampler["images_per_s_guided"] == pytest.approx(
         2 * sampler["tflops"] / sampler["images_per_s"])
+    assert sampler["mfu"] == pytest.approx(sampler["tflops"] / sampler["peak_tflops"], rel=1e-12)
 
 
 def test_the_profile_tables_cover_the_training_and_the_sampling_step():

@@ -23,7 +23,7 @@ import train_edm2
 from cli import local_launch
 from edm2.formats.snapshot import load_network, read_metadata
 from training.run import checkpoint
-from training.run.run_lock import LOCK_FILE, RunLock
+from training.run.run_dir import LOCK_FILE, RunLock
 from edm2.runtime.distributed import free_port
 from tests.helpers import (
     REPO, TRAIN_ARGS, assert_one_error_line, assert_refused, built_once, run_training, snapshot_contents,

@@ -4,6 +4,7 @@ the OpenMP wait policy that keeps a shared CPU's threads from spinning."""
 
 import ast
 import json
+import os
 import subprocess
 import sys
 
@@ -12,11 +13,11 @@ import torch
 
 from edm2.formats.snapshot import load_network
 import edm2.architectures  # noqa: F401  registers the other families
-from edm2.networks import Precond, count_macs
+from edm2.networks import Precond
 from edm2.plots.run import dashboard_figure
 import training.run.loop
 from edm2.runtime import host_memory, speed, utilization
-from tests.helpers import (ATTENTION_ROUTES, REPO, run_training, take_attention_route, toy_tiny_options,
+from tests.helpers import (ATTENTION_ROUTES, REPO, count_macs, run_training, take_attention_route, toy_tiny_options,
                            train_command, train_env)
 from training.run.benchmark import preset_network
 from training.run.dashboard import read_stats
@@ -38,17 +39,70 @@ def test_the_cpu_peak_keeps_the_best_measurement_per_machine_dtype_and_thread_co
     monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
     rates = iter([0.25, 0.1, 0.5, 0.05, 0.125, 0.3])  # a busy machine measures low: the best so far is kept
     monkeypatch.setattr(utilization, "measure_cpu_tflops", lambda dtype: next(rates))
-    assert [utilization.cpu_peak_tflops(torch.float32) for _ in range(3)] == [0.25, 0.25, 0.5]
-    assert utilization.cpu_peak_tflops(torch.bfloat16) == 0.05  # another dtype, its own entry
+    assert [utilization.cpu_peak_tflops(torch.float32)[0] for _ in range(3)] == [0.25, 0.25, 0.5]
+    assert utilization.cpu_peak_tflops(torch.bfloat16)[0] == 0.05  # another dtype, its own entry
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert utilization.cpu_peak_tflops(torch.float32) == 0.125  # another thread count, its own entry
+        assert utilization.cpu_peak_tflops(torch.float32)[0] == 0.125  # another thread count, its own entry
     finally:
         torch.set_num_threads(threads)
     (tmp_path / utilization.CPU_PEAK_FILE).write_text("{not json")  # a damaged cache is rewritten
-    assert utilization.cpu_peak_tflops(torch.float32) == 0.3
+    assert utilization.cpu_peak_tflops(torch.float32)[0] == 0.3
     assert json.loads((tmp_path / utilization.CPU_PEAK_FILE).read_text()) == {utilization._machine_key(torch.float32): 0.3}
+
+
+def cached_peak(monkeypatch, tmp_path, cache_text: str, measured: float = 0.5) -> tuple[float, str, object]:
+    """cpu_peak_tflops(float32) with the cache file holding cache_text and `measured` measured now: the peak, the
+    start line's words for it, and the cache's entry for this machine afterwards."""
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(utilization, "measure_cpu_tflops", lambda dtype: measured)
+    path = tmp_path / utilization.CPU_PEAK_FILE
+    path.write_text(cache_text.replace("KEY", utilization._machine_key(torch.float32)))
+    peak, source = utilization.peak_tflops(torch.device("cpu"), torch.float32)
+    return peak, source, json.loads(path.read_text()).get(utilization._machine_key(torch.float32))
+
+
+@pytest.mark.parametrize("value", ["1e300", "1e19", "8.5", "-1", "0", "true", '"2.0"', "[2.0]", "null"])
+def test_a_cached_peak_out_of_the_plausible_range_is_replaced_by_the_measurement(monkeypatch, tmp_path, value):
+    # 1e300 TFLOP/s would make every MFU read 0.0%; anything over MAX_CACHED_RISE (16) times the rate measured now,
+    # or no positive number, is no rate of this machine.
+    peak, source, entry = cached_peak(monkeypatch, tmp_path, '{"KEY": %s}' % value)
+    assert (peak, entry) == (0.5, 0.5)
+    implausible_high = value in ("1e300", "1e19", "8.5")
+    assert ("is replaced" in source and value in source.replace("+", "")) == implausible_high
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, 8.0])
+def test_a_cached_peak_within_the_plausible_range_is_kept(monkeypatch, tmp_path, value):
+    # Up to 16 times the measurement (8.0 against 0.5) is what a start beside other work measures against a quiet one.
+    peak, source, entry = cached_peak(monkeypatch, tmp_path, '{"KEY": %r}' % value)
+    assert (peak, entry) == (value, value) and source.endswith("the best measured here")
+
+
+@pytest.mark.parametrize("text", ['{"KEY": NaN}', '{"KEY": Infinity}', '{"KEY": 1e400}', "[1.0]", "", "\x00\xff"])
+def test_a_cache_that_is_no_json_object_is_rewritten(monkeypatch, tmp_path, text):
+    peak, source, entry = cached_peak(monkeypatch, tmp_path, text)
+    assert (peak, entry) == (0.5, 0.5)
+
+
+def test_another_machines_entries_are_never_used_and_only_their_rates_are_kept(monkeypatch, tmp_path):
+    peak, _, _ = cached_peak(monkeypatch, tmp_path, '{"other": 1e300, "third": 2.5, "junk": "x", "less": -3, '
+                                                    '"nested": {"KEY": 9.0}}')
+    assert peak == 0.5
+    cache = json.loads((tmp_path / utilization.CPU_PEAK_FILE).read_text())
+    assert cache == {"other": 1e300, "third": 2.5, utilization._machine_key(torch.float32): 0.5}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_cache_that_is_no_regular_file_is_not_waited_on(monkeypatch, tmp_path, kind):
+    # A FIFO would wait for a writer forever; ours is replaced by a file. A folder in its place is left as it is.
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(utilization, "measure_cpu_tflops", lambda dtype: 0.5)
+    path = tmp_path / utilization.CPU_PEAK_FILE
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    assert utilization.peak_tflops(torch.device("cpu"), torch.float32)[0] == 0.5
+    assert path.is_dir() if kind == "directory" else path.is_file()
 
 
 def test_the_measured_peak_is_a_plausible_cpu_rate_and_leaves_the_global_random_state():

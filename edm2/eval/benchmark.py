@@ -1,5 +1,5 @@
-"""Measuring speed: device-synchronized timing, the device's measured peak matrix throughput, model-FLOP
-utilization (MFU), and the sampler's images/s with the FLOPs behind them.
+"""Measuring speed: device-synchronized timing, and the sampler's images/s with the FLOPs behind them (their TFLOP/s
+and MFU: edm2.runtime.utilization, as training reports them).
 
 A FLOP count here is edm2.runtime.utilization.forward_flops's, 2 per multiply-accumulate, the convention of MFU
 (Table 6's "gigaflops" count a multiply-accumulate as one operation and add the elementwise ones: edm2.eval.flops).
@@ -38,24 +38,6 @@ def seconds_per_call(fn: Callable[[], object], calls: int, warmup: int, device: 
 
     timer = torch.utils.benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(), timer=clock)
     return timer.timeit(calls).mean
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192, calls: int = 20) -> float:
-    """The device's achieved TFLOP/s on a large square matmul (2 size^3 FLOPs each): the MFU denominator."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = seconds_per_call(lambda: a @ b, calls, warmup=3, device=device)
-    return 2 * size**3 / seconds / 1e12
-
-
-def tflops(flops_per_image: float, images_per_s: float) -> float:
-    """Achieved TFLOP/s at a throughput."""
-    return flops_per_image * images_per_s / 1e12
-
-
-def mfu(flops_per_image: float, images_per_s: float, peak: float | None) -> float | None:
-    """Model-FLOP utilization: achieved TFLOP/s over the measured peak (None without a peak)."""
-    return tflops(flops_per_image, images_per_s) / peak if peak else None
 
 
 def sampling_flops_per_image(net: Precond, gnet: Precond | None, num_steps: int, solver: str = "heun") -> float:

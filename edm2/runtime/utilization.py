@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from edm2.errors import EDM2Error
+from edm2.errors import EDM2Error, shown
 from edm2.networks import Precond
 from edm2.runtime import bounded_json, files
 
@@ -40,6 +40,10 @@ CPU_PEAK_FILE = "cpu-matmul-peak.json"
 _PEAK_SIZES = (128, 2048)
 _PEAK_SECONDS = 0.02
 _CONV_PIXELS = 32  # the timed convolution's height and width
+# A cached CPU peak is believed up to this many times the one measured at a start: a measurement beside other work
+# gets about its share of the cores (beside 15 busy processes on each, a sixteenth); a cache beyond that holds no
+# rate of this machine (a copied or hand-edited file), and the new measurement replaces it.
+MAX_CACHED_RISE = 16.0
 
 
 def forward_flops(net: Precond) -> int:
@@ -140,25 +144,35 @@ def _machine_key(dtype: torch.dtype) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cpu_peak_tflops(dtype: torch.dtype) -> float:
-    """The CPU's peak in dtype for this process's thread count (measure_cpu_tflops): measured now, and the highest
-    measured on this machine kept in $EDM2_CACHE_DIR (a measurement beside other work comes out low; the cache only
-    rises)."""
+def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
+    """The CPU's peak in dtype for this process's thread count (measure_cpu_tflops) and where it came from: measured
+    now, and the highest plausible one measured on this machine kept in $EDM2_CACHE_DIR (a measurement beside other
+    work comes out low; the cache only rises)."""
     path, key = files.cache_dir() / CPU_PEAK_FILE, _machine_key(dtype)
     try:
         cached = bounded_json.read_object(path) or {}
-    except EDM2Error:  # a damaged cache is rewritten
+    except EDM2Error:  # a damaged cache (not JSON, NaN, not a regular file) is rewritten
         cached = {}
     previous = cached.get(key)
     measured = measure_cpu_tflops(dtype)
-    if isinstance(previous, (int, float)) and not isinstance(previous, bool) and previous >= measured:
-        return float(previous)
+    source = "the best measured here"
+    if _is_rate(previous) and previous >= measured:
+        if previous <= measured * MAX_CACHED_RISE:
+            return float(previous), source
+        source = (f"measured now: the {previous:.4g} TFLOP/s cached in {shown(path)} is over {MAX_CACHED_RISE:g} "
+                  "times it, no rate of this machine, and is replaced")
+    others = {name: value for name, value in cached.items() if name != key and _is_rate(value)}
     try:
         with files.atomic_path(path) as tmp:
-            tmp.write_text(json.dumps({**cached, key: measured}))
+            tmp.write_text(json.dumps({**others, key: measured}))
     except OSError:  # an unwritable cache only loses what this measurement adds
         pass
-    return measured
+    return measured, source
+
+
+def _is_rate(value: object) -> bool:
+    """Whether a cached entry is a positive number (bounded_json has refused NaN and infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, given: float | None = None) -> tuple[float | None, str]:
@@ -173,7 +187,8 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, given: float | None = 
             return None, f"no peak known for {name}: MFU is not reported unless --peak-tflops gives it"
         return peak, f"the {name} data sheet's dense peak"
     kind = str(dtype).removeprefix("torch.")
-    return cpu_peak_tflops(dtype), f"this CPU's {kind} matmul or convolution, the best measured here"
+    peak, source = cpu_peak_tflops(dtype)
+    return peak, f"this CPU's {kind} matmul or convolution, {source}"
 
 
 def utilization(flops_per_image: float, images_per_s: float, peak_per_process: float | None, processes: int) -> dict:

@@ -17,7 +17,7 @@ from training.run.benchmark import group_images_per_s
 from training.data_order import data_loader, order_for
 from training.options import TrainingOptions, rounds_per_step
 from training.run.outputs import hms
-from training.run.run_lock import LOCK_FILE, RunLock
+from training.run.run_dir import LOCK_FILE, RunLock
 from training.state import TrainingState, init_network, training_flops
 from training.step import WARMUP_STEPS, TrainingStep, data_parallel, training_step
 

@@ -5,7 +5,7 @@ The life of a run, in order (every rank runs it; rank 0 alone writes files):
 1. options: training/options.py (TrainingOptions, which check themselves when built; resolved by train_edm2.py).
 2. preflight: training/run/preflight.py (check_run: the data, encoder, batch split and --init fit the options),
    before anything is written.
-3. run directory and its lock: training/run/run_dir.py (RunDirectory.open, with training/run/run_lock.py), log.txt
+3. run directory and its lock: training/run/run_dir.py (RunDirectory.open and its RunLock), log.txt
    through training/run/log_tee.py, SIGTERM/SIGINT caught by training/run/signals.py.
 4. checkpoints.resume: training/run/checkpoint.py (Checkpoints.resume loads the newest valid training state into
    training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).

@@ -6,7 +6,8 @@ network-snapshot-{images_tag}-{std_tag}.safetensors, training-state-{images_tag}
 state of that name was refused: checkpoint.state_path), plots/ (the dashboard's records and PNGs,
 training/run/dashboard.py), samples/ (the snapshots' sample grids, training/run/sample_grid.py), with --logger
 tensorboard/ and wandb-run.json (training/run/trackers.py), and while a training runs, training.lock
-(training/run/run_lock.py). Files being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are
+(RunLock: edm2.runtime.locks's kernel lock, naming the host and process holding it and free again the moment that
+process ends). Files being written carry temporary names (.NAME.PID@HOST.RANDOM.tmp) until they are
 complete; the next training in the folder removes those a killed run left behind.
 """
 
@@ -26,16 +27,26 @@ import torch
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import save_network, snapshot_name
 from edm2.runtime import bounded_json, files
+from edm2.runtime.locks import DestinationLock
 from training.run import trackers
 from training.options import TrainingOptions
 from training.step import recipe_loss
-from training.run.run_lock import RunLock
 
 LOG_FILE, STATS_FILE, OPTIONS_FILE = "log.txt", "stats.jsonl", "training_options.json"
 SNAPSHOT_PREFIX = "network-snapshot"
 # A run's identity (uuid4 hex), in its training_options.json, training states and snapshots' metadata.
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 RUN_ID_KEY = "run_id"  # in training_options.json: the run's identity, beside its options
+LOCK_FILE = "training.lock"
+
+
+class RunLock(DestinationLock):
+    """The lock of one run directory on RUN/training.lock (no lock is ever judged stale by its process id);
+    `acquire` takes it or raises edm2.runtime.locks.DestinationInUse, `release` gives it back (and deletes
+    training.lock)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        super().__init__(run_dir, "training", LOCK_FILE)
 
 
 class RunDirectoryError(EDM2Error):
