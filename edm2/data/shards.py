@@ -25,7 +25,7 @@ from edm2.data.dataset import ImageData, LabelsOf
 from edm2.data.dataset_json import MAX_CLASSES
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
 from edm2.encoders import ENCODINGS
-from edm2.runtime import bounded_json
+from edm2.runtime import bounded_json, files
 
 INDEX_FILE = "index.json"
 FORMAT = "edm2-shards"
@@ -44,8 +44,8 @@ def shard_name(k: int) -> str:
 
 
 def is_shard_dataset(path: str | os.PathLike) -> bool:
-    """True for a folder holding a shard index."""
-    return Path(path, INDEX_FILE).is_file()
+    """True for a folder holding a shard index (of any file kind: read_index refuses one that is no regular file)."""
+    return os.path.lexists(Path(path, INDEX_FILE))
 
 
 def item_bytes(index: dict) -> int:
@@ -122,8 +122,8 @@ def check_shard(path: Path, index: dict, k: int) -> None:
     """Refuse shard k when missing, of another size than the index says, or not the index's shard k."""
     file = path / shard_name(k)
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
+        with files.open_input(file) as f:  # a FIFO or device is refused before its size is compared, not waited on
+            size = os.fstat(f.fileno()).st_size
             header = f.read(SHARD_HEADER.size)
     except OSError as e:
         raise DatasetError(f"{path}: shard {shard_name(k)} is missing or unreadable ({e.strerror or e})") from None
@@ -190,7 +190,11 @@ class ShardDataset(ImageData):
             return self._maps[k]
         if len(self._maps) >= MAX_OPEN_SHARDS:
             self._maps.popitem(last=False)
-        self._maps[k] = np.memmap(self.path / shard_name(k), dtype=np.uint8, mode="r")
+        try:
+            with files.open_input(self.path / shard_name(k)) as f:  # the map keeps its own handle on the file
+                self._maps[k] = np.memmap(f, dtype=np.uint8, mode="r")
+        except OSError as e:
+            raise DatasetError(f"{self.path}: cannot map {shard_name(k)} ({e.strerror or e})") from None
         return self._maps[k]
 
     def _locate(self, idx: int) -> tuple[np.memmap, int, int]:
