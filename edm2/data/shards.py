@@ -3,7 +3,8 @@
 A dataset is a folder (by convention NAME.shards) holding index.json and shard-KKKKKK.bin. The index records
 what the samples are (an edm2.encoders.ENCODINGS name, "pixels" for uint8 images, "stability-vae" for the VAE's
 mean/std latents, ..., and its settings), their dtype (the one its Encoder class stores) and CHW shape, the label
-classes (0 for none), the count and the samples per shard; it does not grow with the dataset. Shard k holds
+classes (0 for none) and, where the source's dataset.json names them, the class names ({name: class}, as
+dataset.json's CLASSES_KEY), the count and the samples per shard; it does not grow with the dataset. Shard k holds
 samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the dataset's id, k, its first sample, its
 count, bytes per sample), the samples back to back, then one int32 label per sample when labeled. A process maps
 at most MAX_OPEN_SHARDS shards at a time, so its own memory does not depend on the number of samples, and the page
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edm2.data.dataset import ImageData, LabelsOf
-from edm2.data.dataset_json import MAX_CLASSES
+from edm2.data.dataset_json import CLASSES_KEY, MAX_CLASSES, parse_classes
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
 from edm2.encoders import ENCODINGS
 from edm2.runtime import bounded_json, files
@@ -105,6 +106,7 @@ def check_index(index: object, path: Path) -> dict:
     need(isinstance(index.get("id"), str) and len(index["id"]) == 32 and all(c in "0123456789abcdef"
                                                                              for c in index["id"]),
          "id is not 32 hexadecimal digits")
+    parse_classes(index, path / INDEX_FILE)
     return index
 
 
@@ -178,6 +180,7 @@ class ShardDataset(ImageData):
         self.label_dim = self.index["label_dim"] if use_labels else 0
         self._size = min(self.index["count"], max_size or self.index["count"])
         self.raw_labels = LabelsOf(self._size, self.label_of) if use_labels and self._labeled else None
+        self.classes = self.index.get(CLASSES_KEY) if self.raw_labels is not None else None
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
         if resolution is not None and self.resolution != resolution:
             raise DatasetError(f"{self.path}: samples are {self.resolution}x{self.resolution}, "
