@@ -2,6 +2,7 @@
 user's files refuses them in one line naming the file, at once, through files.open_input."""
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -64,6 +65,18 @@ def test_open_input_refuses_what_is_no_regular_file(tmp_path):
         files.open_input("/dev/zero")
     with pytest.raises(IsADirectoryError):
         files.open_input(tmp_path)
+
+
+def test_file_kind_says_what_a_path_is(tmp_path):
+    (tmp_path / "a.zip").write_bytes(b"")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    kinds = {name: files.file_kind(tmp_path / name) for name in ["a.zip", "link", "missing"]}
+    assert kinds == {"a.zip": "a regular file", "link": "a broken link",
+                     "missing": f"unreadable ({os.strerror(errno.ENOENT)})"}
+    assert (files.file_kind(fifo(tmp_path / "pipe")), files.file_kind("/dev/zero"), files.file_kind(tmp_path)) == (
+        "a FIFO", "a character device", "a directory")
+    with pytest.raises(DatasetError, match="link: a broken link, not a directory or ZIP file"):
+        open_data(tmp_path / "link")
 
 
 READERS = {  # reader of a user's file, the error it raises, and a fragment of its line
