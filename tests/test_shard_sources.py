@@ -14,6 +14,7 @@ from edm2.data import shard_writer
 from edm2.data.convert import read_label_map
 from edm2.data.dataset_files import DatasetError
 from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE
+from edm2.data.shard_convert import source_index
 from edm2.data.shards import INDEX_FILE, ShardDataset, read_index
 from edm2.data.sources import open_data
 from edm2.encoders import StandardRGBEncoder
@@ -56,6 +57,12 @@ def test_the_shard_index_keeps_the_class_names_and_reads_them_back(named):
     assert open_data(shards, use_labels=False).classes is None
     assert dataset_description(open_data(shards))["classes"] == CLASSES  # a run's options, then its snapshots
     assert read_label_map(shards) == CLASSES  # convert --labels=NAME.shards
+
+
+def test_encode_s_latent_index_keeps_the_class_names_too(named):
+    # convert and encode make their index with source_index: latents of a named dataset name their classes
+    index = source_index(open_data(named / "named"), {"encoding": "stability-vae"}, [8, 1, 1], {"batch": 8})
+    assert (index["encoding"], index[CLASSES_KEY]) == ("stability-vae", CLASSES)
 
 
 def test_an_index_without_class_names_reads_as_before_and_ids_stay(tmp_path):
