@@ -21,6 +21,7 @@ from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, Image
                                with_alpha)
 from edm2.data.dataset import DatasetError, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
+from edm2.data.shards import is_shard_dataset
 from edm2.data.tar_source import is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
@@ -56,6 +57,9 @@ def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]
 
 def image_source(source: Path, labels_path: Path | None) -> ImageSource:
     """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
+    if is_shard_dataset(source):  # its samples are no image files: they convert as they are, into shards
+        raise click.BadParameter(f"{source} is a shard dataset, which converts into shards (--dest=NAME.shards); "
+                                 f"train_edm2.py and calculate_metrics.py read it as it is", param_hint="'--source'")
     try:
         label_map = None if labels_path is None else read_label_map(labels_path)
     except (EDM2Error, OSError) as e:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from cli.command import Command  # noqa: E402
 from edm2 import plots  # noqa: E402
-from edm2.data.dataset import ImageFolderDataset  # noqa: E402
+from edm2.data.sources import open_data  # noqa: E402
 from edm2.encoders import encoder_from_config  # noqa: E402
 from edm2.eval.magnitudes import bucket_magnitudes  # noqa: E402
 from edm2.eval.validation import ValidationSamples  # noqa: E402
@@ -41,7 +41,7 @@ def run_records(folder: Path, data: str, std: float, num: int, seed: int) -> lis
     for snap in snapshots:
         net, meta = load_network(snap.path)
         if batch is None:
-            dataset = ImageFolderDataset(data, use_labels=bool(net.label_dim))
+            dataset = open_data(data, use_labels=bool(net.label_dim))
             samples = ValidationSamples(dataset, encoder_from_config(meta["encoder"]), net, num,
                                         recorded_loss(meta.get("loss"), net.sigma_data), seed)
             batch = samples.batch(range(num))
@@ -52,7 +52,8 @@ def run_records(folder: Path, data: str, std: float, num: int, seed: int) -> lis
 
 @click.command(cls=Command)
 @click.argument("runs", nargs=-1, required=True, metavar="NAME=RUN...")
-@click.option("--data", help="Dataset the probe's samples come from", metavar="PATH|ZIP", required=True)
+@click.option("--data", help="Dataset the probe's samples come from (folder, ZIP, shards or blend, as --data of "
+              "train_edm2.py)", metavar="PATH|ZIP|SHARDS|BLEND", required=True)
 @click.option("--dest", help="Folder for figure15.{json,png}", metavar="DIR", type=click.Path(path_type=Path),
               required=True)
 @click.option("--std", help="EMA track to probe", type=float, default=0.100, show_default=True)

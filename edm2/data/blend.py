@@ -25,7 +25,7 @@ class BlendError(DatasetError):
 
 def parse_blend(spec: str) -> list[tuple[str, float]]:
     """(path, weight) of each source of a blend spec (PATH:WEIGHT,... or a .json file)."""
-    if spec.lower().endswith(".json") and Path(spec).is_file():
+    if spec.lower().endswith(".json") and os.path.lexists(spec):  # any kind: bounded_json refuses a FIFO
         try:
             sources = bounded_json.read(spec)["sources"]
             pairs = [(str(s["path"]), s["weight"]) for s in sources]

@@ -20,6 +20,7 @@ from edm2.data.dataset import image_fname, source_image_names
 from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE, parse_classes, read_dataset_json
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
 from edm2.data.dataset_writer import DatasetWriter, png_bytes
+from edm2.data.shards import is_shard_dataset, read_index
 from edm2.errors import one_line, shown
 from edm2.runtime import bounded_json
 
@@ -108,8 +109,11 @@ def _folder_labels(names: list[str], label_map: dict[str, int] | None) -> tuple[
 
 def read_label_map(path: str | os.PathLike) -> dict[str, int]:
     """{class name: class} from a JSON file: a plain map, a dataset.json with CLASSES_KEY, or a run's
-    training_options.json (its dataset's); or from a dataset (folder or ZIP) whose dataset.json has one."""
-    if os.path.isdir(path) or str(path).lower().endswith(".zip"):
+    training_options.json (its dataset's); or from a dataset (folder or ZIP) whose dataset.json has one, or shards
+    whose index keeps one."""
+    if is_shard_dataset(path):
+        stored = {CLASSES_KEY: read_index(path).get(CLASSES_KEY)}  # the class names kept from its dataset.json
+    elif os.path.isdir(path) or str(path).lower().endswith(".zip"):
         files = FileTree(path)
         if LABELS_FILE not in files.names:
             raise DatasetError(f"{shown(path)} has no {LABELS_FILE}")

@@ -72,6 +72,8 @@ class FileTree:
         if self.path.is_dir():
             self.is_zip = False
             names = walk_files(self.path)
+        elif os.path.lexists(self.path) and not self.path.is_file():
+            raise DatasetError(f"{self.path}: {files.file_kind(self.path)}, not a directory or ZIP file")
         elif self.path.is_file():
             self.is_zip = True
             names = [name for name in self._archive().namelist() if not name.endswith("/")]

@@ -39,7 +39,7 @@ def source_index(source: object, encoding: dict, shape: list[int], identity: dic
     labels = source_labels(source)
     label_dim = 0 if labels is None else int(labels[:count].max()) + 1
     return shard_writer.new_index(encoding["encoding"], shape, label_dim, count, identity, shard_size,
-                                  encoding.get("encoding_settings"))
+                                  encoding.get("encoding_settings"), getattr(source, "classes", None))
 
 
 def convert_to_shards(source: object, dest: Path, index: dict, report: Callable[[str], None]) -> int:

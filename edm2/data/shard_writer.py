@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from edm2.data.dataset_files import DatasetError
+from edm2.data.dataset_json import CLASSES_KEY
 from edm2.data.shards import (FORMAT, INDEX_FILE, LABEL_DTYPE, VERSION, check_index, check_shard, num_shards,
                               shard_count, shard_header, shard_name)
 from edm2.encoders import ENCODINGS
@@ -32,9 +33,10 @@ class ShardWorkError(DatasetError):
 
 
 def new_index(encoding: str, shape: list[int], label_dim: int, count: int, identity: dict,
-              shard_size: int | None = None, settings: dict | None = None) -> dict:
-    """The index of a shard dataset of an encoding (an edm2.encoders.ENCODINGS name, and its settings if any); its
-    id hashes the index's fields and identity (what the samples come from)."""
+              shard_size: int | None = None, settings: dict | None = None,
+              classes: dict[str, int] | None = None) -> dict:
+    """The index of a shard dataset of an encoding (an edm2.encoders.ENCODINGS name, and its settings if any) and
+    class names (CLASSES_KEY, if any); its id hashes the index's fields and identity (what the samples come from)."""
     dtype = ENCODINGS[encoding].stored_dtype
     per_sample = int(np.prod(shape)) * np.dtype(dtype).itemsize
     shard_size = min(count, shard_size or max(1, SHARD_BYTES // per_sample))
@@ -42,6 +44,8 @@ def new_index(encoding: str, shape: list[int], label_dim: int, count: int, ident
     if settings:
         index["encoding_settings"] = settings
     index.update(dtype=dtype, shape=list(shape), label_dim=label_dim, count=count, shard_size=shard_size)
+    if classes and label_dim:
+        index[CLASSES_KEY] = dict(classes)  # only when named: the ids of datasets without names stay as they were
     ident = hashlib.sha256(json.dumps([index, identity], sort_keys=True).encode()).hexdigest()[:32]
     return dict(index, id=ident)
 

@@ -3,7 +3,8 @@
 A dataset is a folder (by convention NAME.shards) holding index.json and shard-KKKKKK.bin. The index records
 what the samples are (an edm2.encoders.ENCODINGS name, "pixels" for uint8 images, "stability-vae" for the VAE's
 mean/std latents, ..., and its settings), their dtype (the one its Encoder class stores) and CHW shape, the label
-classes (0 for none), the count and the samples per shard; it does not grow with the dataset. Shard k holds
+classes (0 for none) and, where the source's dataset.json names them, the class names ({name: class}, as
+dataset.json's CLASSES_KEY), the count and the samples per shard; it does not grow with the dataset. Shard k holds
 samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the dataset's id, k, its first sample, its
 count, bytes per sample), the samples back to back, then one int32 label per sample when labeled. A process maps
 at most MAX_OPEN_SHARDS shards at a time, so its own memory does not depend on the number of samples, and the page
@@ -22,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from edm2.data.dataset import ImageData, LabelsOf
-from edm2.data.dataset_json import MAX_CLASSES
+from edm2.data.dataset_json import CLASSES_KEY, MAX_CLASSES, parse_classes
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
 from edm2.encoders import ENCODINGS
-from edm2.runtime import bounded_json
+from edm2.runtime import bounded_json, files
 
 INDEX_FILE = "index.json"
 FORMAT = "edm2-shards"
@@ -44,8 +45,8 @@ def shard_name(k: int) -> str:
 
 
 def is_shard_dataset(path: str | os.PathLike) -> bool:
-    """True for a folder holding a shard index."""
-    return Path(path, INDEX_FILE).is_file()
+    """True for a folder holding a shard index (of any file kind: read_index refuses one that is no regular file)."""
+    return os.path.lexists(Path(path, INDEX_FILE))
 
 
 def item_bytes(index: dict) -> int:
@@ -105,6 +106,7 @@ def check_index(index: object, path: Path) -> dict:
     need(isinstance(index.get("id"), str) and len(index["id"]) == 32 and all(c in "0123456789abcdef"
                                                                              for c in index["id"]),
          "id is not 32 hexadecimal digits")
+    parse_classes(index, path / INDEX_FILE)
     return index
 
 
@@ -122,8 +124,8 @@ def check_shard(path: Path, index: dict, k: int) -> None:
     """Refuse shard k when missing, of another size than the index says, or not the index's shard k."""
     file = path / shard_name(k)
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
+        with files.open_input(file) as f:  # a FIFO or device is refused before its size is compared, not waited on
+            size = os.fstat(f.fileno()).st_size
             header = f.read(SHARD_HEADER.size)
     except OSError as e:
         raise DatasetError(f"{path}: shard {shard_name(k)} is missing or unreadable ({e.strerror or e})") from None
@@ -178,6 +180,7 @@ class ShardDataset(ImageData):
         self.label_dim = self.index["label_dim"] if use_labels else 0
         self._size = min(self.index["count"], max_size or self.index["count"])
         self.raw_labels = LabelsOf(self._size, self.label_of) if use_labels and self._labeled else None
+        self.classes = self.index.get(CLASSES_KEY) if self.raw_labels is not None else None
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
         if resolution is not None and self.resolution != resolution:
             raise DatasetError(f"{self.path}: samples are {self.resolution}x{self.resolution}, "
@@ -190,7 +193,11 @@ class ShardDataset(ImageData):
             return self._maps[k]
         if len(self._maps) >= MAX_OPEN_SHARDS:
             self._maps.popitem(last=False)
-        self._maps[k] = np.memmap(self.path / shard_name(k), dtype=np.uint8, mode="r")
+        try:
+            with files.open_input(self.path / shard_name(k)) as f:  # the map keeps its own handle on the file
+                self._maps[k] = np.memmap(f, dtype=np.uint8, mode="r")
+        except OSError as e:
+            raise DatasetError(f"{self.path}: cannot map {shard_name(k)} ({e.strerror or e})") from None
         return self._maps[k]
 
     def _locate(self, idx: int) -> tuple[np.memmap, int, int]:

@@ -119,7 +119,12 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
         with dataset_writer(dest) as writer:
             writer.encoding = encoding
             for idx, name in enumerate(tqdm(names, desc="write ZIP", unit="img")):
-                writer.add(name, (work / name).read_bytes(), label_of(dataset, idx))
+                try:
+                    with files.open_input(work / name) as f:  # a FIFO or device is refused, not waited on
+                        latents = f.read()
+                except OSError as e:
+                    raise DatasetError(f"{work}: cannot read {name} ({e.strerror or e})") from None
+                writer.add(name, latents, label_of(dataset, idx))
         shutil.rmtree(work)
         return
     files.remove_stale_temporaries(work, owned=True, recursive=True)  # every writer has finished

@@ -153,6 +153,16 @@ _NOT_REGULAR = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat
                 stat.S_IFSOCK: "a socket"}
 
 
+def file_kind(path: str | os.PathLike) -> str:
+    """What `path` (a link: what it points to) is, in words: 'a FIFO', 'a regular file', 'a directory', ..."""
+    try:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+    except OSError as e:
+        return "a broken link" if os.path.islink(path) else f"unreadable ({e.strerror})"
+    return {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}.get(kind) or _NOT_REGULAR.get(kind,
+                                                                                                     "a special file")
+
+
 def open_input(path: str | os.PathLike) -> BinaryIO:
     """Open an input file for reading in binary mode; OSError naming it when it is not a regular file.
 
