@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import numpy as np
@@ -736,6 +737,30 @@ def test_convert_reports_transparency_and_drops_keeps_or_composites_it(tmp_path)
     # Over an opaque background: out = c a + bg (1 - a), a = 128/255; 8-bit rounding within one level.
     expected = np.array([0, 0, 255]) * 128 / 255 + np.array([255, 0, 0]) * 127 / 255
     assert np.abs(first[0, 7] - expected).max() <= 1
+
+
+@pytest.mark.parametrize("alpha", ["drop", "composite", "keep"])
+def test_palette_images_with_transparency_convert_without_pil_warnings(tmp_path, alpha):
+    # A palette PNG whose tRNS gives entry 1 alpha 0 and entry 2 alpha 128 (PIL keeps such a tRNS as bytes): PIL
+    # warns converting it to RGB or L directly, once per image; the colours are its palette's all the same.
+    index = np.zeros((8, 8), np.uint8)
+    index[:, 4:6], index[:, 6:] = 1, 2
+    image = PIL.Image.fromarray(index, "P")
+    image.putpalette([200, 10, 10, 0, 0, 250, 0, 250, 0] + [0] * 759)
+    (tmp_path / "icons").mkdir()
+    image.save(tmp_path / "icons" / "a.png", transparency=bytes([255, 0, 128]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = run("convert", "--source", tmp_path / "icons", "--dest", tmp_path / "out", f"--alpha={alpha}",
+                     "--workers=0")  # in this process, where the warnings filter applies
+    assert_ok(result)
+    assert "1 of 1 images had transparent pixels" in result.output
+    [out] = converted(tmp_path / "out")
+    clear = {"drop": [0, 0, 250], "composite": [255, 255, 255], "keep": [0, 0, 250, 0]}[alpha]
+    assert out[0, 0].tolist() == [200, 10, 10, 255][:len(clear)] and out[0, 4].tolist() == clear
+    # Half-clear green: kept, dropped to its colour, or over white as c a + 255 (1 - a), a = 128/255, within a level.
+    half = {"drop": [0, 250, 0], "keep": [0, 250, 0, 128]}.get(alpha, np.array([0, 250, 0]) * 128 / 255 + 255 * 127 / 255)
+    assert np.abs(out[0, 7] - np.asarray(half)).max() <= (1 if alpha == "composite" else 0)
 
 
 def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):
