@@ -14,13 +14,14 @@ from tqdm import tqdm
 
 from cli.command import Group
 from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode_shards, encodings_storing, is_shards,
-                          make_encoder, open_dataset, ready, recorded_encoding, tar_only)
+                          make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
                                with_alpha)
 from edm2.data.dataset import DatasetError, image_fname
 from edm2.data.dataset_writer import dataset_writer, png_bytes
+from edm2.data.tar_convert import convert_tar_images
 from edm2.data.tar_source import is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
@@ -136,16 +137,25 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         --resolution=64 --transform=center-crop-dhariwal
     """
     encoder = make_encoder(encoding or "pixels", encoding_settings) if encoding or encoding_settings else None
+    colour = alpha_background(alpha, background)
+    tar = is_tar_source(source)
+    if tar and (labels_path is not None or channels != "auto"):
+        raise click.BadParameter(f"{source} is tar shards, whose images become RGB and whose classes are their "
+                                 "samples' (KEY.cls or KEY.json's label)", param_hint="'--labels'" if labels_path
+                                 else "'--channels'")
     if is_shards(dest):
         tar_only(source, resolution, transform)
-        if alpha != "drop" or labels_path is not None:
-            raise click.BadParameter("a shard dataset holds its source's samples and labels as they are; convert to "
-                                     "a PNG dataset for --alpha or --labels", param_hint="'--dest'")
+        if not tar and (alpha != "drop" or labels_path is not None):
+            raise click.BadParameter("a shard dataset of a dataset holds its samples and labels as they are; convert "
+                                     "to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
         with distributed.session(single_process=True):
-            return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size, encoder)
-    if is_tar_source(source):
-        raise click.BadParameter(f"{source}: tar shards convert into shards: --dest=NAME.shards", param_hint="'--dest'")
-    colour = alpha_background(alpha, background)
+            counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
+                                    encoder, alpha=alpha, background=colour)
+        if counts is not None:
+            report_transparency(*counts, alpha, colour)
+        return
+    if tar:
+        return convert_tar(source, dest, transform_for(transform, resolution), max_images, encoder, alpha, colour)
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         images = image_source(source, labels_path)
@@ -165,21 +175,38 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                      with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
 
 
+def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
+                max_images: int | None, encoder: Encoder | None, alpha: str, colour: tuple[int, int, int]) -> None:
+    """convert webdataset tar shards into a dataset of PNGs: transformed, their transparency as alpha says."""
+    with distributed.session(single_process=True), claimed_dest(dest, "convert"):
+        samples = open_shard_source(source, transform_image, "", alpha=alpha, background=colour)
+        with dataset_writer(dest) as writer:
+            writer.encoding = (encoder or StandardRGBEncoder()).dataset_record()
+            written, transparent = convert_tar_images(samples, writer, max_images)
+    report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, colour, None)
+
+
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
                      colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
     """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
     click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
-    if transparent:
-        click.echo(f"{transparent} of {written} images had transparent pixels: " + {
-            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
-                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
-            "keep": "their alpha is kept as the last channel",
-            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
+    report_transparency(written, transparent, alpha, colour)
     if classes:
         click.echo("classes (dataset.json's numbers and names):")
         for folder, label in sorted(classes.items(), key=lambda item: item[1]):
             click.echo(f"  {label}: {shown(folder)}")
+
+
+def report_transparency(written: int | None, transparent: int, alpha: str, colour: tuple[int, int, int]) -> None:
+    """The line saying how many of the written images (None: of a resumed run's) had transparent pixels and what
+    became of them; nothing when none had."""
+    if transparent:
+        click.echo(f"{transparent} of {'the' if written is None else written} images had transparent pixels: " + {
+            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
+                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
+            "keep": "their alpha is kept as the last channel",
+            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
 
 
 def vae_options(command: Callable) -> Callable:

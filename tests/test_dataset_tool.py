@@ -19,6 +19,7 @@ from click.testing import CliRunner
 import dataset_tool
 from edm2.data import toy_shapes
 from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
+from edm2.data.shards import ShardDataset
 from edm2.encoders import StabilityVAEEncoder
 from edm2.runtime import files
 from edm2.runtime.locks import DestinationLock
@@ -761,6 +762,80 @@ def test_palette_images_with_transparency_convert_without_pil_warnings(tmp_path,
     # Half-clear green: kept, dropped to its colour, or over white as c a + 255 (1 - a), a = 128/255, within a level.
     half = {"drop": [0, 250, 0], "keep": [0, 250, 0, 128]}.get(alpha, np.array([0, 250, 0]) * 128 / 255 + 255 * 127 / 255)
     assert np.abs(out[0, 7] - np.asarray(half)).max() <= (1 if alpha == "composite" else 0)
+
+
+def rgba_as(tmp_path, kind):
+    """rgba_source's three images as a folder, a ZIP, or webdataset tar shards (two tars, classes 2, 0, 1)."""
+    source = rgba_source(tmp_path)
+    if kind == "zip":
+        with zipfile.ZipFile(tmp_path / "emoji.zip", "w") as archive:
+            for path in sorted(source.iterdir()):
+                archive.write(path, path.name)
+        return tmp_path / "emoji.zip"
+    if kind == "tar":
+        import webdataset as wds
+
+        (tmp_path / "tars").mkdir()
+        for t, names in enumerate([["a.png", "b.png"], ["c.png"]]):
+            with wds.TarWriter(str(tmp_path / "tars" / f"{t:05d}.tar")) as writer:
+                for name in names:
+                    label = {"a.png": 2, "b.png": 0, "c.png": 1}[name]
+                    writer.write({"__key__": name[0], "png": (source / name).read_bytes(), "cls": str(label).encode()})
+        return tmp_path / "tars"
+    return source
+
+
+# What each --alpha makes of rgba_source's first image at (0, 0) (clear, hiding black) and (0, 7) (blue at alpha
+# 128, over white c a + 255 (1 - a) with a = 128/255), and of its opaque second image.
+ALPHA_PIXELS = {"drop": ([0, 0, 0], [0, 0, 255], [10, 200, 30]),
+                "keep": ([0, 0, 0, 0], [0, 0, 255, 128], [10, 200, 30, 255]),
+                "composite": ([255, 255, 255], [127, 127, 255], [10, 200, 30])}
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out", "out.shards"])
+@pytest.mark.parametrize("kind", ["folder", "zip", "tar"])
+@pytest.mark.parametrize("alpha", list(ALPHA_PIXELS))
+def test_every_source_converts_with_every_alpha_mode(tmp_path, kind, dest, alpha):
+    source = rgba_as(tmp_path, kind)
+    args = ["convert", "--source", source, "--dest", tmp_path / dest, f"--alpha={alpha}", "--workers=0"]
+    if dest.endswith(".shards") and kind != "tar":
+        # A dataset's shards hold its samples as they are: --alpha is refused before anything is written.
+        if alpha != "drop":
+            assert_refused(tmp_path, lambda: run(*args), "--dest", "holds its samples and labels as they are")
+        else:  # a folder or ZIP of images of mixed channels becomes a dataset first
+            assert_one_error_line(run(*args), "--dest=DATASET.zip")
+        return
+    result = run(*args)
+    assert_ok(result)
+    assert "1 of 3 images had transparent pixels" in result.output
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    first, second = (dataset[i][0].transpose(1, 2, 0) for i in range(2))
+    clear, half, opaque = ALPHA_PIXELS[alpha]
+    assert first[0, 0].tolist() == clear and second[0, 0].tolist() == opaque
+    assert np.abs(first[0, 7].astype(int) - half).max() <= (1 if alpha == "composite" else 0)  # 8-bit rounding
+    if kind == "tar":
+        assert [int(dataset.raw_labels[i]) for i in range(3)] == [2, 0, 1]
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out.shards"])
+def test_tar_shards_convert_at_a_given_resolution_and_transform(tmp_path, dest):
+    source = rgba_as(tmp_path, "tar")
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / dest, "--resolution=4", "--transform=center-crop",
+                  "--alpha=composite", "--workers=0"))
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    assert dataset.image_shape == [3, 4, 4] and len(dataset) == 3
+    # LANCZOS from 8 to 4 of the second image, one colour throughout: that colour.
+    assert dataset[1][0].reshape(3, -1).T.tolist() == [[10, 200, 30]] * 16
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("args, option", [(["--labels", "{map}"], "--labels"), (["--channels=1"], "--channels")])
+def test_what_tar_shards_cannot_take_is_one_line(tmp_path, args, option):
+    source = rgba_as(tmp_path, "tar")
+    (tmp_path / "map.json").write_text('{"a": 0}')
+    args = [arg.format(map=tmp_path / "map.json") for arg in args]
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip", *args),
+                   option, "is tar shards, whose images become RGB")
 
 
 def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):

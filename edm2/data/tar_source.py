@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from edm2.data.convert import read_image
+from edm2.data.convert import BACKGROUNDS, read_image
 from edm2.data.dataset_json import is_class
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, open_image
 
@@ -82,10 +82,14 @@ def _class(sample: dict, path: str) -> int | None:
 
 
 class TarSource:
-    """The samples of tar shards: count, classes (None when unlabeled), and images by position."""
+    """The samples of tar shards: count, classes (None when unlabeled), and images by position; alpha and background
+    are read_image's (transparency dropped, kept or composited), and transparent holds the positions read whose
+    image had transparent pixels."""
 
-    def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray]):
+    def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray], alpha: str = "drop",
+                 background: tuple[int, int, int] = BACKGROUNDS["white"]):
         self.spec, self.paths, self.transform = str(spec), tar_paths(spec), transform
+        self.alpha, self.background, self.transparent = alpha, background, set()
         self.counts, labels = [], []
         for path in self.paths:
             count = 0
@@ -117,7 +121,10 @@ class TarSource:
         while len(out) < n:
             skip = first + len(out) - int(self.starts[k])
             for sample in itertools.islice(_samples(self.paths[k]), skip, skip + n - len(out)):
-                out.append(self._image(sample, self.paths[k]))
+                image, transparent = self._image(sample, self.paths[k])
+                if transparent:
+                    self.transparent.add(first + len(out))
+                out.append(image)
             k += 1
         shapes = {image.shape for image in out}
         if len(shapes) > 1 or (hasattr(self, "image_shape") and list(out[0].shape) != self.image_shape):
@@ -125,12 +132,13 @@ class TarSource:
                                  f"{first + n - 1}; mixed sizes (use --resolution and --transform)")
         return np.stack(out)
 
-    def _image(self, sample: dict, path: str) -> np.ndarray:
+    def _image(self, sample: dict, path: str) -> tuple[np.ndarray, bool]:
         data = next(sample[key] for key in IMAGE_KEYS if key in sample)
         try:
             with open_image(io.BytesIO(data)):  # refuses a header of too many pixels before decoding
                 pass
-            image = self.transform(read_image(data)[0])  # tar sources drop alpha, as convert does by default
+            image, transparent = read_image(data, alpha=self.alpha, background=self.background)
+            image = self.transform(image)
         except IMAGE_ERRORS as e:
             raise TarSourceError(f"{path}: cannot read the image of sample {sample['__key__']} ({e})") from None
-        return image.transpose(2, 0, 1)
+        return image.transpose(2, 0, 1), transparent
