@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
+import functools
 import os
 import sys
 from pathlib import Path
@@ -15,11 +16,14 @@ from tqdm import tqdm
 from cli.command import Group
 from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode_shards, encodings_storing, is_shards,
                           make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
+from cli.run_setup import choose_encoder
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
                                with_alpha)
 from edm2.data.dataset import DatasetError, image_fname
+from edm2.data.dataset_files import MAX_IMAGE_PIXELS
+from edm2.data.sources import open_data
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.tar_convert import convert_tar_images
 from edm2.data.tar_source import is_tar_source
@@ -28,11 +32,14 @@ from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, LATENTS, PIXELS, Encoder, StandardRGBEncoder
 from edm2.errors import EDM2Error, one_line, shown
-from edm2.runtime import distributed
+from edm2.procedures.image_grid import save_png
+from edm2.procedures.preview import class_counts, decoded_means, first_of_each_class, preview_grid, stored_pixels
+from edm2.runtime import distributed, files
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
 
 DEFAULT_ENCODE_BATCH = 8
 MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels
+MAX_PER_CLASS = 64  # preview: images per class, one row of them
 
 
 def transform_for(transform: str | None, resolution: tuple[int, int] | None) -> Callable[[np.ndarray], np.ndarray]:
@@ -345,6 +352,52 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
                 image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
                 writer.add(image_fname(idx), png_bytes(image), idx % classes)
     click.echo(f"wrote {num} images of {classes} classes ({', '.join(kinds)}) to {dest}")
+
+
+@main.command()
+@click.option("--data", required=True, help="A dataset as train_edm2.py --data reads it: folder, ZIP, shards or "
+              "a blend.")
+@click.option("--dest", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write.")
+@click.option("--per-class", default=8, show_default=True, type=Integer(1, MAX_PER_CLASS),
+              help="Images per class: the first of each, one row per class.")
+@click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=Integer(1, MAX_BATCH),
+              help="Images per VAE call, for latents.")
+def preview(data: str, dest: Path, per_class: int, batch: int) -> None:
+    """Write a grid of the first images of each class (one row per class; latents decoded by the VAE encoding the
+    dataset records) to one PNG, and print how many images each class has.
+
+    \b
+    python dataset_tool.py preview --data=datasets/toy32.zip --dest=out/toy32-preview.png --per-class=8
+    """
+    if dest.suffix.lower() != ".png":
+        raise click.BadParameter(f"{shown(dest)} is no .png file name", param_hint="'--dest'")
+    files.check_writable_dir(dest.parent)
+    with distributed.session(single_process=True):
+        try:
+            dataset = open_data(data)
+        except DatasetError as e:
+            raise click.BadParameter(one_line(e), param_hint="'--data'") from None
+        encoder = choose_encoder(dataset)
+        if encoder.stored_dtype != PIXELS and not hasattr(encoder, "decode_raw"):
+            raise click.BadParameter(f"{data} records {dataset.encoding!r}, no VAE encoding that decodes its latents",
+                                     param_hint="'--data'")
+        decode = stored_pixels if encoder.stored_dtype == PIXELS else functools.partial(
+            decoded_means, ready(encoder, "'--data'"), distributed.device())
+        counts = class_counts(dataset)
+        height, width = decode(dataset[0][0][None]).shape[2:]  # a VAE's images are larger than its latents
+        pixels = (len(counts) * (height + 1) - 1) * (per_class * (width + 1) - 1)
+        if pixels > MAX_IMAGE_PIXELS:
+            raise click.BadParameter(f"{len(counts)} classes of {per_class} images of {width}x{height} make a grid of "
+                                     f"{pixels:,} pixels, beyond the {MAX_IMAGE_PIXELS:,} of an image our tools read",
+                                     param_hint="'--per-class'")
+        grid = preview_grid(dataset, first_of_each_class(dataset, counts, per_class), per_class, decode, batch)
+        save_png(dest, grid)
+    names = {label: name for name, label in (dataset.classes or {}).items()}
+    for label, count in counts.items():
+        what = "all" if label is None else f"class {label}" + (f" ({shown(names[label])})" if label in names else "")
+        click.echo(f"  {what}: {count} images")
+    click.echo(f"wrote a preview of {sum(counts.values())} images in {len(counts)} class(es), {per_class} of each, "
+               f"to {shown(dest)}")
 
 
 if __name__ == "__main__":
