@@ -67,3 +67,24 @@ def test_a_blend_and_unlabeled_data_preview_too(toy, tmp_path):
 def test_bad_preview_input_is_one_line_and_writes_nothing(toy, tmp_path, args, option, words):
     args = [arg.format(toy=toy, out=tmp_path) for arg in args]
     assert_refused([tmp_path, toy], lambda: run("preview", *args), option, words)
+
+
+def test_latents_preview_as_their_recorded_vae_decodes_their_means(toy, tmp_path):
+    import torch
+
+    from edm2.encoders import StabilityVAEEncoder
+    from tests.helpers import save_tiny_vae
+
+    vae = save_tiny_vae(tmp_path / "vae")
+    assert run("encode", "--source", toy / "toy.zip", "--dest", tmp_path / "latents.zip", "--vae", vae,
+               "--workers=0").exit_code == 0
+    result = run("preview", "--data", tmp_path / "latents.zip", "--dest", tmp_path / "p.png", "--per-class=1")
+    assert result.exit_code == 0, result.output
+    latents = ImageFolderDataset(tmp_path / "latents.zip")
+    means = torch.from_numpy(np.stack([latents[c][0][:4] for c in range(3)]))  # images 0, 1, 2: classes 0, 1, 2
+    expected = StabilityVAEEncoder(str(vae)).decode_raw(means).permute(0, 2, 3, 1).numpy()
+    side = expected.shape[1]  # the tiny VAE's 2x of the latents' 4x4
+    grid = read_png(tmp_path / "p.png")
+    assert grid.shape == (3 * (side + 1) - 1, side, 3)
+    for c in range(3):
+        np.testing.assert_array_equal(grid[c * (side + 1):c * (side + 1) + side], expected[c])
