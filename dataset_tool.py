@@ -96,7 +96,8 @@ def main() -> None:
 
 @main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
-              help="Folder (class sub-folders give labels; dataset.json is honoured) or ZIP of images.")
+              help="Folder (class sub-folders give labels; dataset.json is honoured) or ZIP of images, or webdataset "
+              "tar shards (a .tar or a folder of them).")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @click.option("--resolution", type=Resolution(), help="Output size N or WxH (WxH only for center-crop-wide).")
 @click.option("--transform", type=click.Choice(TRANSFORMS), help="Crop/resize mode (needs --resolution).")
@@ -126,7 +127,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str,
             encoding: str | None, encoding_settings: dict, alpha: str, labels_path: Path | None,
             background: str | None) -> None:
-    """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
+    """Crop/resize a folder, ZIP or tar shards of images into a dataset of PNGs or shards (--dest=NAME.shards).
 
     Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
     by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).

@@ -20,7 +20,8 @@ def class_counts(dataset: ImageData) -> dict[int | None, int]:
     return dict(sorted(counts.items()))
 
 
-def first_of_each_class(dataset: ImageData, counts: dict[int | None, int], per_class: int) -> dict[int | None, list[int]]:
+def first_of_each_class(dataset: ImageData, counts: dict[int | None, int],
+                        per_class: int) -> dict[int | None, list[int]]:
     """The indices of the first per_class images of each class of counts (class_counts), in one pass over the
     labels that stops once every class has them."""
     wanted = {c: min(per_class, n) for c, n in counts.items()}
