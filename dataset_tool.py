@@ -62,12 +62,17 @@ def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]
         raise click.BadParameter(str(e), param_hint="'--background'") from None
 
 
-def image_source(source: Path, labels_path: Path | None) -> ImageSource:
-    """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
+def label_map_of(labels_path: Path | None) -> dict[str, int] | None:
+    """The --labels map ({class name: class}), if given."""
     try:
-        label_map = None if labels_path is None else read_label_map(labels_path)
+        return None if labels_path is None else read_label_map(labels_path)
     except (EDM2Error, OSError) as e:
         raise click.BadParameter(one_line(e), param_hint="'--labels'") from None
+
+
+def image_source(source: Path, labels_path: Path | None) -> ImageSource:
+    """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
+    label_map = label_map_of(labels_path)
     try:
         return open_image_source(source, label_map)
     except DatasetError as e:
@@ -147,10 +152,9 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     encoder = make_encoder(encoding or "pixels", encoding_settings) if encoding or encoding_settings else None
     colour = alpha_background(alpha, background)
     tar = is_tar_source(source)
-    if tar and (labels_path is not None or channels != "auto"):
-        raise click.BadParameter(f"{source} is tar shards, whose images become RGB and whose classes are their "
-                                 "samples' (KEY.cls or KEY.json's label)", param_hint="'--labels'" if labels_path
-                                 else "'--channels'")
+    if tar and channels != "auto":
+        raise click.BadParameter(f"{source} is tar shards, whose images become RGB", param_hint="'--channels'")
+    label_map = label_map_of(labels_path) if tar else None
     if is_shards(dest):
         tar_only(source, resolution, transform)
         if not tar and (alpha != "drop" or labels_path is not None):
@@ -158,12 +162,13 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                                      "to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
         with distributed.session(single_process=True):
             counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
-                                    encoder, alpha=alpha, background=colour)
+                                    encoder, alpha=alpha, background=colour, label_map=label_map)
         if counts is not None:
             report_transparency(*counts, alpha, colour)
         return
     if tar:
-        return convert_tar(source, dest, transform_for(transform, resolution), max_images, encoder, alpha, colour)
+        return convert_tar(source, dest, transform_for(transform, resolution), max_images, encoder,
+                           dict(alpha=alpha, background=colour, label_map=label_map))
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         images = image_source(source, labels_path)
@@ -184,14 +189,18 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
 
 
 def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
-                max_images: int | None, encoder: Encoder | None, alpha: str, colour: tuple[int, int, int]) -> None:
-    """convert webdataset tar shards into a dataset of PNGs: transformed, their transparency as alpha says."""
+                max_images: int | None, encoder: Encoder | None, reading: dict) -> None:
+    """convert webdataset tar shards into a dataset of PNGs: transformed, their transparency and classes as reading
+    (TarSource's alpha, background and label_map) says."""
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
-        samples = open_shard_source(source, transform_image, "", alpha=alpha, background=colour)
+        samples = open_shard_source(source, transform_image, "", **reading)
         with dataset_writer(dest) as writer:
             writer.encoding = (encoder or StandardRGBEncoder()).dataset_record()
+            writer.classes = samples.classes
             written, transparent = convert_tar_images(samples, writer, max_images)
-    report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, colour, None)
+    alpha = reading["alpha"]
+    report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, reading["background"],
+                     samples.classes)
 
 
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,

@@ -137,26 +137,26 @@ def is_shards(dest: Path) -> bool:
 
 
 def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.ndarray],
-                      suffix: str, **alpha) -> TarSource | ImageFolderDataset | ShardDataset:
-    """The samples a shard dataset is made of: webdataset tar shards (transformed, their transparency as alpha, and
-    background say: TarSource's), else a dataset as it is."""
+                      suffix: str, **reading) -> TarSource | ImageFolderDataset | ShardDataset:
+    """The samples a shard dataset is made of: webdataset tar shards (transformed, their transparency and classes as
+    reading's alpha, background and label_map say: TarSource's), else a dataset as it is."""
     if not is_tar_source(source):
         return open_dataset(source, suffix)
     try:
-        return TarSource(source, transform_image, **alpha)
+        return TarSource(source, transform_image, **reading)
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="'--source'") from None
 
 
 def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None, shard_size: int | None, encoder: Encoder | None,
-                   **alpha) -> tuple[int | None, int] | None:
+                   **reading) -> tuple[int | None, int] | None:
     """convert into a shard dataset (resumable): from tar shards, in the encoding given (pixels by default), or from
-    a dataset (a ZIP's PNG or NPY files), in the encoding it records. For tar shards (alpha: TarSource's alpha and
-    background), returns (the images written, None when resumed; how many of this run's had transparent pixels); None
+    a dataset (a ZIP's PNG or NPY files), in the encoding it records. For tar shards (reading: TarSource's alpha,
+    background and label_map), returns (the images written, None when resumed; how many of this run's had transparent pixels); None
     for a dataset."""
     with claimed_dest(dest, "convert"):
-        samples = open_shard_source(source, transform_image, "", **alpha)
+        samples = open_shard_source(source, transform_image, "", **reading)
         first = samples.pixels(0, 1)[0] if isinstance(samples, TarSource) else samples[0][0]
         if isinstance(samples, TarSource):
             encoding = (encoder or RELEASE_ENCODINGS[PIXELS]()).dataset_record()

@@ -828,14 +828,44 @@ def test_tar_shards_convert_at_a_given_resolution_and_transform(tmp_path, dest):
     assert dataset[1][0].reshape(3, -1).T.tolist() == [[10, 200, 30]] * 16
 
 
+def named_class_tars(tmp_path, names=("places", "apps", "places")):
+    """One tar of three 8x8 images whose KEY.cls are class names, as a tar of icon themes' folders would give."""
+    import webdataset as wds
+
+    (tmp_path / "named").mkdir()
+    with wds.TarWriter(str(tmp_path / "named" / "00000.tar")) as writer:
+        for i, name in enumerate(names):
+            png = png_file(np.full((8, 8, 3), 40 * i, np.uint8))
+            writer.write({"__key__": f"s{i}", "png": png, "cls": name.encode()})
+    return tmp_path / "named"
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out.shards"])
+def test_tar_class_names_are_numbered_by_a_label_map(tmp_path, dest):
+    (tmp_path / "map.json").write_text(json.dumps({"apps": 4, "places": 1}))
+    result = run("convert", "--source", named_class_tars(tmp_path), "--dest", tmp_path / dest, "--labels",
+                 tmp_path / "map.json", "--workers=0")
+    assert_ok(result)
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    assert [int(dataset.raw_labels[i]) for i in range(3)] == [1, 4, 1]
+    if dest == "out.zip":  # the names are kept beside the numbers, and printed
+        assert dataset.classes == {"apps": 4, "places": 1} and "  4: apps" in result.output
+
+
 @pytest.mark.bad_input
-@pytest.mark.parametrize("args, option", [(["--labels", "{map}"], "--labels"), (["--channels=1"], "--channels")])
-def test_what_tar_shards_cannot_take_is_one_line(tmp_path, args, option):
+def test_a_tar_class_the_label_map_does_not_name_is_one_line(tmp_path):
+    (tmp_path / "map.json").write_text(json.dumps({"apps": 0}))
+    source = named_class_tars(tmp_path)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip", "--labels",
+                                         tmp_path / "map.json"), "00000.tar: sample s0 has class 'places'",
+                   "the label map does not name")
+
+
+@pytest.mark.bad_input
+def test_tar_shards_are_rgb_whatever_channels_asks_in_one_line(tmp_path):
     source = rgba_as(tmp_path, "tar")
-    (tmp_path / "map.json").write_text('{"a": 0}')
-    args = [arg.format(map=tmp_path / "map.json") for arg in args]
-    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip", *args),
-                   option, "is tar shards, whose images become RGB")
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip",
+                                         "--channels=1"), "--channels", "is tar shards, whose images become RGB")
 
 
 def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):

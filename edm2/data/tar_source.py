@@ -64,8 +64,9 @@ def _samples(path: str):
     return _tariterators().tarfile_samples([{"url": path}])
 
 
-def _class(sample: dict, path: str) -> int | None:
-    """The sample's class from KEY.cls (a decimal integer) or KEY.json ({"label": n} or {"class": n})."""
+def _class(sample: dict, path: str, label_map: dict[str, int] | None = None) -> int | None:
+    """The sample's class from KEY.cls (a decimal integer) or KEY.json ({"label": n} or {"class": n}); with a
+    label_map ({name: class}), the class that maps the name they give."""
     label = None
     if "cls" in sample:
         text = sample["cls"].decode("ascii", "replace").strip()
@@ -76,6 +77,11 @@ def _class(sample: dict, path: str) -> int | None:
         except ValueError as e:
             raise TarSourceError(f"{path}: sample {sample['__key__']} has unreadable JSON ({e})") from None
         label = meta.get("label", meta.get("class")) if isinstance(meta, dict) else None
+    if label is not None and label_map is not None:
+        if str(label) not in label_map:
+            raise TarSourceError(f"{path}: sample {sample['__key__']} has class {str(label)!r}, which the label map "
+                                 "does not name")
+        label = label_map[str(label)]
     if label is not None and not is_class(label):
         raise TarSourceError(f"{path}: sample {sample['__key__']} has class {label!r}, not a non-negative integer")
     return label
@@ -87,9 +93,10 @@ class TarSource:
     image had transparent pixels."""
 
     def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray], alpha: str = "drop",
-                 background: tuple[int, int, int] = BACKGROUNDS["white"]):
+                 background: tuple[int, int, int] = BACKGROUNDS["white"], label_map: dict[str, int] | None = None):
         self.spec, self.paths, self.transform = str(spec), tar_paths(spec), transform
         self.alpha, self.background, self.transparent = alpha, background, set()
+        self.classes = label_map  # the class names, where a label map gave them
         self.counts, labels = [], []
         for path in self.paths:
             count = 0
@@ -97,7 +104,7 @@ class TarSource:
                 if not any(key in sample for key in IMAGE_KEYS):
                     raise TarSourceError(f"{path}: sample {sample['__key__']} has no image "
                                          f"({', '.join(IMAGE_KEYS)})")
-                labels.append(_class(sample, path))
+                labels.append(_class(sample, path, label_map))
                 if (labels[-1] is None) != (labels[0] is None):
                     raise TarSourceError(f"{path}: sample {sample['__key__']} has "
                                          f"{'no' if labels[-1] is None else 'a'} class (cls or json 'label'), "
