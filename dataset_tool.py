@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cli.wait_policy  # noqa: F401  first: PyTorch's OpenMP reads its wait policy once, when it loads
+import functools
 import os
 import sys
 from pathlib import Path
@@ -15,24 +16,31 @@ from tqdm import tqdm
 from cli.command import Group
 from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode_shards, encodings_storing, is_shards,
                           make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
+from cli.run_setup import choose_encoder
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
                                background_colour, choose_mode, convert_images, open_image_source, read_label_map,
                                with_alpha)
 from edm2.data.dataset import DatasetError, image_fname
+from edm2.data.dataset_files import MAX_IMAGE_PIXELS
+from edm2.data.sources import open_data
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.shards import is_shard_dataset
+from edm2.data.tar_convert import convert_tar_images
 from edm2.data.tar_source import is_tar_source
 from edm2.data.toy_shapes import SHAPES, toy_image
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, LATENTS, PIXELS, Encoder, StandardRGBEncoder
 from edm2.errors import EDM2Error, one_line, shown
-from edm2.runtime import distributed
+from edm2.procedures.image_grid import save_png
+from edm2.procedures.preview import class_counts, decoded_means, first_of_each_class, preview_grid, stored_pixels
+from edm2.runtime import distributed, files
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
 
 DEFAULT_ENCODE_BATCH = 8
 MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels
+MAX_PER_CLASS = 64  # preview: images per class, one row of them
 
 
 def transform_for(transform: str | None, resolution: tuple[int, int] | None) -> Callable[[np.ndarray], np.ndarray]:
@@ -55,15 +63,20 @@ def alpha_background(alpha: str, background: str | None) -> tuple[int, int, int]
         raise click.BadParameter(str(e), param_hint="'--background'") from None
 
 
+def label_map_of(labels_path: Path | None) -> dict[str, int] | None:
+    """The --labels map ({class name: class}), if given."""
+    try:
+        return None if labels_path is None else read_label_map(labels_path)
+    except (EDM2Error, OSError) as e:
+        raise click.BadParameter(one_line(e), param_hint="'--labels'") from None
+
+
 def image_source(source: Path, labels_path: Path | None) -> ImageSource:
     """convert's source images, labeled by their folders (numbered by the --labels map if given)."""
     if is_shard_dataset(source):  # its samples are no image files: they convert as they are, into shards
         raise click.BadParameter(f"{source} is a shard dataset, which converts into shards (--dest=NAME.shards); "
                                  f"train_edm2.py and calculate_metrics.py read it as it is", param_hint="'--source'")
-    try:
-        label_map = None if labels_path is None else read_label_map(labels_path)
-    except (EDM2Error, OSError) as e:
-        raise click.BadParameter(one_line(e), param_hint="'--labels'") from None
+    label_map = label_map_of(labels_path)
     try:
         return open_image_source(source, label_map)
     except DatasetError as e:
@@ -92,7 +105,8 @@ def main() -> None:
 
 @main.command()
 @click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
-              help="Folder (class sub-folders give labels; dataset.json is honoured) or ZIP of images.")
+              help="Folder (class sub-folders give labels; dataset.json is honoured) or ZIP of images, or webdataset "
+              "tar shards (a .tar or a folder of them).")
 @click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
 @click.option("--resolution", type=Resolution(), help="Output size N or WxH (WxH only for center-crop-wide).")
 @click.option("--transform", type=click.Choice(TRANSFORMS), help="Crop/resize mode (needs --resolution).")
@@ -122,7 +136,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             max_images: int | None, on_error: str, workers: int, shard_size: int | None, channels: str,
             encoding: str | None, encoding_settings: dict, alpha: str, labels_path: Path | None,
             background: str | None) -> None:
-    """Crop/resize a folder or ZIP of images into a dataset of PNGs, or write a shard dataset (--dest=NAME.shards).
+    """Crop/resize a folder, ZIP or tar shards of images into a dataset of PNGs or shards (--dest=NAME.shards).
 
     Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
     by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
@@ -140,16 +154,25 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         --resolution=64 --transform=center-crop-dhariwal
     """
     encoder = make_encoder(encoding or "pixels", encoding_settings) if encoding or encoding_settings else None
+    colour = alpha_background(alpha, background)
+    tar = is_tar_source(source)
+    if tar and channels != "auto":
+        raise click.BadParameter(f"{source} is tar shards, whose images become RGB", param_hint="'--channels'")
+    label_map = label_map_of(labels_path) if tar else None
     if is_shards(dest):
         tar_only(source, resolution, transform)
-        if alpha != "drop" or labels_path is not None:
-            raise click.BadParameter("a shard dataset holds its source's samples and labels as they are; convert to "
-                                     "a PNG dataset for --alpha or --labels", param_hint="'--dest'")
+        if not tar and (alpha != "drop" or labels_path is not None):
+            raise click.BadParameter("a shard dataset of a dataset holds its samples and labels as they are; convert "
+                                     "to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
         with distributed.session(single_process=True):
-            return convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size, encoder)
-    if is_tar_source(source):
-        raise click.BadParameter(f"{source}: tar shards convert into shards: --dest=NAME.shards", param_hint="'--dest'")
-    colour = alpha_background(alpha, background)
+            counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
+                                    encoder, alpha=alpha, background=colour, label_map=label_map)
+        if counts is not None:
+            report_transparency(*counts, alpha, colour)
+        return
+    if tar:
+        return convert_tar(source, dest, transform_for(transform, resolution), max_images, encoder,
+                           dict(alpha=alpha, background=colour, label_map=label_map))
     with distributed.session(single_process=True), claimed_dest(dest, "convert"):
         transform_image = transform_for(transform, resolution)
         images = image_source(source, labels_path)
@@ -169,21 +192,42 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                      with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
 
 
+def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
+                max_images: int | None, encoder: Encoder | None, reading: dict) -> None:
+    """convert webdataset tar shards into a dataset of PNGs: transformed, their transparency and classes as reading
+    (TarSource's alpha, background and label_map) says."""
+    with distributed.session(single_process=True), claimed_dest(dest, "convert"):
+        samples = open_shard_source(source, transform_image, "", **reading)
+        with dataset_writer(dest) as writer:
+            writer.encoding = (encoder or StandardRGBEncoder()).dataset_record()
+            writer.classes = samples.classes
+            written, transparent = convert_tar_images(samples, writer, max_images)
+    alpha = reading["alpha"]
+    report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, reading["background"],
+                     samples.classes)
+
+
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
                      colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
     """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
     click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
-    if transparent:
-        click.echo(f"{transparent} of {written} images had transparent pixels: " + {
-            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
-                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
-            "keep": "their alpha is kept as the last channel",
-            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
+    report_transparency(written, transparent, alpha, colour)
     if classes:
         click.echo("classes (dataset.json's numbers and names):")
         for folder, label in sorted(classes.items(), key=lambda item: item[1]):
             click.echo(f"  {label}: {shown(folder)}")
+
+
+def report_transparency(written: int | None, transparent: int, alpha: str, colour: tuple[int, int, int]) -> None:
+    """The line saying how many of the written images (None: of a resumed run's) had transparent pixels and what
+    became of them; nothing when none had."""
+    if transparent:
+        click.echo(f"{transparent} of {'the' if written is None else written} images had transparent pixels: " + {
+            "drop": "their alpha was dropped, so the colours it hid show (often black); --alpha=composite "
+                    "--background=white puts them on a colour, --alpha=keep keeps it as a channel",
+            "keep": "their alpha is kept as the last channel",
+            "composite": "composited onto #{:02x}{:02x}{:02x}".format(*colour)}[alpha])
 
 
 def vae_options(command: Callable) -> Callable:
@@ -322,6 +366,52 @@ def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
                 image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
                 writer.add(image_fname(idx), png_bytes(image), idx % classes)
     click.echo(f"wrote {num} images of {classes} classes ({', '.join(kinds)}) to {dest}")
+
+
+@main.command()
+@click.option("--data", required=True, help="A dataset as train_edm2.py --data reads it: folder, ZIP, shards or "
+              "a blend.")
+@click.option("--dest", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The PNG to write.")
+@click.option("--per-class", default=8, show_default=True, type=Integer(1, MAX_PER_CLASS),
+              help="Images per class: the first of each, one row per class.")
+@click.option("--batch", default=DEFAULT_ENCODE_BATCH, show_default=True, type=Integer(1, MAX_BATCH),
+              help="Images per VAE call, for latents.")
+def preview(data: str, dest: Path, per_class: int, batch: int) -> None:
+    """Write a grid of the first images of each class (one row per class; latents decoded by the VAE encoding the
+    dataset records) to one PNG, and print how many images each class has.
+
+    \b
+    python dataset_tool.py preview --data=datasets/toy32.zip --dest=out/toy32-preview.png --per-class=8
+    """
+    if dest.suffix.lower() != ".png":
+        raise click.BadParameter(f"{shown(dest)} is no .png file name", param_hint="'--dest'")
+    files.check_writable_dir(dest.parent)
+    with distributed.session(single_process=True):
+        try:
+            dataset = open_data(data)
+        except DatasetError as e:
+            raise click.BadParameter(one_line(e), param_hint="'--data'") from None
+        encoder = choose_encoder(dataset)
+        if encoder.stored_dtype != PIXELS and not hasattr(encoder, "decode_raw"):
+            raise click.BadParameter(f"{data} records {dataset.encoding!r}, no VAE encoding that decodes its latents",
+                                     param_hint="'--data'")
+        decode = stored_pixels if encoder.stored_dtype == PIXELS else functools.partial(
+            decoded_means, ready(encoder, "'--data'"), distributed.device())
+        counts = class_counts(dataset)
+        height, width = decode(dataset[0][0][None]).shape[2:]  # a VAE's images are larger than its latents
+        pixels = (len(counts) * (height + 1) - 1) * (per_class * (width + 1) - 1)
+        if pixels > MAX_IMAGE_PIXELS:
+            raise click.BadParameter(f"{len(counts)} classes of {per_class} images of {width}x{height} make a grid of "
+                                     f"{pixels:,} pixels, beyond the {MAX_IMAGE_PIXELS:,} of an image our tools read",
+                                     param_hint="'--per-class'")
+        grid = preview_grid(dataset, first_of_each_class(dataset, counts, per_class), per_class, decode, batch)
+        save_png(dest, grid)
+    names = {label: name for name, label in (dataset.classes or {}).items()}
+    for label, count in counts.items():
+        what = "all" if label is None else f"class {label}" + (f" ({shown(names[label])})" if label in names else "")
+        click.echo(f"  {what}: {count} images")
+    click.echo(f"wrote a preview of {sum(counts.values())} images in {len(counts)} class(es), {per_class} of each, "
+               f"to {shown(dest)}")
 
 
 if __name__ == "__main__":

@@ -138,19 +138,21 @@ def image_path(outdir: Path, seed: int, subdirs: bool, class_idx: int | None = N
     return outdir / (f"{seed - seed % 1000:06d}" if subdirs else "") / f"{name}.png"
 
 
-def save_images(batches, outdir: Path, subdirs: bool, class_idx: int | None, labels: dict[str, int],
+def save_images(batches, outdir: Path, subdirs: bool, rows: Sequence[int | None], labels: dict[str, int],
                 generated: dict | None) -> None:
-    """Save each batch's images as PNG, noting their classes in labels and, for the grid, keeping them in
-    generated under (class_idx, seed)."""
+    """Save each batch's images as PNG (named by class too when rows, the classes asked for, are several), noting
+    their classes in labels and, for the grid, keeping them in generated under (class row, seed)."""
+    several = len(rows) > 1
     with contextlib.closing(batches):  # on an error, the progress bar ends before the error line
         for batch_seeds, images, classes in batches:
             for i, (seed, image) in enumerate(zip(batch_seeds, images.permute(0, 2, 3, 1).cpu().numpy())):
-                path = image_path(outdir, seed, subdirs, class_idx)
+                row = classes[i] if several else rows[0]
+                path = image_path(outdir, seed, subdirs, row if several else None)
                 save_png(path, image)
                 if classes is not None:
                     labels[path.relative_to(outdir).as_posix()] = classes[i]
                 if generated is not None:
-                    generated[class_idx, seed] = image
+                    generated[row, seed] = image
 
 
 def save_labels(outdir: Path, earlier: dict[str, int], labels: dict[str, int]) -> None:
@@ -230,12 +232,11 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
                            + (f", {len(seeds)} in each of {len(rows)} classes" if len(rows) > 1 else "")
                            + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else ""))
         generated, labels = {}, {}
-        for class_idx in rows:
-            batches = generate_images(net, encoder, seeds, class_idx=class_idx, gnet=gnet, guidance=guidance,
-                                      batch_size=batch_size, device=distributed.device(),
-                                      guidance_interval=guidance_interval, **sampler_kwargs)
-            save_images(batches, outdir, subdirs, class_idx if len(rows) > 1 else None, labels,
-                        generated if grid else None)
+        # Several classes share batches: every seed in each class, the batches filled across classes.
+        batches = generate_images(net, encoder, seeds, class_idx=classes if len(rows) > 1 else rows[0], gnet=gnet,
+                                  guidance=guidance, batch_size=batch_size, device=distributed.device(),
+                                  guidance_interval=guidance_interval, **sampler_kwargs)
+        save_images(batches, outdir, subdirs, rows, labels, generated if grid else None)
         if net.label_dim:
             save_labels(outdir, earlier, labels)
         if grid:

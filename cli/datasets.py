@@ -137,22 +137,26 @@ def is_shards(dest: Path) -> bool:
 
 
 def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.ndarray],
-                      suffix: str) -> TarSource | ImageFolderDataset | ShardDataset:
-    """The samples a shard dataset is made of: webdataset tar shards (transformed), else a dataset as it is."""
+                      suffix: str, **reading) -> TarSource | ImageFolderDataset | ShardDataset:
+    """The samples a shard dataset is made of: webdataset tar shards (transformed, their transparency and classes as
+    reading's alpha, background and label_map say: TarSource's), else a dataset as it is."""
     if not is_tar_source(source):
         return open_dataset(source, suffix)
     try:
-        return TarSource(source, transform_image)
+        return TarSource(source, transform_image, **reading)
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="'--source'") from None
 
 
 def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
-                   max_images: int | None, shard_size: int | None, encoder: Encoder | None) -> None:
+                   max_images: int | None, shard_size: int | None, encoder: Encoder | None,
+                   **reading) -> tuple[int | None, int] | None:
     """convert into a shard dataset (resumable): from tar shards, in the encoding given (pixels by default), or from
-    a dataset (a ZIP's PNG or NPY files), in the encoding it records."""
+    a dataset (a ZIP's PNG or NPY files), in the encoding it records. For tar shards (reading: TarSource's alpha,
+    background and label_map), returns (the images written, None when resumed; how many of this run's had transparent pixels); None
+    for a dataset."""
     with claimed_dest(dest, "convert"):
-        samples = open_shard_source(source, transform_image, "")
+        samples = open_shard_source(source, transform_image, "", **reading)
         first = samples.pixels(0, 1)[0] if isinstance(samples, TarSource) else samples[0][0]
         if isinstance(samples, TarSource):
             encoding = (encoder or RELEASE_ENCODINGS[PIXELS]()).dataset_record()
@@ -163,9 +167,13 @@ def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarr
             encoding = recorded_encoding(samples, str(first.dtype), source)
         index = source_index(samples, encoding, list(first.shape), {"source": str(source.resolve())}, max_images,
                              shard_size)
-        convert_to_shards(samples, dest, index, report=click.echo)
+        resumed = convert_to_shards(samples, dest, index, report=click.echo)
     click.echo(f"wrote {index['count']} {index['encoding']} samples of shape {'x'.join(map(str, first.shape))} to "
                f"{dest}")
+    if not isinstance(samples, TarSource):
+        return None
+    # A resumed run reads only the shards it writes (and the first image, for its shape).
+    return None if resumed else index["count"], len(samples.transparent)
 
 
 def encode_shards(samples: TarSource | ImageFolderDataset | ShardDataset, source: Path, dest: Path,

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import numpy as np
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 import dataset_tool
 from edm2.data import toy_shapes
 from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
+from edm2.data.shards import ShardDataset
 from edm2.encoders import StabilityVAEEncoder
 from edm2.runtime import files
 from edm2.runtime.locks import DestinationLock
@@ -736,6 +738,134 @@ def test_convert_reports_transparency_and_drops_keeps_or_composites_it(tmp_path)
     # Over an opaque background: out = c a + bg (1 - a), a = 128/255; 8-bit rounding within one level.
     expected = np.array([0, 0, 255]) * 128 / 255 + np.array([255, 0, 0]) * 127 / 255
     assert np.abs(first[0, 7] - expected).max() <= 1
+
+
+@pytest.mark.parametrize("alpha", ["drop", "composite", "keep"])
+def test_palette_images_with_transparency_convert_without_pil_warnings(tmp_path, alpha):
+    # A palette PNG whose tRNS gives entry 1 alpha 0 and entry 2 alpha 128 (PIL keeps such a tRNS as bytes): PIL
+    # warns converting it to RGB or L directly, once per image; the colours are its palette's all the same.
+    index = np.zeros((8, 8), np.uint8)
+    index[:, 4:6], index[:, 6:] = 1, 2
+    image = PIL.Image.fromarray(index, "P")
+    image.putpalette([200, 10, 10, 0, 0, 250, 0, 250, 0] + [0] * 759)
+    (tmp_path / "icons").mkdir()
+    image.save(tmp_path / "icons" / "a.png", transparency=bytes([255, 0, 128]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = run("convert", "--source", tmp_path / "icons", "--dest", tmp_path / "out", f"--alpha={alpha}",
+                     "--workers=0")  # in this process, where the warnings filter applies
+    assert_ok(result)
+    assert "1 of 1 images had transparent pixels" in result.output
+    [out] = converted(tmp_path / "out")
+    clear = {"drop": [0, 0, 250], "composite": [255, 255, 255], "keep": [0, 0, 250, 0]}[alpha]
+    assert out[0, 0].tolist() == [200, 10, 10, 255][:len(clear)] and out[0, 4].tolist() == clear
+    # Half-clear green: kept, dropped to its colour, or over white as c a + 255 (1 - a), a = 128/255, within a level.
+    half = {"drop": [0, 250, 0], "keep": [0, 250, 0, 128]}.get(alpha, np.array([0, 250, 0]) * 128 / 255 + 255 * 127 / 255)
+    assert np.abs(out[0, 7] - np.asarray(half)).max() <= (1 if alpha == "composite" else 0)
+
+
+def rgba_as(tmp_path, kind):
+    """rgba_source's three images as a folder, a ZIP, or webdataset tar shards (two tars, classes 2, 0, 1)."""
+    source = rgba_source(tmp_path)
+    if kind == "zip":
+        with zipfile.ZipFile(tmp_path / "emoji.zip", "w") as archive:
+            for path in sorted(source.iterdir()):
+                archive.write(path, path.name)
+        return tmp_path / "emoji.zip"
+    if kind == "tar":
+        import webdataset as wds
+
+        (tmp_path / "tars").mkdir()
+        for t, names in enumerate([["a.png", "b.png"], ["c.png"]]):
+            with wds.TarWriter(str(tmp_path / "tars" / f"{t:05d}.tar")) as writer:
+                for name in names:
+                    label = {"a.png": 2, "b.png": 0, "c.png": 1}[name]
+                    writer.write({"__key__": name[0], "png": (source / name).read_bytes(), "cls": str(label).encode()})
+        return tmp_path / "tars"
+    return source
+
+
+# What each --alpha makes of rgba_source's first image at (0, 0) (clear, hiding black) and (0, 7) (blue at alpha
+# 128, over white c a + 255 (1 - a) with a = 128/255), and of its opaque second image.
+ALPHA_PIXELS = {"drop": ([0, 0, 0], [0, 0, 255], [10, 200, 30]),
+                "keep": ([0, 0, 0, 0], [0, 0, 255, 128], [10, 200, 30, 255]),
+                "composite": ([255, 255, 255], [127, 127, 255], [10, 200, 30])}
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out", "out.shards"])
+@pytest.mark.parametrize("kind", ["folder", "zip", "tar"])
+@pytest.mark.parametrize("alpha", list(ALPHA_PIXELS))
+def test_every_source_converts_with_every_alpha_mode(tmp_path, kind, dest, alpha):
+    source = rgba_as(tmp_path, kind)
+    args = ["convert", "--source", source, "--dest", tmp_path / dest, f"--alpha={alpha}", "--workers=0"]
+    if dest.endswith(".shards") and kind != "tar":
+        # A dataset's shards hold its samples as they are: --alpha is refused before anything is written.
+        if alpha != "drop":
+            assert_refused(tmp_path, lambda: run(*args), "--dest", "holds its samples and labels as they are")
+        else:  # a folder or ZIP of images of mixed channels becomes a dataset first
+            assert_one_error_line(run(*args), "--dest=DATASET.zip")
+        return
+    result = run(*args)
+    assert_ok(result)
+    assert "1 of 3 images had transparent pixels" in result.output
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    first, second = (dataset[i][0].transpose(1, 2, 0) for i in range(2))
+    clear, half, opaque = ALPHA_PIXELS[alpha]
+    assert first[0, 0].tolist() == clear and second[0, 0].tolist() == opaque
+    assert np.abs(first[0, 7].astype(int) - half).max() <= (1 if alpha == "composite" else 0)  # 8-bit rounding
+    if kind == "tar":
+        assert [int(dataset.raw_labels[i]) for i in range(3)] == [2, 0, 1]
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out.shards"])
+def test_tar_shards_convert_at_a_given_resolution_and_transform(tmp_path, dest):
+    source = rgba_as(tmp_path, "tar")
+    assert_ok(run("convert", "--source", source, "--dest", tmp_path / dest, "--resolution=4", "--transform=center-crop",
+                  "--alpha=composite", "--workers=0"))
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    assert dataset.image_shape == [3, 4, 4] and len(dataset) == 3
+    # LANCZOS from 8 to 4 of the second image, one colour throughout: that colour.
+    assert dataset[1][0].reshape(3, -1).T.tolist() == [[10, 200, 30]] * 16
+
+
+def named_class_tars(tmp_path, names=("places", "apps", "places")):
+    """One tar of three 8x8 images whose KEY.cls are class names, as a tar of icon themes' folders would give."""
+    import webdataset as wds
+
+    (tmp_path / "named").mkdir()
+    with wds.TarWriter(str(tmp_path / "named" / "00000.tar")) as writer:
+        for i, name in enumerate(names):
+            png = png_file(np.full((8, 8, 3), 40 * i, np.uint8))
+            writer.write({"__key__": f"s{i}", "png": png, "cls": name.encode()})
+    return tmp_path / "named"
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out.shards"])
+def test_tar_class_names_are_numbered_by_a_label_map(tmp_path, dest):
+    (tmp_path / "map.json").write_text(json.dumps({"apps": 4, "places": 1}))
+    result = run("convert", "--source", named_class_tars(tmp_path), "--dest", tmp_path / dest, "--labels",
+                 tmp_path / "map.json", "--workers=0")
+    assert_ok(result)
+    dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
+    assert [int(dataset.raw_labels[i]) for i in range(3)] == [1, 4, 1]
+    if dest == "out.zip":  # the names are kept beside the numbers, and printed
+        assert dataset.classes == {"apps": 4, "places": 1} and "  4: apps" in result.output
+
+
+@pytest.mark.bad_input
+def test_a_tar_class_the_label_map_does_not_name_is_one_line(tmp_path):
+    (tmp_path / "map.json").write_text(json.dumps({"apps": 0}))
+    source = named_class_tars(tmp_path)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip", "--labels",
+                                         tmp_path / "map.json"), "00000.tar: sample s0 has class 'places'",
+                   "the label map does not name")
+
+
+@pytest.mark.bad_input
+def test_tar_shards_are_rgb_whatever_channels_asks_in_one_line(tmp_path):
+    source = rgba_as(tmp_path, "tar")
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "out.zip",
+                                         "--channels=1"), "--channels", "is tar shards, whose images become RGB")
 
 
 def test_kept_alpha_trains_and_draws_grids_as_a_fourth_channel(tmp_path):

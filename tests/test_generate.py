@@ -20,6 +20,7 @@ from cli.types import SeedList
 from edm2.encoders import StabilityVAEEncoder, StandardRGBEncoder
 from edm2.formats import snapshot
 from edm2.procedures import presets_generate
+from edm2.procedures import generation
 from edm2.procedures.generation import MAX_SEED, generate_images
 from edm2.runtime.files import TMP_SUFFIX, temporary_name
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
@@ -473,6 +474,33 @@ def test_class_lists_sample_every_seed_in_each_class_and_grid_rows_are_classes(n
     # The same images as a run for that one class.
     assert run_cli(["--net", nets["net"], "--seeds=0-1", "--class=2", *FAST, "--outdir", single]).exit_code == 0
     np.testing.assert_array_equal(read_pngs(single)["000001.png"], images["000001-c0002.png"])
+
+
+def test_several_classes_share_batches_and_give_each_class_runs_images(nets, tmp_path, monkeypatch):
+    # --class=0-4 with 2 seeds is 10 images: one batch of 10, not five of 2, each file bitwise a one-class run's.
+    sizes = []
+    sample = generation.sample_batch
+    monkeypatch.setattr(generation, "sample_batch", lambda net, enc, seeds, *a, **k: sizes.append(len(seeds))
+                        or sample(net, enc, seeds, *a, **k))
+    out = tmp_path / "out"
+    assert run_cli(["--net", nets["net"], "--seeds=5-6", "--class=0-4", *FAST, "--outdir", out]).exit_code == 0
+    assert sizes == [10]
+    images = read_pngs(out)
+    for c in range(5):
+        single = tmp_path / f"single{c}"
+        assert run_cli(["--net", nets["net"], "--seeds=5-6", f"--class={c}", *FAST, "--outdir", single]).exit_code == 0
+        for seed, image in read_pngs(single).items():
+            np.testing.assert_array_equal(images[f"{seed[:-4]}-c{c:04d}.png"], image)
+    assert sizes == [10] + [2] * 5
+
+
+def test_class_seeds_are_every_seed_in_each_class_in_order():
+    # ClassSeeds is every seed in each class, class by class, computed pair by pair.
+    pairs = generation.ClassSeeds(SeedList().convert("3,7-8", None, None), range(10, 12))
+    assert len(pairs) == 6 and pairs[:] == [(3, 10), (3, 11), (7, 10), (7, 11), (8, 10), (8, 11)]
+    assert pairs[-1] == (8, 11) and pairs[2:4] == [(7, 10), (7, 11)]
+    with pytest.raises(IndexError):
+        pairs[6]
 
 
 @pytest.mark.bad_input

@@ -3,6 +3,7 @@ replace (bitwise), channels-last and activation checkpointing against the plain 
 against fp32, and a training step that never waits for the device."""
 
 import copy
+import os
 import math
 
 import pytest
@@ -13,8 +14,8 @@ from edm2.eval import benchmark as eval_benchmark
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.phema import PowerFunctionEMA, power_function_beta
-from edm2.runtime.speed import (PRECISIONS, precision_dtype, precision_flags, set_precision, snapshot_precision,
-                                to_channels_last)
+from edm2.runtime.speed import (PRECISIONS, compile_cache, precision_dtype, precision_flags, set_precision,
+                                snapshot_precision, to_channels_last)
 from training.run import benchmark
 from training.run.benchmark import synthetic_step, with_unit_gains
 from training.run.data_parallel_speed import data_parallel_speed
@@ -291,3 +292,14 @@ def test_seconds_per_call_times_every_call_at_this_process_s_thread_count(monkey
     seconds = eval_benchmark.seconds_per_call(call, calls=4, warmup=1, device=CPU)
     assert seconds == 0.125  # the clock advances 0.125 s per call, exactly, and only inside calls
     assert all(entry == ("set", 3) for entry in seen if entry != "call") and seen.count("call") >= 1 + 4
+
+
+def test_compiled_graphs_are_cached_per_pytorch_and_cpu_kernels_unless_told_where(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDM2_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    kernels = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    assert compile_cache() == tmp_path / "torchinductor" / kernels
+    # Set for inductor, which reads the variable: every compile of this process and its children uses the folder.
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "torchinductor" / kernels)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache() == tmp_path / "mine"

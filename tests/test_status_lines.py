@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from edm2.encoders import StandardRGBEncoder
-from training.run import outputs
+from training.run import loop, outputs
 from training.options import TrainingOptions
+from training.step import WARMUP_STEPS
 
 
 def row(nimg: int) -> dict:
@@ -78,3 +79,54 @@ def test_the_start_line_explains_why_the_cpu_computes_in_float32(reference_run):
     log = (reference_run / "log.txt").read_text()
     assert "computing in float32 on cpu (--precision=fp16 applies on CUDA; --cpu-16bit uses it on the cpu too)" in log
     assert "precision fp16, computing" not in log
+
+
+def stepped_outputs(monkeypatch, tmp_path, step_seconds, **overrides):
+    """Outputs of a toy-tiny run (no files) whose steps take step_seconds[i] each on a fake clock; its stats rows."""
+    clock = Clock()
+    monkeypatch.setattr(outputs.time, "monotonic", clock)
+    opts = TrainingOptions.from_preset("toy-tiny", dict(resolution=8, num_channels=3, label_dim=4),
+                                       StandardRGBEncoder().config(), run_dir=str(tmp_path), data="unused",
+                                       **overrides)
+    state = types.SimpleNamespace(cur_nimg=0, elapsed_s=0.0, nonfinite=lambda: None)
+    rows = []
+    run = types.SimpleNamespace(append_stats=rows.append)
+    out = outputs.Outputs(opts, run, types.SimpleNamespace(), state, torch.device("cpu"))
+    for seconds in step_seconds:
+        clock.now += seconds
+        state.cur_nimg += opts.batch
+        out.add_loss(torch.tensor(1.0), 1)
+        out.write_due(done=False, stopping=False)
+    return opts, rows
+
+
+def test_the_warm_up_steps_stay_out_of_the_rate_and_the_eta(monkeypatch, tmp_path, capsys):
+    # Two warm-up steps of 100 s each (compiling), then 0.5 s per step: the first line's rate is the training's.
+    opts, rows = stepped_outputs(monkeypatch, tmp_path, [100.0] * WARMUP_STEPS + [0.5] * 14, duration=4096)
+    assert [r["nimg"] for r in rows] == [256, 512]  # toy-tiny: 32 images per step, a status line every 256
+    assert all(r["images_per_s"] == pytest.approx(opts.batch / 0.5, rel=1e-12) for r in rows)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("kimg "))
+    # The ETA is the rest of the duration at the training's rate: (4096 - 256) / 64 = 60 s.
+    assert line.endswith("ETA 0h01m00s") and "warm-up" not in line
+    assert rows[0]["elapsed_s"] == pytest.approx(2 * 100.0 + 6 * 0.5)  # the run's time keeps them
+
+
+def test_a_status_line_within_the_warm_up_says_it_counts_it(monkeypatch, tmp_path, capsys):
+    opts, rows = stepped_outputs(monkeypatch, tmp_path, [1.0] * (WARMUP_STEPS + 1), status=32)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kimg ")]
+    assert [line.endswith(" (warm-up included)") for line in lines] == [True] * WARMUP_STEPS + [False]
+    assert [r["images_per_s"] for r in rows] == pytest.approx([opts.batch / 1.0] * (WARMUP_STEPS + 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_compiling_run_says_so_before_its_first_step(monkeypatch, capsys, compiles):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/cache/of/graphs")
+    opts = types.SimpleNamespace(compiles=lambda device: compiles, duration=0)
+    step = types.SimpleNamespace(opts=opts, device=torch.device("cpu"), state=types.SimpleNamespace(cur_nimg=0))
+    assert loop._loop(step, None, types.SimpleNamespace(all_set=lambda: False)) is False
+    said = capsys.readouterr().out
+    notice = outputs.compile_notice(torch.device("cpu"))
+    assert said == (notice + "\n" if compiles else "")
+    assert notice.startswith(f"Compiling the network, its loss and Adam's update in the first {WARMUP_STEPS} steps "
+                             "(this takes about 3 to 6 minutes")
+    assert "cached in /cache/of/graphs" in notice

@@ -172,6 +172,9 @@ def read_image(data: bytes, mode: str = "RGB", alpha: str = "drop",
             wide = np.asarray(image).astype(np.uint32)
             image = PIL.Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
         transparent = is_transparent(image)
+        if image.mode == "P" and "transparency" in image.info:
+            # The palette's transparency as alpha first: PIL warns, once per image, converting it to RGB or L directly.
+            image = image.convert("RGBA")
         if alpha == "keep":
             return np.asarray(image.convert(with_alpha(mode))), transparent
         if alpha == "composite" and transparent:

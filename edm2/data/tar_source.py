@@ -23,7 +23,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from edm2.data.convert import read_image
+from edm2.data.convert import BACKGROUNDS, read_image
 from edm2.data.dataset_json import is_class
 from edm2.data.dataset_files import IMAGE_ERRORS, MAX_FILE_BYTES, DatasetError, open_image
 from edm2.errors import shown
@@ -182,8 +182,9 @@ def _samples(path: str, wanted: tuple[str, ...]) -> Iterator[dict]:
         yield sample
 
 
-def _class(sample: dict, path: str) -> int | None:
-    """The sample's class from KEY.cls (a decimal integer) or KEY.json ({"label": n} or {"class": n})."""
+def _class(sample: dict, path: str, label_map: dict[str, int] | None = None) -> int | None:
+    """The sample's class from KEY.cls (a decimal integer) or KEY.json ({"label": n} or {"class": n}); with a
+    label_map ({name: class}), the class that maps the name they give."""
     where = f"{path}: sample {shown(sample['__key__'])}"
     label = None
     if "cls" in sample:
@@ -195,6 +196,10 @@ def _class(sample: dict, path: str) -> int | None:
         except bounded_json.JSONFileError as e:
             raise TarSourceError(str(e)) from None
         label = meta.get("label", meta.get("class")) if isinstance(meta, dict) else None
+    if label is not None and label_map is not None:
+        if str(label) not in label_map:
+            raise TarSourceError(f"{where} has class {str(label)[:40]!r}, which the label map does not name")
+        label = label_map[str(label)]
     if label is not None and not is_class(label):
         raise TarSourceError(f"{where} has class {shown(str(label)[:40])}, not a non-negative integer of at most "
                              f"{bounded_json.MAX_INT_DIGITS} digits")
@@ -202,10 +207,15 @@ def _class(sample: dict, path: str) -> int | None:
 
 
 class TarSource:
-    """The samples of tar shards: count, classes (None when unlabeled), and images by position."""
+    """The samples of tar shards: count, classes (None when unlabeled), and images by position; alpha and background
+    are read_image's (transparency dropped, kept or composited), and transparent holds the positions read whose
+    image had transparent pixels."""
 
-    def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray]):
+    def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray], alpha: str = "drop",
+                 background: tuple[int, int, int] = BACKGROUNDS["white"], label_map: dict[str, int] | None = None):
         self.spec, self.paths, self.transform = str(spec), tar_paths(spec), transform
+        self.alpha, self.background, self.transparent = alpha, background, set()
+        self.classes = label_map  # the class names, where a label map gave them
         self.counts, labels = [], []
         for path in self.paths:
             count = 0
@@ -213,7 +223,7 @@ class TarSource:
                 if not any(key in sample for key in IMAGE_KEYS):
                     raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has no image "
                                          f"({', '.join(IMAGE_KEYS)})")
-                labels.append(_class(sample, path))
+                labels.append(_class(sample, path, label_map))
                 if (labels[-1] is None) != (labels[0] is None):
                     raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has "
                                          f"{'no' if labels[-1] is None else 'a'} class (cls or json 'label'), "
@@ -259,20 +269,26 @@ class TarSource:
 
     def pixels(self, first: int, n: int) -> np.ndarray:
         """Samples [first, first + n) as uint8 NCHW, transformed; every one of the first's shape."""
-        out = [self._image(*self._sample(position)) for position in range(first, first + n)]
+        out = []
+        for position in range(first, first + n):
+            image, transparent = self._image(*self._sample(position))
+            if transparent:
+                self.transparent.add(position)
+            out.append(image)
         shapes = {image.shape for image in out}
         if len(shapes) > 1 or (hasattr(self, "image_shape") and list(out[0].shape) != self.image_shape):
             raise TarSourceError(f"{self.spec}: images of shapes {sorted(shapes)} among samples {first} to "
                                  f"{first + n - 1}; mixed sizes (use --resolution and --transform)")
         return np.stack(out)
 
-    def _image(self, path: str, sample: dict) -> np.ndarray:
+    def _image(self, path: str, sample: dict) -> tuple[np.ndarray, bool]:
         data = next(sample[key] for key in IMAGE_KEYS if key in sample)
         try:
             with open_image(io.BytesIO(data)):  # refuses a header of too many pixels before decoding
                 pass
-            image = self.transform(read_image(data)[0])  # tar sources drop alpha, as convert does by default
+            image, transparent = read_image(data, alpha=self.alpha, background=self.background)
+            image = self.transform(image)
         except IMAGE_ERRORS as e:
             raise TarSourceError(f"{path}: cannot read the image of sample {shown(sample['__key__'])} "
                                  f"({e})") from None
-        return image.transpose(2, 0, 1)
+        return image.transpose(2, 0, 1), transparent

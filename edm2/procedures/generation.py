@@ -204,11 +204,32 @@ def load_guide(gnet_path: str, net, metadata: dict) -> torch.nn.Module | str:
     return gnet
 
 
+class ClassSeeds(Sequence[tuple[int, int]]):
+    """Every seed in each class, class by class, as (class, seed) pairs computed when asked for."""
+
+    def __init__(self, classes: Sequence[int], seeds: Sequence[int]):
+        self.classes, self.seeds = classes, seeds
+
+    def __len__(self) -> int:
+        return len(self.classes) * len(self.seeds)
+
+    def __getitem__(self, index):
+        """The (class, seed) pair at an index (a slice gives a list of them)."""
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("index out of range")
+        row, column = divmod(index, len(self.seeds))
+        return int(self.classes[row]), int(self.seeds[column])
+
+
 def generate_images(
     net: torch.nn.Module,
     encoder,
     seeds: Sequence[int],
-    class_idx: int | None = None,
+    class_idx: int | Sequence[int] | None = None,
     gnet: torch.nn.Module | str | None = None,
     guidance: float = 1.0,
     batch_size: int = 32,
@@ -218,22 +239,31 @@ def generate_images(
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
     of every image or None for an unconditional network).
 
-    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. sampler_kwargs go to
-    edm_sampler (num_steps, sigma_min, ..., guidance_interval). gnet=SELF guides net by its own unconditional
-    prediction (check_self_guidance tells whether it has one).
+    `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. A sequence of classes
+    as class_idx samples every seed in each class, class by class, the batches filled across classes (each image
+    depends on its seed and class alone). sampler_kwargs go to edm_sampler (num_steps, sigma_min, ...,
+    guidance_interval). gnet=SELF guides net by its own unconditional prediction (check_self_guidance tells whether
+    it has one).
     """
     device = torch.device(device) if device is not None else distributed.device()
-    if class_idx is not None and not 0 <= class_idx < net.label_dim:
-        raise GenerationError(f"class {class_idx} is out of range for a network with {net.label_dim} classes")
+    several = class_idx is not None and not isinstance(class_idx, int)
+    for c in (class_idx if several else [] if class_idx is None else [class_idx]):
+        if not 0 <= c < net.label_dim:
+            raise GenerationError(f"class {c} is out of range for a network with {net.label_dim} classes")
     if gnet not in (None, SELF) and guidance != 1:
         check_guidance_pair(net, gnet)
-    batches = distributed.rank_batches(seeds, batch_size, distributed.get_rank(), distributed.get_world_size(),
-                                       skip_empty=True)
+    jobs = ClassSeeds(class_idx, seeds) if several else None
+    # Batches of job indices: RankBatches hands out ints, and each index names one (class, seed) pair.
+    batches = distributed.rank_batches(range(len(jobs)) if several else seeds, batch_size, distributed.get_rank(),
+                                       distributed.get_world_size(), skip_empty=True)
     # A context, so that closing this generator (the caller failed) ends the progress bar's line at once.
     with tqdm.tqdm(batches, unit="batch", disable=not distributed.is_main()) as progress:
-        for batch_seeds in progress:
-            images, classes = sample_batch(net, encoder, batch_seeds, class_idx, device, gnet=gnet, guidance=guidance,
-                                           **sampler_kwargs)
+        for batch in progress:
+            pairs = [jobs[j] for j in batch] if several else None
+            batch_seeds = [seed for _, seed in pairs] if several else batch
+            batch_classes = [c for c, _ in pairs] if several else class_idx
+            images, classes = sample_batch(net, encoder, batch_seeds, batch_classes, device, gnet=gnet,
+                                           guidance=guidance, **sampler_kwargs)
             yield batch_seeds, images, classes
 
 

@@ -7,12 +7,15 @@ channels-last one keeps its values, so snapshots and training states read the sa
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from edm2.loss import EDM2Loss
 from edm2.networks import Precond
+from edm2.runtime import files
 
 # The one mapping of --precision's names: Precond's (use_fp16, use_bf16) flags and the dtype they compute in on CUDA.
 _PRECISIONS = {"fp32": ((False, False), torch.float32), "fp16": ((True, False), torch.float16),
@@ -42,6 +45,16 @@ def cpu_16bit_units() -> str | None:
     return None
 
 
+def compile_cache() -> Path:
+    """Where torch.compile keeps compiled graphs, so that runs whose graphs are the same compile them once:
+    $TORCHINDUCTOR_CACHE_DIR, else (set here for inductor) $EDM2_CACHE_DIR/torchinductor/ in a folder per PyTorch
+    version and CPU kernel set, since inductor reused code built for another ATEN_CPU_CAPABILITY and crashed."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        kernels = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}".lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(files.cache_dir() / "torchinductor" / kernels)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def compile_network(net: torch.nn.Module, device: torch.device, backend: str = "inductor") -> torch.nn.Module:
     """Compile net's forward on device in place (torch.compile, one graph per input shape); returns net.
 
@@ -52,6 +65,7 @@ def compile_network(net: torch.nn.Module, device: torch.device, backend: str = "
     # should not pay.
     from edm2.runtime.inductor_options import device_options
 
+    compile_cache()
     net.compile(dynamic=False, backend=backend, options=device_options(device) if backend == "inductor" else None)
     return net
 
@@ -65,6 +79,7 @@ def compile_loss(loss_fn: EDM2Loss, device: torch.device, backend: str = "induct
     from edm2.runtime.inductor_options import training_options  # here, as in compile_network
 
     options = training_options(device) if backend == "inductor" else None
+    compile_cache()
     compiled = torch.compile(_loss_given_noise, dynamic=False, backend=backend, options=options)
 
     def loss(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

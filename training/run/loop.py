@@ -39,7 +39,7 @@ from training.data_order import run_batches
 from training.run.log_tee import tee_output
 from training.run.metrics import RunMetrics
 from training.options import TrainingOptions, rounds_per_step
-from training.run.outputs import Outputs
+from training.run.outputs import Outputs, compile_notice
 from training.run.preflight import check_run
 from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
@@ -91,6 +91,8 @@ def train(opts: TrainingOptions, dataset: ImageData, encoder: Encoder,
 def _loop(step: TrainingStep, outputs: Outputs, stop: StopFlag) -> bool:
     """Step until the duration or a stop signal; returns True when stopped early."""
     start_nimg = step.state.cur_nimg
+    if step.opts.compiles(step.device):  # the first steps compile: minutes without a line otherwise
+        distributed.print0(compile_notice(step.device))
     while True:
         done = step.state.cur_nimg >= step.opts.duration
         stopping = stop.all_set()

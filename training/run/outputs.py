@@ -10,6 +10,7 @@ import time
 import torch
 
 from edm2.runtime import distributed
+from edm2.runtime.speed import compile_cache
 from edm2.runtime.utilization import utilization
 from training.run.checkpoint import Checkpoints
 from training.run.dashboard import Dashboard, write_metrics
@@ -19,6 +20,7 @@ from training.options import TrainingOptions
 from training.run.run_dir import RunDirectory, snapshot_path
 from training.run.sample_grid import SampleGrid
 from training.state import FLOAT16, NonFiniteError, TrainingState, first_nonfinite
+from training.step import WARMUP_STEPS
 from training.run.trackers import STATUS_KEYS, Trackers
 
 
@@ -53,6 +55,16 @@ def status_text(row: dict, duration: int) -> str:
             f"maxmem {row['max_memory_gb']:.2f}GB time {hms(row['elapsed_s'])} ETA {eta}")
 
 
+def compile_notice(device: torch.device) -> str:
+    """The line a compiling run prints before its first step: how long compiling takes and where its graphs are
+    cached (edm2.runtime.speed.compile_cache)."""
+    what = "the network, its loss and Adam's update" if device.type == "cpu" else "the network and its loss"
+    took = "about 3 to 6 minutes on two busy CPU cores" if device.type == "cpu" else "a few minutes"
+    return (f"Compiling {what} in the first {WARMUP_STEPS} steps (this takes {took}; images/s and the ETA leave "
+            f"them out); the compiled graphs are cached in {compile_cache()}, so a later run with the same graphs "
+            "compiles faster")
+
+
 def unstorable(tracks: list[tuple[torch.nn.Module, float]]) -> str | None:
     """What of the EMA tracks (the networks and sigma_rel of the tracker's get()) the snapshots' float16
     (edm2.formats.snapshot.save_network) cannot hold: NaN, infinity or a magnitude that overflows there; or None."""
@@ -73,8 +85,8 @@ class Outputs:
         self.trackers, self.grid, self.metrics = trackers, grid, metrics
         self.loss_stats = torch.zeros([2], device=device)  # sum of per-round mean losses, number of rounds
         self._clock = self._tick_time = time.monotonic()
-        self._tick_nimg = state.cur_nimg
-        self._first_step = True
+        self._tick_nimg = self._rate_nimg = state.cur_nimg
+        self._steps = 0  # steps of this process so far: the first WARMUP_STEPS compile and start up
 
     def add_loss(self, loss_sum: torch.Tensor, rounds: int) -> None:
         """Count one step's summed per-round mean losses toward the next status line."""
@@ -89,11 +101,11 @@ class Outputs:
         self._clock = now
         cur, opts = self.state.cur_nimg, self.opts
         prev = cur - opts.batch
-        if self._first_step and self.run is not None and opts.status:
+        self._steps += 1
+        if self._steps == 1 and self.run is not None and opts.status:
             # A sign of life long before the first status line (2Ki images take over a minute on a CPU).
             print(f"First step done: {opts.batch} images in {now - self._tick_time:.1f} s, start-up included; a "
                   f"status line every {opts.status} images", flush=True)
-        self._first_step = False
         status = done or stopping or crossed(prev, cur, opts.status)
         snapshot, checkpoint = done or crossed(prev, cur, opts.snapshot), done or stopping or crossed(
             prev, cur, opts.checkpoint)
@@ -112,6 +124,8 @@ class Outputs:
             self.training_state()
         # The next status line's images/s measures training, not the seconds spent checking and writing these files.
         self._tick_time += time.monotonic() - writing
+        if self._steps == WARMUP_STEPS:  # nor the warm-up steps (start-up, compiling): from here on images/s counts
+            self._tick_time, self._rate_nimg = time.monotonic(), cur
 
     def status(self, partial: bool = False) -> None:
         """Print a status line and append its stats.jsonl row (loss averaged over ranks since the last one);
@@ -122,8 +136,10 @@ class Outputs:
             self.stop_nonfinite(f"the training loss since the last status line is {stats[0]}")
         cur, opts, now = self.state.cur_nimg, self.opts, time.monotonic()
         interval = cur - self._tick_nimg
-        images_per_s = interval / max(now - self._tick_time, 1e-9)
-        self._tick_nimg, self._tick_time = cur, now
+        # Within the warm-up steps, the rate is all there is to measure; the line says so (warm_up below).
+        warm_up = self._steps <= WARMUP_STEPS
+        images_per_s = (cur - self._rate_nimg) / max(now - self._tick_time, 1e-9)
+        self._tick_nimg, self._rate_nimg, self._tick_time = cur, cur, now
         row = dict(
             kimg=cur / 1000, nimg=cur, loss=stats[0] / max(stats[1], 1),
             lr=learning_rate_schedule(cur - opts.batch, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg),
@@ -135,8 +151,8 @@ class Outputs:
             row |= utilization(flops_per_image, images_per_s, peak, distributed.get_world_size())
         if self.run is None:
             return
-        print(status_text(row, opts.duration) + (f" (partial interval: {interval} images)" if partial else ""),
-              flush=True)
+        print(status_text(row, opts.duration) + (f" (partial interval: {interval} images)" if partial else "")
+              + (" (warm-up included)" if warm_up else ""), flush=True)
         self.run.append_stats(row)
         if self.trackers:
             self.trackers.log("status", cur, {f"train/{key}": row[key] for key in STATUS_KEYS
