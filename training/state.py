@@ -1,5 +1,4 @@
-"""What a training state holds: the network, Adam, the power-function EMA tracks, the images seen and what identifies
-the data they came from."""
+"""What a training state holds: the network, Adam, the power-function EMA tracks, the images seen and their data."""
 
 from __future__ import annotations
 
