@@ -159,8 +159,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
             click.echo(note, err=True)
         count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
         click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
-        if blend_shares(dataset):
-            click.echo(blend_shares(dataset), err=True)
+        shares = blend_shares(dataset)
+        if shares:
+            click.echo(shares, err=True)
         click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
         if starting > 1:
             click.echo(local_launch.note(opts.processes, starting, "Would train as"), err=True)
