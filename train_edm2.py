@@ -25,7 +25,7 @@ from edm2.eval.stats_files import StatsError, load_stats
 from edm2.runtime import distributed, files
 from edm2 import families
 from training.architecture import read_init
-from training.run.dry_run import parameter_count, start_or_resume, timed_speed
+from training.run.dry_run import blend_shares, parameter_count, start_or_resume, timed_speed
 from training.options import (
     BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, default_grid,
     rounds_per_step,
@@ -159,6 +159,9 @@ def print_dry_run(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, t
             click.echo(note, err=True)
         count = parameter_count(opts, encoder.out_channels(dataset.num_channels))
         click.echo(f"Dataset: {len(dataset)} images. Network: {count:,} parameters.", err=True)
+        shares = blend_shares(dataset)
+        if shares:
+            click.echo(shares, err=True)
         click.echo(start_or_resume(opts.run_dir, opts.duration), err=True)
         if starting > 1:
             click.echo(local_launch.note(opts.processes, starting, "Would train as"), err=True)

@@ -187,7 +187,7 @@ def run_batches(dataset: ImageFolderDataset, seed: int, start_nimg: int, batch_g
     order = order_for(dataset, seed, distributed.get_rank(), distributed.get_world_size(), batch_gpu, start_nimg,
                       kind)
     if isinstance(dataset, BlendDataset):
-        distributed.print0(f"Blend of {len(dataset.sources)} datasets: {dataset.shares()}")
+        distributed.print0(dataset.describe())
     loaded = batches(dataset, order, workers, device)
     try:
         yield loaded

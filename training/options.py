@@ -133,6 +133,11 @@ class TrainingOptions:
         "u(sigma) (edm2.loss.UNCERTAINTIES): learned (Eq. 21) absorbs any --loss-weighting; off trains lambda L",
         choices=UNCERTAINTIES))
     workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2, flag=Flag("Data loader processes per GPU"))
+    # Whether a resume may go on where the data is not what its training state records (training.data_record).
+    allow_data_change: bool = option(REPORTING, default=False, flag=Flag(
+        "Resume even where the data is not what the newest training state records (its count, contents, a blend's "
+        "shares): the change is said and logged, and the order of the data from there is not the uninterrupted "
+        "run's", form=SWITCH))
     # Where, not what: no hyperparameter.
     keep_states: int = option(REPORTING, Count(0, MAX_KEPT_STATES), default=0, flag=Flag(
         "Keep this many newest training states, deleting older ones once a newer one reads back whole; 0 = all"))
@@ -319,8 +324,9 @@ def _check_speed(opts: TrainingOptions) -> None:
 
 
 def _check_reporting(opts: TrainingOptions) -> None:
-    """What rank 0 reports, beyond its fields' bounds and choices (the trackers, the metrics' names): metrics at an
-    interval that falls on snapshots, with a reference for those of images."""
+    """What rank 0 reports, beyond its fields' bounds and choices (the trackers, the metrics' names): a switch that is
+    True or False, metrics at an interval that falls on snapshots, with a reference for those of images."""
+    _require(type(opts.allow_data_change) is bool, "allow_data_change", opts.allow_data_change, "True or False")
     # A metric measures the snapshot just written, so it falls on snapshot times (0: at every snapshot).
     _require(not opts.snapshot or opts.metrics_every % opts.snapshot == 0, "metrics_every", opts.metrics_every,
              f"a multiple of --snapshot={opts.snapshot} (metrics measure the snapshot just written)")

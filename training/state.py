@@ -1,4 +1,4 @@
-"""What a training state holds: the network, Adam, the power-function EMA tracks and the images seen."""
+"""What a training state holds: the network, Adam, the power-function EMA tracks, the images seen and their data."""
 
 from __future__ import annotations
 
@@ -103,6 +103,9 @@ class TrainingState:
     # The data order the run reads (training.data_order.ORDERS); a state written before it was recorded read the
     # stored permutation, and keeps reading it when resumed.
     data_order: str = ORDER
+    # What identifies the data the state was trained on (training.data_record); None for a state written before it
+    # was recorded.
+    data: dict | None = None
 
     @classmethod
     def create(cls, opts: TrainingOptions, img_channels: int, device: torch.device) -> TrainingState:
@@ -139,6 +142,7 @@ class TrainingState:
         self.ema.load_state_dict(saved["ema"])
         self.cur_nimg, self.elapsed_s = int(saved["cur_nimg"]), float(saved["elapsed_s"])
         self.data_order = saved.get("data_order", "permutation")
+        self.data = saved.get("data")
 
     def nonfinite(self) -> str | None:
         """What of this process's part of the state holds NaN or infinity (or an impossible Adam moment), or None:
@@ -153,4 +157,4 @@ class TrainingState:
     def to_dict(self) -> dict:
         """The tensors and counts a training-state file holds (training/run/checkpoint.py adds the run's options)."""
         return dict(net=self.net.state_dict(), optimizer=self.optimizer.state_dict(), ema=self.ema.state_dict(),
-                    cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s, data_order=self.data_order)
+                    cur_nimg=self.cur_nimg, elapsed_s=self.elapsed_s, data_order=self.data_order, data=self.data)

@@ -1,13 +1,16 @@
 """Blends: several datasets read as one, each in a fixed share of every blend epoch (largest remainders).
 
 A blend is given as PATH:WEIGHT,PATH:WEIGHT or as a JSON file {"sources": [{"path": ..., "weight": ...}, ...]};
-the weights need not sum to one, only to a positive number.
+the weights need not sum to one, only to a positive number. A source may itself be a blend (a .json spec): its
+sources take its share of the outer blend, split by its own weights, in exact fractions (blend_sources).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,9 @@ from edm2.data.dataset_files import DatasetError
 from edm2.runtime import bounded_json
 
 MAX_SOURCES = 1024
+MAX_NESTING = 16  # blends within blends: far beyond any real layout, well within the recursion limit
+# A blend epoch's samples are int64 counts (below 2**63): a weight sum up to this keeps total * weight a finite float.
+MAX_WEIGHT_SUM = sys.float_info.max / 2**63
 
 
 class BlendError(DatasetError):
@@ -49,19 +55,66 @@ def parse_blend(spec: str) -> list[tuple[str, float]]:
 
 
 def check_weights(weights: list) -> None:
-    """Refuse weights that are not finite non-negative numbers summing to a positive number."""
+    """Refuse weights that are not finite non-negative numbers summing to a positive number of at most
+    MAX_WEIGHT_SUM (a float sum that overflows is refused too)."""
     if not 1 <= len(weights) <= MAX_SOURCES:
         raise BlendError(f"a blend has 1 to {MAX_SOURCES} sources, not {len(weights)}")
-    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
-           or w < 0]
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float, Fraction))
+           or not math.isfinite(w) or w < 0]
     if bad:
         raise BlendError(f"weight {bad[0]!r} is not a finite non-negative number")
-    if sum(weights) <= 0:
-        raise BlendError(f"the weights {weights} sum to {sum(weights)}, not a positive number")
+    total = sum(weights)
+    if total <= 0:
+        raise BlendError(f"the weights {weights} sum to {total}, not a positive number")
+    if not total <= MAX_WEIGHT_SUM:
+        raise BlendError(f"the weights {weights} sum to {float(total):g}, more than {MAX_WEIGHT_SUM:.3g}; weights "
+                         f"are relative, so scale them down")
 
 
-def segments(sizes: list[int], weights: list[float]) -> list[int]:
-    """Samples of each source in one blend epoch of sum(sizes) samples: shares by weight, largest remainders."""
+def is_blend(spec: str) -> bool:
+    """True for a blend spec: a .json file, or PATH:WEIGHT[,PATH:WEIGHT...] that names no existing path."""
+    if spec.lower().endswith(".json"):
+        return True
+    return not os.path.exists(spec) and ":" in spec
+
+
+def blend_sources(spec: str) -> list[tuple[str, float | Fraction]]:
+    """(path, weight) of each dataset a blend spec reads: parse_blend's pairs where no source is a blend; else every
+    source that is a blend replaced by its own sources, each weighing the blend's share of its outer blend times its
+    share of that blend, in exact fractions. BlendError for a blend that names itself, directly or through others."""
+    return _sources(spec, ())
+
+
+def _sources(spec: str, chain: tuple[tuple[str, str], ...]) -> list[tuple[str, float | Fraction]]:
+    """blend_sources of spec, read within the blends of chain ((real path, spec) of each, outermost first)."""
+    real = os.path.realpath(spec) if os.path.isfile(spec) else None
+    if real is not None and real in [path for path, _ in chain]:
+        cycle = [name for _, name in chain[[path for path, _ in chain].index(real):]] + [spec]
+        raise BlendError(f"the blend {cycle[0]} names itself ({' -> '.join(cycle)}); a blend's sources are datasets "
+                         "or other blends")
+    if len(chain) >= MAX_NESTING:
+        raise BlendError(f"{spec}: blends nested more than {MAX_NESTING} deep ({chain[0][1]} -> ...)")
+    pairs = parse_blend(spec)
+    if not any(is_blend(path) for path, _ in pairs):
+        return pairs
+    # Shares multiply exactly as fractions (a float product would round them off the composed shares).
+    total, found = sum(Fraction(weight) for _, weight in pairs), []
+    for path, weight in pairs:
+        share = Fraction(weight) / total
+        if is_blend(path):
+            inner = _sources(path, (*chain, (real or spec, spec)))
+            inner_total = sum(Fraction(w) for _, w in inner)
+            found += [(source, share * Fraction(w) / inner_total) for source, w in inner]
+        else:
+            found.append((path, share))
+        if len(found) > MAX_SOURCES:
+            raise BlendError(f"{spec}: more than {MAX_SOURCES} datasets once its blends are read through")
+    return found
+
+
+def segments(sizes: list[int], weights: list[float | Fraction]) -> list[int]:
+    """Samples of each source in one blend epoch of sum(sizes) samples: shares by weight, largest remainders
+    (exact where the weights are fractions)."""
     total, weight_sum = sum(sizes), sum(weights)
     exact = [total * w / weight_sum for w in weights]
     counts = [math.floor(x) for x in exact]
@@ -74,7 +127,7 @@ def segments(sizes: list[int], weights: list[float]) -> list[int]:
 class BlendDataset(ImageData):
     """The sources one after another (item offsets[i] + j is item j of source i); one shape, dtype and labels."""
 
-    def __init__(self, sources: list, weights: list[float], names: list[str]):
+    def __init__(self, sources: list, weights: list[float | Fraction], names: list[str]):
         check_weights(weights)
         first = sources[0]
         for source, name in zip(sources[1:], names[1:]):
@@ -112,6 +165,10 @@ class BlendDataset(ImageData):
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
         source, j = self.source_of(idx)
         return source[j]
+
+    def describe(self) -> str:
+        """The line a run prints of a blend: how many datasets, and each one's share."""
+        return f"Blend of {len(self.sources)} datasets: {self.shares()}"
 
     def shares(self) -> str:
         """Each source's share of a blend epoch, for the log."""

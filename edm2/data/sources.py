@@ -5,16 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from edm2.data.blend import BlendDataset, parse_blend
+from edm2.data.blend import BlendDataset, blend_sources, is_blend
 from edm2.data.dataset import ImageData, ImageFolderDataset
 from edm2.data.shards import ShardDataset, is_shard_dataset
-
-
-def is_blend(spec: str) -> bool:
-    """True for a blend spec: a .json file, or PATH:WEIGHT[,PATH:WEIGHT...] that names no existing path."""
-    if spec.lower().endswith(".json"):
-        return True
-    return not os.path.exists(spec) and ":" in spec
 
 
 def open_data(spec: str | os.PathLike, use_labels: bool = True, blends: bool = True, **folder: object) -> ImageData:
@@ -22,8 +15,8 @@ def open_data(spec: str | os.PathLike, use_labels: bool = True, blends: bool = T
     `folder`'s keywords). DatasetError (BlendError for a malformed blend) for anything that cannot be used."""
     spec = str(spec)
     if blends and is_blend(spec):
-        pairs = parse_blend(spec)
-        sources = [open_data(path, use_labels, **folder) for path, _ in pairs]
+        pairs = blend_sources(spec)  # a blend's blends read through: datasets alone
+        sources = [open_data(path, use_labels, blends=False, **folder) for path, _ in pairs]
         return BlendDataset(sources, [weight for _, weight in pairs], [path for path, _ in pairs])
     if is_shard_dataset(spec):
         return ShardDataset(spec, use_labels=use_labels)

@@ -20,6 +20,7 @@ from edm2.errors import EDM2Error
 from edm2.formats.snapshot import images_tag, kimg_to_nimg
 from edm2.runtime import bounded_json, distributed, files
 from training.data_order import ORDERS
+from training.data_record import is_record
 from training.options import OptionsMismatch, TrainingOptions, check_same_hyperparameters
 from training.run.run_dir import RUN_ID_KEY, RunDirectory, checked_run_id
 from training.state import TrainingState, state_nonfinite
@@ -256,6 +257,8 @@ def load_state(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: training time {elapsed!r} is not a duration")
     if state.get("data_order", "permutation") not in ORDERS:
         raise CheckpointError(f"{path}: data order {state['data_order']!r} is none of {', '.join(ORDERS)}")
+    if state.get("data") is not None and not is_record(state["data"]):
+        raise CheckpointError(f"{path}: its record of the data is not one training.data_record writes")
     for key in ("net", "optimizer", "ema"):
         if not isinstance(state[key], dict):
             raise CheckpointError(f"{path}: '{key}' is a {type(state[key]).__name__}, not a dictionary")

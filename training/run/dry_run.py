@@ -1,5 +1,5 @@
-"""What a training would do, for --dry-run: the network's size, where the run would start or resume, and on request
-its speed from a few timed steps."""
+"""What a training would do, for --dry-run: a blend's shares, the network's size, where the run would start or
+resume, and on request its speed from a few timed steps."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edm2.data.blend import BlendDataset
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.locks import Holder
@@ -22,8 +23,13 @@ from training.state import TrainingState, init_network, training_flops
 from training.step import WARMUP_STEPS, TrainingStep, data_parallel, training_step
 
 if TYPE_CHECKING:
-    from edm2.data.dataset import ImageFolderDataset
+    from edm2.data.dataset import ImageData, ImageFolderDataset
     from edm2.encoders import Encoder
+
+
+def blend_shares(dataset: ImageData) -> str | None:
+    """For a blend, the line the training prints when it starts: each source's share of a blend epoch; else None."""
+    return dataset.describe() if isinstance(dataset, BlendDataset) else None
 
 
 def parameter_count(opts: TrainingOptions, img_channels: int) -> int:

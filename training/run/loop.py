@@ -8,7 +8,8 @@ The life of a run, in order (every rank runs it; rank 0 alone writes files):
 3. run directory and its lock: training/run/run_dir.py (RunDirectory.open and its RunLock), log.txt
    through training/run/log_tee.py, SIGTERM/SIGINT caught by training/run/signals.py.
 4. checkpoints.resume: training/run/checkpoint.py (Checkpoints.resume loads the newest valid training state into
-   training/state.py's TrainingState); then training_options.json and stats.jsonl catch up with it (run_dir).
+   training/state.py's TrainingState); the data is checked against what the state records (training/data_record.py);
+   then training_options.json and stats.jsonl catch up with it (run_dir).
 5. data order: training/data_order.py (run_batches: this rank's batches from the images seen on).
 6. step: training/step.py (Eq. 67's learning rate from training/lr_schedule.py, Eq. 66 before each forward pass,
    Eq. 21's loss, Adam, the EMA update, sharded over the ranks with --ema-shard).
@@ -36,6 +37,7 @@ from training.run.checkpoint import Checkpoints
 from training.run.dashboard import Dashboard
 from training.run.disk import disk_report
 from training.data_order import run_batches
+from training.data_record import DataChanged, data_change, data_record
 from training.run.log_tee import tee_output
 from training.run.metrics import RunMetrics
 from training.options import TrainingOptions, rounds_per_step
@@ -119,6 +121,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
         torch.backends.cudnn.allow_tf32 = False
     state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
     path = checkpoints.resume(state, opts)
+    distributed.on_main_rank(lambda: _check_data(state, path, dataset, opts))
     if run:
         run.write_options(opts)
         run.trim_stats(state.cur_nimg)
@@ -138,6 +141,24 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
     batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
                                               state.data_order))
     return TrainingStep.of_run(state, opts, encoder, batches, device=device, rounds=rounds, model=model, rank=rank)
+
+
+def _check_data(state: TrainingState, path: Path | None, dataset: ImageData, opts: TrainingOptions) -> None:
+    """Rank 0: refuse (DataChanged) to resume on data other than the training state records, unless
+    --allow-data-change, when the change is said (into the run's log); a state that records no data is resumed as it
+    always was, said once. From here the state records this data."""
+    current = data_record(dataset)
+    if path is not None and state.data is None:
+        print(f"Note: {path.name} records nothing of its data (written before training states did), so the data "
+              "cannot be checked against it.", flush=True)
+    change = None if path is None or state.data is None else data_change(state.data, current)
+    if change and not opts.allow_data_change:
+        raise DataChanged(f"{path}: the data is not what this training state was trained on: {change}; its order "
+                          "from here would not be the uninterrupted run's (--allow-data-change goes on)")
+    if change:
+        print(f"Warning: the data is not what {path.name} was trained on: {change}; going on "
+              "(--allow-data-change), the order of the data from here not the uninterrupted run's.", flush=True)
+    state.data = current
 
 
 def _precision_note(opts: TrainingOptions, dtype: str, device: torch.device) -> str:
