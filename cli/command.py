@@ -12,8 +12,11 @@ from edm2.errors import EDM2Error, one_line, shown
 # What a command can make smaller when memory runs out, in the order a user would try them: its images per
 # batch first, then the network's size (train_edm2.py --channels, toy_example.py train --dim and --layers).
 MEMORY_OPTIONS = ("--batch-gpu", "--batch", "--channels", "--dim", "--layers")
-# The CPU allocator's words (c10's DefaultCPUAllocator), CUDA's and other backends' for a failed allocation.
-_OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memory|can't allocate memory", re.I)
+# The CPU allocator's words (c10's DefaultCPUAllocator), CUDA's and other backends', and C++'s operator new's
+# (std::bad_alloc, which PyTorch passes on as a RuntimeError: a random generator's state under an address-space
+# limit, say) for a failed allocation.
+_OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memory|can't allocate memory|bad_alloc",
+                            re.I)
 
 
 # Gloo's words when another process of the group ended (PyTorch raises them as a RuntimeError or a DistError).
@@ -28,7 +31,7 @@ def lost_peer(error: BaseException) -> bool:
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether error is a failed allocation: torch.OutOfMemoryError (CUDA), MemoryError, or the RuntimeError of
-    torch's CPU allocator."""
+    torch's CPU allocator or of C++'s std::bad_alloc."""
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(error, RuntimeError) and bool(_OUT_OF_MEMORY.search(str(error))))
 
