@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import click
@@ -18,6 +19,11 @@ MEMORY_OPTIONS = ("--batch-gpu", "--batch", "--channels", "--dim", "--layers")
 _OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memory|can't allocate memory|bad_alloc",
                             re.I)
 
+
+# In each rank cli.local_launch starts: the launcher's process id. That launcher reports the rank that failed, so a
+# rank that only lost its group (the failed one ended) says nothing and ends with LOST_PEER_STATUS.
+LAUNCHER_ENV = "EDM2_LAUNCHER_PID"
+LOST_PEER_STATUS = 75
 
 # Gloo's words when another process of the group ended (PyTorch raises them as a RuntimeError or a DistError).
 _LOST_PEER = re.compile(r"gloo.*Connection (reset|closed) by peer", re.I | re.S)
@@ -71,6 +77,8 @@ class _OneLineErrors:
             raise
         except (RuntimeError, MemoryError) as e:
             if lost_peer(e):
+                if LAUNCHER_ENV in os.environ:
+                    raise click.exceptions.Exit(LOST_PEER_STATUS) from None
                 raise click.ClickException(shown(f"another process of this run ended ({one_line(e)}); its own "
                                                  "error, or the signal that ended it, says why")) from None
             if not out_of_memory(e):
