@@ -36,6 +36,7 @@ from cli import wait_policy
 from cli.command import ARGS, LAUNCHER_ENV, LOST_PEER_STATUS
 from edm2.runtime import distributed
 from edm2.runtime.limits import MAX_DEFAULT_PROCESSES
+from training.run.sample_grid import GENERATE_THREADS_ENV, generate_threads
 from training.run.signals import die_by
 
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -112,9 +113,10 @@ def follow_launcher() -> None:
 
 def _rank_environment(rank: int, processes: int, port: int, threads: int) -> dict[str, str]:
     """The environment torchrun --standalone gives rank `rank` of `processes` on this machine, with `threads` CPU
-    threads, and this launcher's process id."""
+    threads, this launcher's process id, and the threads of a plain generate.py, which the sample grids use."""
     return {**wait_policy.users_environment(), **distributed.local_launch_environment(rank, processes, port),
-            "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: str(os.getpid())}
+            "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: str(os.getpid()),
+            GENERATE_THREADS_ENV: str(generate_threads())}
 
 
 def _status(code: int) -> int:
