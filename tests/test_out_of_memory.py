@@ -98,7 +98,8 @@ def test_a_bad_alloc_is_one_line_naming_the_size_options_in_every_command(comman
                      [f"--net={net}", "--seeds=0-3", "--steps=2", f"--outdir={tmp_path / 'out'}"],
                      "give a smaller --batch"),
         "toy": (toy_example.main, (toy_example, "train_toy"),
-                ["train", f"--outdir={tmp_path / 'toy'}", "--iters=1", "--viz=False"], "give a smaller --dim or --layers"),
+                ["train", f"--outdir={tmp_path / 'toy'}", "--iters=1", "--viz=False"],
+                "give a smaller --dim or --layers"),
     }[command]
     monkeypatch.setattr(*target, bad_alloc)
     assert_refused(tmp_path, lambda: CliRunner().invoke(main, args), "out of memory (std::bad_alloc)", hint)

@@ -119,7 +119,7 @@ class Checkpoints:
         named = [p for p in list_states(self.run.path) if p.name not in self.refused]
         ours = [p for p in named if _regular_file(p)]
         for other in [p for p in named if p not in ours and p.name not in self.left]:
-            print(f"Leaving {other.name}: named like a training state but not a file (--keep-states deletes only "
+            print(f"Leaving {other.name}: named like a training state but no regular file (--keep-states deletes only "
                   "training-state files)", flush=True)
             self.left.add(other.name)
         if newest not in ours[:keep]:
