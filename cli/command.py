@@ -9,6 +9,7 @@ import click
 import torch
 
 from edm2.errors import EDM2Error, one_line, shown
+from edm2.runtime import distributed
 
 # What a command can make smaller when memory runs out, in the order a user would try them: its images per
 # batch first, then the network's size (train_edm2.py --channels, toy_example.py train --dim and --layers).
@@ -21,7 +22,8 @@ _OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator|out of memory|not enough memor
 
 
 # In each rank cli.local_launch starts: the launcher's process id. That launcher reports the rank that failed, so a
-# rank that only lost its group (the failed one ended) says nothing and ends with LOST_PEER_STATUS.
+# rank that only lost its group (the failed one ended) says nothing and ends with LOST_PEER_STATUS; so does, under
+# any launcher, a rank other than 0 that raises rank 0's error, which rank 0 prints (distributed.on_main_rank).
 LAUNCHER_ENV = "EDM2_LAUNCHER_PID"
 LOST_PEER_STATUS = 75
 
@@ -71,6 +73,8 @@ class _OneLineErrors:
         try:
             return super().invoke(ctx)
         except (EDM2Error, OSError) as e:
+            if distributed.raised_by_main_rank(e):
+                raise click.exceptions.Exit(LOST_PEER_STATUS) from None
             raise click.ClickException(shown(one_line(e))) from None
         except click.ClickException as e:
             e.message = shown(e.message)

@@ -401,3 +401,16 @@ def test_ctrl_c_under_two_processes_is_said_once(train_data, tmp_path):
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == -signal.SIGINT and "Traceback" not in output, output
     assert output.count("Received SIGINT") == 1 and not error_lines(output), output
+
+
+@pytest.mark.bad_input
+def test_rank_zeros_refusal_under_two_processes_is_one_line(train_data, reference_run, tmp_path):
+    # Before: every rank raised rank 0's error (distributed.on_main_rank) and printed it: the same line twice.
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    result = subprocess.run(train_command(train_data, run, "--processes=2", "--workers=0", "--lr=0.5"), cwd=REPO,
+                            env=train_env(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output
+    assert error_lines(output) == [f"Error: {run}: cannot resume with different hyperparameters (lr: run has 0.01, "
+                                   "now 0.5)"], output
