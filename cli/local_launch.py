@@ -33,15 +33,16 @@ import click
 import torch
 
 from cli import wait_policy
-from cli.command import ARGS
+from cli.command import ARGS, LAUNCHER_ENV, LOST_PEER_STATUS
 from edm2.runtime import distributed
 from edm2.runtime.limits import MAX_DEFAULT_PROCESSES
+from training.run.sample_grid import GENERATE_THREADS_ENV, generate_threads
 from training.run.signals import die_by
 
-LAUNCHER_ENV = "EDM2_LAUNCHER_PID"  # in each rank: the launcher's process id
 FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
+_LOST_PEER_GRACE_S = 60  # how long the ranks that lost their group wait for the failed one to end and say why
 
 
 def cores() -> int:
@@ -112,9 +113,10 @@ def follow_launcher() -> None:
 
 def _rank_environment(rank: int, processes: int, port: int, threads: int) -> dict[str, str]:
     """The environment torchrun --standalone gives rank `rank` of `processes` on this machine, with `threads` CPU
-    threads, and this launcher's process id."""
+    threads, this launcher's process id, and the threads of a plain generate.py, which the sample grids use."""
     return {**wait_policy.users_environment(), **distributed.local_launch_environment(rank, processes, port),
-            "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: str(os.getpid())}
+            "OMP_NUM_THREADS": str(threads), LAUNCHER_ENV: str(os.getpid()),
+            GENERATE_THREADS_ENV: str(generate_threads())}
 
 
 def _status(code: int) -> int:
@@ -154,6 +156,9 @@ def run_ranks(command: list[str], processes: int, threads: int) -> int:
         if failed.returncode < 0:  # a rank that a signal killed said nothing itself
             print(f"Error: process {ranks.index(failed)} of {processes} was killed by "
                   f"{signal.Signals(-failed.returncode).name}; the others were stopped", file=sys.stderr, flush=True)
+        elif failed.returncode == LOST_PEER_STATUS:  # every rank that failed only lost the others
+            print(f"Error: process {ranks.index(failed)} of {processes} lost the others of its group, and none of "
+                  "them said why", file=sys.stderr, flush=True)
         return _status(failed.returncode)
     if any(rank.returncode == -signal.SIGINT for rank in ranks):
         die_by(signal.SIGINT)
@@ -168,22 +173,35 @@ def _failed(rank: subprocess.Popen, received: list[int]) -> bool:
 def _wait(ranks: list[subprocess.Popen], received: list[int]) -> subprocess.Popen | None:
     """Wait for every rank to end; returns the first that failed, or None. Once one has failed the others are
     killed at once, unless a signal was forwarded: then each is stopping on its own, rank 0 perhaps still writing
-    its training state."""
-    failed = None
+    its training state. A rank that only lost its group (LOST_PEER_STATUS) is no cause: the rank that failed is
+    ending and may still be printing why, so it is waited for (_LOST_PEER_GRACE_S at most)."""
+    failed, lost_since = None, None
     while any(rank.poll() is None for rank in ranks):
         if failed is None:
-            failed = _first_failure([rank for rank in ranks if rank.returncode is not None], received)
+            ended = [rank for rank in ranks if rank.returncode is not None]
+            failed = _first_failure(ended, received)
             if failed is not None and not received:
-                for rank in ranks:
-                    if rank.poll() is None:
-                        rank.kill()
+                _kill_running(ranks)
+            lost = [rank for rank in ended if rank.returncode == LOST_PEER_STATUS]
+            if failed is None and lost and lost_since is None:
+                lost_since = time.monotonic()
+            elif failed is None and lost and time.monotonic() - lost_since > _LOST_PEER_GRACE_S:
+                _kill_running(ranks)
+                failed = lost[0]
         time.sleep(_POLL_S)
-    return failed or _first_failure(ranks, received)
+    return failed or _first_failure(ranks, received) or next(
+        (rank for rank in ranks if rank.returncode == LOST_PEER_STATUS), None)
+
+
+def _kill_running(ranks: list[subprocess.Popen]) -> None:
+    """Kill the ranks that are still running."""
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
 
 
 def _first_failure(ended: list[subprocess.Popen], received: list[int]) -> subprocess.Popen | None:
-    """The failed rank among ranks that ended since the last look: one a signal killed (the OOM killer, say) before
-    one that failed on its own, which may only have lost that one (Gloo ends a peer's collective at once); then the
-    lowest rank."""
-    failed = [rank for rank in ended if _failed(rank, received)]
+    """The failed rank among ranks that ended since the last look, one that only lost its group aside: one a signal
+    killed (the OOM killer, say) before one that failed on its own; then the lowest rank."""
+    failed = [rank for rank in ended if _failed(rank, received) and rank.returncode != LOST_PEER_STATUS]
     return min(failed, key=lambda rank: rank.returncode >= 0, default=None)

@@ -69,6 +69,23 @@ def test_a_new_run_resumes_from_nothing_and_keeps_its_states_to_keep_states(tmp_
     assert "Deleted training-state-0000000-32.pt (--keep-states=2)" in capsys.readouterr().out.splitlines()
 
 
+
+def test_keep_states_leaves_what_is_named_like_a_state_but_is_no_file_and_says_so_once(tmp_path, capsys):
+    opts = tiny_options(tmp_path, keep_states=1)
+    folder, link = tmp_path / "training-state-0000000-16.pt", tmp_path / "training-state-0000000-8.pt"
+    folder.mkdir()
+    (folder / "inside").write_text("a user's")
+    link.symlink_to(folder / "inside")
+    checkpoints, state = Checkpoints(RunDirectory(tmp_path)), TrainingState.create(opts, 3, CPU)
+    for nimg in (32, 64):
+        state.cur_nimg = nimg
+        checkpoints.save(state, opts)
+    assert (folder / "inside").read_text() == "a user's" and link.is_symlink()
+    assert not (tmp_path / "training-state-0000000-32.pt").exists()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("Leaving")] == [
+        "Leaving training-state-0000000-16.pt", "Leaving training-state-0000000-8.pt"]
+
 @pytest.mark.bad_input
 def test_resume_with_other_hyperparameters_is_refused_naming_them(tmp_path):
     opts = tiny_options(tmp_path)

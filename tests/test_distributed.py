@@ -1,13 +1,17 @@
-"""Rank helpers: batches per rank, and rank 0 going first."""
+"""Rank helpers: batches per rank, and rank 0 going first; a failed rank reported once, by its own line."""
 
 import os
 import subprocess
 import sys
 
+import click
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
+from cli import local_launch
+from cli.command import LAUNCHER_ENV, LOST_PEER_STATUS, Command
 from edm2.procedures.generation import SeedRanges
 from edm2.runtime import distributed
 from edm2.runtime.distributed import free_port
@@ -113,3 +117,39 @@ def test_more_processes_than_gpus_is_refused_in_one_line_before_the_group_forms(
             call()
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert distributed.device() == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("launcher", [False, True])
+def test_a_rank_that_lost_its_group_is_silent_under_our_launcher(launcher, monkeypatch):
+    # cli.local_launch names the rank that failed; the others, which only lost it, add nothing (Gloo's line, before).
+    @click.command(cls=Command)
+    def collective():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. GLHF!")
+
+    if launcher:
+        monkeypatch.setenv(LAUNCHER_ENV, "1")
+    else:
+        monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    result = CliRunner().invoke(collective, [])
+    if launcher:
+        assert (result.exit_code, result.output) == (LOST_PEER_STATUS, "")
+    else:
+        assert result.exit_code == 1 and result.output.startswith("Error: another process of this run ended (")
+
+
+# A rank that fails after a while, printing why as it ends (rank 0), and one that ends at once, having lost it (rank 1).
+LATE_FAILURE = f"""
+import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit({LOST_PEER_STATUS})
+time.sleep(1.0)
+print("Error: the cause", file=sys.stderr, flush=True)
+sys.exit(1)
+"""
+
+
+def test_the_launcher_waits_for_the_failed_rank_behind_one_that_only_lost_it(capfd):
+    # Before: the rank that lost its group ended first, counted as the failure, and the one still printing why was
+    # killed: no error line at all.
+    assert local_launch.run_ranks([sys.executable, "-c", LATE_FAILURE], 2, 1) == 1
+    assert capfd.readouterr().err.splitlines() == ["Error: the cause"]

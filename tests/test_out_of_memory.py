@@ -27,6 +27,7 @@ def test_the_cpu_allocators_error_is_recognized_and_others_are_not():
     assert "DefaultCPUAllocator" in str(info.value) and out_of_memory(info.value)
     assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert out_of_memory(MemoryError())
+    assert out_of_memory(RuntimeError("std::bad_alloc"))  # C++'s operator new, as PyTorch passes it on
     assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not out_of_memory(ValueError("out of memory"))  # only the allocators' error types
 
@@ -75,3 +76,30 @@ def test_toy_training_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert_refused(tmp_path, lambda: CliRunner().invoke(toy_example.main, [
         "train", f"--outdir={tmp_path / 'toy'}", "--iters=1", "--viz=False"]),
         "out of memory", "DefaultCPUAllocator", "give a smaller --dim or --layers")
+
+
+def bad_alloc(*args, **kwargs):
+    """What PyTorch raises where C++'s operator new fails (generate.py --batch=1048576 under a 4 GiB address-space
+    limit, in the generators' noise): a RuntimeError of std::bad_alloc's words."""
+    raise RuntimeError("std::bad_alloc")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("command", ["train", "generate", "toy"])
+def test_a_bad_alloc_is_one_line_naming_the_size_options_in_every_command(command, train_data, tmp_path, monkeypatch):
+    # Before: a RuntimeError traceback, the allocator's words being C++'s, not PyTorch's.
+    net = tmp_path / "net.safetensors"
+    snapshot.save_network(net, tiny_precond(label_dim=0), {"encoder": StandardRGBEncoder().config()})
+    main, target, args, hint = {
+        "train": (train_edm2.main, (training.run.loop, "training_step"),
+                  [*TRAIN_ARGS, f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--workers=0"],
+                  "give a smaller --batch-gpu, --batch or --channels"),
+        "generate": (generate.main, (generate, "generate_images"),
+                     [f"--net={net}", "--seeds=0-3", "--steps=2", f"--outdir={tmp_path / 'out'}"],
+                     "give a smaller --batch"),
+        "toy": (toy_example.main, (toy_example, "train_toy"),
+                ["train", f"--outdir={tmp_path / 'toy'}", "--iters=1", "--viz=False"],
+                "give a smaller --dim or --layers"),
+    }[command]
+    monkeypatch.setattr(*target, bad_alloc)
+    assert_refused(tmp_path, lambda: CliRunner().invoke(main, args), "out of memory (std::bad_alloc)", hint)

@@ -227,7 +227,7 @@ def test_torchrun_sigterm_checkpoints_and_resumes_exactly(target, train_data, dd
     assert proc.returncode == 1, output
     assert output.count("Traceback") == 1 and "SignalException: Process" in output.split("Traceback")[1], output
     assert "forcefully exiting via SIGKILL" not in output
-    assert output.count("Received SIGTERM") == 2, output
+    assert output.count("Received SIGTERM") == 1, output  # said by rank 0 alone
     newest = checkpoint.list_states(outdir)[0]
     stopped = checkpoint.load_state(newest)
     assert stopped["cur_nimg"] == stopped_at(output) >= 256 and len(set(stopped["rank_digests"])) == 1
@@ -308,7 +308,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_training_state(sig, tr
     output = log.read_text()
     # SIGTERM: exit 0, as one process does; Ctrl-C: the launcher ends by SIGINT as its ranks did, so scripts stop.
     assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGINT), output
-    assert "Traceback" not in output and "Error" not in output and output.count(f"Received {sig.name}") == 2, output
+    assert "Traceback" not in output and "Error" not in output and output.count(f"Received {sig.name}") == 1, output
     stopped = checkpoint.load_state(checkpoint.list_states(outdir)[0])
     assert stopped["cur_nimg"] == stopped_at(output) >= 256 and len(set(stopped["rank_digests"])) == 1
     if sig == signal.SIGINT:
@@ -328,10 +328,11 @@ def test_a_killed_launcher_leaves_no_rank_running(train_data, tmp_path):
     tree_ = process_tree(proc.pid)
     proc.kill()  # as the OOM killer would
     proc.wait(timeout=60)
-    # The kernel sends each rank SIGTERM (PR_SET_PDEATHSIG): it finishes its step, writes a training state, ends.
+    # The kernel sends each rank SIGTERM (PR_SET_PDEATHSIG): it finishes its step, writes a training state, ends;
+    # rank 0 alone says so.
     wait_until_ended(tree_)
     output = log.read_text()
-    assert output.count("Received SIGTERM") == 2 and "Traceback" not in output, output
+    assert output.count("Received SIGTERM") == 1 and "Traceback" not in output, output
     assert checkpoint.load_state(checkpoint.list_states(outdir)[0])["cur_nimg"] == stopped_at(output)
 
 

@@ -367,3 +367,50 @@ def test_a_dead_console_is_dropped_and_the_log_keeps_every_line(tmp_path):
     console.write("later\n")  # its descriptor now leads to /dev/null: no later write or flush fails
     console.close()
     assert (tmp_path / "log.txt").read_text() == "first\nsecond\n"
+
+
+def error_lines(output: str) -> list[str]:
+    """The lines of output that report an error."""
+    return [line for line in output.splitlines() if line.startswith("Error")]
+
+
+@pytest.mark.bad_input
+def test_a_full_disk_under_two_processes_is_one_line_from_the_rank_that_met_it(train_data, tmp_path):
+    # Before: the rank that lost its group ended first and the launcher killed the one still printing why (no line
+    # at all), or both printed, the second with Gloo's "Connection closed by peer".
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare to mount a full filesystem")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = " ".join(f"'{arg}'" for arg in train_command(train_data, disk / "run", "--processes=2", "--workers=0"))
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=8k tmpfs {disk} && exec {command}"],
+                            cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    if "mount" in result.stderr and "No space" not in result.stderr:
+        pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output
+    [line] = error_lines(output)
+    assert line.startswith(f"Error: {disk / 'run'}/") and line.endswith(": No space left on device"), output
+
+
+def test_ctrl_c_under_two_processes_is_said_once(train_data, tmp_path):
+    outdir = tmp_path / "run"
+    proc = start_training(train_data, outdir, "--processes=2", "--workers=0", "--duration=64Ki")
+    wait_for(lambda: (outdir / "stats.jsonl").exists(), proc)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in output, output
+    assert output.count("Received SIGINT") == 1 and not error_lines(output), output
+
+
+@pytest.mark.bad_input
+def test_rank_zeros_refusal_under_two_processes_is_one_line(train_data, reference_run, tmp_path):
+    # Before: every rank raised rank 0's error (distributed.on_main_rank) and printed it: the same line twice.
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    result = subprocess.run(train_command(train_data, run, "--processes=2", "--workers=0", "--lr=0.5"), cwd=REPO,
+                            env=train_env(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output
+    assert error_lines(output) == [f"Error: {run}: cannot resume with different hyperparameters (lr: run has 0.01, "
+                                   "now 0.5)"], output

@@ -226,8 +226,12 @@ def rank_batches(items: Sequence[int], batch_size: int, rank: int, world_size: i
     return RankBatches(items, batch_size, rank, world_size, skip_empty)
 
 
+_SHARED = "_edm2_raised_by_main_rank"  # the attribute that marks, on another rank, rank 0's error (on_main_rank)
+
+
 def on_main_rank(fn: Callable[[], T], errors: tuple[type[BaseException], ...] = (EDM2Error, OSError)) -> T | None:
-    """fn() on rank 0 (None on the others); if it raises one of errors, every rank raises that exception."""
+    """fn() on rank 0 (None on the others); if it raises one of errors, every rank raises that exception, marked on
+    the other ranks as rank 0's (raised_by_main_rank)."""
     result, error = None, None
     if is_main():
         try:
@@ -236,8 +240,15 @@ def on_main_rank(fn: Callable[[], T], errors: tuple[type[BaseException], ...] = 
             error = e
     error = broadcast_object(error)
     if error is not None:
+        if not is_main():
+            setattr(error, _SHARED, True)
         raise error
     return result
+
+
+def raised_by_main_rank(error: BaseException) -> bool:
+    """Whether error, raised on a rank other than 0, is rank 0's (on_main_rank): rank 0 reports it."""
+    return getattr(error, _SHARED, False)
 
 
 def main_rank_first(fn: Callable[[], T]) -> T:

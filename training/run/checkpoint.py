@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -46,6 +47,7 @@ class Checkpoints:
     def __init__(self, run: RunDirectory | None):
         self.run = run
         self.refused: set[str] = set()  # training states this start skipped: never replaced, never pruned
+        self.left: set[str] = set()  # names of training states that are no file of ours, each reported once
 
     def resume(self, state: TrainingState, opts: TrainingOptions) -> Path | None:
         """Every rank: continue state from the run's newest valid training state and return its path, or leave the
@@ -112,14 +114,28 @@ class Checkpoints:
 
     def prune(self, newest: Path, keep: int) -> list[Path]:
         """Rank 0: delete the run's training states beyond the keep newest, once newest (just written) reads back
-        whole; states this start refused to read are not ours to judge and stay. Returns the deleted paths."""
+        whole; states this start refused to read are not ours to judge and stay, and so does anything of a state's name
+        that is not a regular file (a directory, a link), said once. Returns the deleted paths."""
         load_state(newest)  # a kill or a bad disk must never leave us with no readable state
-        ours = [p for p in list_states(self.run.path) if p.name not in self.refused]
+        named = [p for p in list_states(self.run.path) if p.name not in self.refused]
+        ours = [p for p in named if _regular_file(p)]
+        for other in [p for p in named if p not in ours and p.name not in self.left]:
+            print(f"Leaving {other.name}: named like a training state but no regular file (--keep-states deletes only "
+                  "training-state files)", flush=True)
+            self.left.add(other.name)
         if newest not in ours[:keep]:
             return []
         for old in ours[keep:]:
             old.unlink(missing_ok=True)
         return ours[keep:]
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether path itself (not what a link names) is a regular file; False when it is gone."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _run_id(found: tuple[Path, dict] | None) -> str | None:

@@ -4,12 +4,17 @@
 The grid has ROWS x COLS images; image (r, c) has seed r * COLS + c and, for a class-conditional network, the
 class r % label_dim, so each row is one class. Every image is what `generate.py --no-compile --net=SNAPSHOT
 --seeds=... --class=r%label_dim --steps=STEPS` writes for its seed (on the CPU, where nothing compiles by default,
-plain generate.py); edm2.procedures.image_grid.tile joins them as generate.py --grid does.
+plain generate.py); edm2.procedures.image_grid.tile joins them as generate.py --grid does. A CPU kernel may split a
+sum by threads, so the grid is sampled with the threads a plain generate.py computes with here (generate_threads),
+not the rank's: under the two-process CPU default each rank has one thread of the cores shared out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -22,6 +27,28 @@ from edm2.runtime import files
 from edm2.runtime.speed import SamplingSpeed
 
 SAMPLES_DIR = "samples"
+# The threads of a plain `python generate.py` in the user's environment, which cli.local_launch gives its ranks: they
+# themselves run with the cores shared out among them (OMP_NUM_THREADS).
+GENERATE_THREADS_ENV = "EDM2_GENERATE_THREADS"
+_START_THREADS = torch.get_num_threads()  # PyTorch's own at import, before a command's --threads applies
+
+
+def generate_threads() -> int:
+    """The CPU threads a plain generate.py computes with in the user's environment: $EDM2_GENERATE_THREADS where the
+    launcher set it, else this process's own at its start."""
+    given = os.environ.get(GENERATE_THREADS_ENV, "")
+    return int(given) if given.isdigit() and int(given) > 0 else _START_THREADS
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int) -> Iterator[None]:
+    """PyTorch computes with `threads` CPU threads inside, with those it had after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def grid_path(run_dir: Path, nimg: int) -> Path:
@@ -67,7 +94,8 @@ class SampleGrid:
             net = load_network(snapshot)[0].to(self.device)
             # generate.py's defaults but no compile: a new network at every snapshot would compile again each time.
             SamplingSpeed(compile=False).apply(net, self.device)
-            grid = sample_grid(net, self.encoder, self.rows, self.cols, self.steps, self.device)
+            with cpu_threads(generate_threads()):
+                grid = sample_grid(net, self.encoder, self.rows, self.cols, self.steps, self.device)
             save_png(grid_path(self.run_dir, nimg), grid)
         except Exception as e:  # a preview must never stop the training it shows
             print(f"Warning: the sample grid failed ({type(e).__name__}: {one_line(e)}); training goes on without "

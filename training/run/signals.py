@@ -46,7 +46,8 @@ class StopFlag:
                 raise KeyboardInterrupt
             return
         self.signal = signal.Signals(signum)
-        print(f"Received {self.signal.name}: finishing this step and writing a checkpoint.", flush=True)
+        if distributed.is_main():  # every rank receives it (a launcher forwards it to each): one line says so
+            print(f"Received {self.signal.name}: finishing this step and writing a checkpoint.", flush=True)
 
     def all_set(self) -> bool:
         """True when any rank was signalled (a collective call: every rank must make it)."""
