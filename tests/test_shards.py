@@ -221,6 +221,33 @@ def test_mixed_shapes_are_refused_when_written(tmp_path):
         shard_writer.write_shard(tmp_path / "m.shards", index, 0, np.zeros((2, 3, 8, 9), np.uint8), None)
 
 
+@pytest.mark.bad_input
+def test_images_of_mixed_sizes_into_shards_are_one_line_and_leave_nothing(tmp_path):
+    source = tmp_path / "raw"
+    source.mkdir()
+    for name, size in [("a.png", 8), ("b.png", 8), ("c.png", 6)]:
+        PIL.Image.fromarray(np.zeros((size, size, 3), np.uint8)).save(source / name)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "m.shards",
+                                         "--workers=0"), "c.png is 6x6 but earlier images are 8x8")
+
+
+@pytest.mark.bad_input
+def test_a_dataset_of_mixed_channels_into_shards_is_one_line_and_leaves_nothing(tmp_path):
+    folder = write_image_dataset(tmp_path / "img", num=4, labels=False)
+    PIL.Image.fromarray(np.zeros((8, 8), np.uint8), "L").save(folder / "00000" / "img00000002.png")
+    assert_refused(tmp_path, lambda: run("convert", "--source", folder, "--dest", tmp_path / "m.shards"),
+                   "img00000002.png", "mixed channel counts")
+
+
+@pytest.mark.bad_input
+def test_skipping_unreadable_images_into_shards_is_one_line(tmp_path):
+    source = tmp_path / "raw"
+    source.mkdir()
+    PIL.Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(source / "a.png")
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "m.shards",
+                                         "--on-error=skip"), "--on-error", "numbers its samples without gaps")
+
+
 # ----------------------------------------------------------------------------------------------
 # Blends: shares by weight, from a JSON spec or the option.
 

@@ -242,3 +242,46 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
     if size is None:
         raise DatasetError(f"no image of {source.path} could be read")
     return written, transparent
+
+
+class ConvertedSamples:
+    """A source's first max_images images read as convert_images reads them (mode, transform, alpha handling), as
+    NCHW uint8 samples for a shard dataset: no gaps, so an unreadable image raises UnreadableImageError, and every
+    image must be square and of the first one's size (ImageSizeError)."""
+
+    def __init__(self, source: ImageSource, transform: Callable[[np.ndarray], np.ndarray],
+                 max_images: int | None = None, mode: str = "RGB", alpha: str = "drop",
+                 background: tuple[int, int, int] = BACKGROUNDS["white"]):
+        self.path, self.names = source.path, source.names[:max_images]
+        self.classes = source.classes
+        self.labels = None if source.labels is None else np.array([source.labels[n] for n in self.names], np.int64)
+        self.transparent: set[int] = set()  # indices of the images read so far that had transparent pixels
+        self._images = ConvertedImages(source.files, self.names, transform, mode, alpha, background)
+        self._shape = self._sample(0).shape
+        if self._shape[1] != self._shape[2]:
+            raise ImageSizeError(f"{shown(self.names[0])} is {self._shape[2]}x{self._shape[1]}, not square; datasets "
+                                 f"hold square images")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _sample(self, idx: int) -> np.ndarray:
+        """Image idx as CHW, the array a dataset of its PNG would read back."""
+        png, shape, transparent = self._images[idx]
+        if png is None:
+            raise UnreadableImageError(f"cannot read image {shown(self.names[idx])} in {shown(self.path)} "
+                                       f"({shown(shape)})")
+        if transparent:
+            self.transparent.add(idx)
+        with PIL.Image.open(io.BytesIO(png)) as image:  # the PNG convert_images writes, decoded: the same pixels
+            pixels = np.asarray(image)
+        return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+
+    def pixels(self, first: int, n: int) -> np.ndarray:
+        """Samples [first, first + n), NCHW uint8."""
+        samples = [self._sample(idx) for idx in range(first, first + n)]
+        for idx, sample in enumerate(samples, start=first):
+            if sample.shape != self._shape:
+                raise ImageSizeError(f"{shown(self.names[idx])} is {sample.shape[2]}x{sample.shape[1]} but earlier "
+                                     f"images are {self._shape[2]}x{self._shape[1]}")
+        return np.stack(samples)

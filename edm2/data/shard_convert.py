@@ -1,6 +1,7 @@
-"""Filling shard datasets from a source of samples: a dataset (folder, ZIP or shards) or webdataset tar shards, as
-they are (convert) or through the VAE (encode, over every process of a torchrun). Resumable by shard
-(edm2/data/shard_writer.py); the result does not depend on interruptions or the number of processes."""
+"""Filling shard datasets from a source of samples: a dataset (folder, ZIP or shards), images read as convert reads
+them (ConvertedSamples) or webdataset tar shards, as they are (convert) or through the VAE (encode, over every
+process of a torchrun). Resumable by shard (edm2/data/shard_writer.py); the result does not depend on interruptions
+or the number of processes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from edm2.data import shard_writer
+from edm2.data.convert import ConvertedSamples
 from edm2.data.shards import num_shards, shard_count
 from edm2.data.tar_source import TarSource
 from edm2.encoders import Encoder
@@ -18,8 +20,8 @@ from edm2.runtime import distributed
 
 
 def source_labels(source: object) -> np.ndarray | None:
-    """The class of every sample of a source (a TarSource or a dataset), None when unlabeled."""
-    if isinstance(source, TarSource):
+    """The class of every sample of a source (a TarSource, ConvertedSamples or a dataset), None when unlabeled."""
+    if isinstance(source, (TarSource, ConvertedSamples)):
         return source.labels
     labels = source.raw_labels
     return None if labels is None else np.array([labels[i] for i in range(len(source))], dtype=np.int64)
@@ -27,7 +29,7 @@ def source_labels(source: object) -> np.ndarray | None:
 
 def source_samples(source: object, first: int, n: int) -> np.ndarray:
     """Samples [first, first + n) of a source, NCHW as stored."""
-    if isinstance(source, TarSource):
+    if isinstance(source, (TarSource, ConvertedSamples)):
         return source.pixels(first, n)
     return np.stack([source[i][0] for i in range(first, first + n)])
 
