@@ -5,6 +5,7 @@ or the number of processes."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +14,7 @@ import torch
 
 from edm2.data import shard_writer
 from edm2.data.convert import ConvertedSamples
+from edm2.data.dataset_files import DatasetError
 from edm2.data.shards import num_shards, shard_count
 from edm2.data.tar_source import TarSource
 from edm2.encoders import Encoder
@@ -58,8 +60,10 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
     """Encode a source's pixels into the latent shard dataset dest on every rank; rank 0 prepares and finishes.
 
     Each shard is encoded in fixed blocks of `batch` from its first sample, so every image is encoded in the same
-    company whatever the interruptions or the number of processes."""
+    company whatever the interruptions or the number of processes. In a single process, a refusal of the samples
+    removes a progress folder this call made (as shard_writer.write_shards does)."""
     problem, pending = None, []
+    created = not shard_writer.work_folder(dest).exists()
     if distributed.is_main():
         try:
             pending = shard_writer.prepare(dest, index)
@@ -72,14 +76,19 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
         report(f"resuming {shard_writer.work_folder(dest)}: {num_shards(index) - len(pending)} of "
                f"{num_shards(index)} shards already written")
     labels, device = source_labels(source), distributed.device()
-    for k in pending[distributed.get_rank()::distributed.get_world_size()]:
-        first, n = k * index["shard_size"], shard_count(index, k)
-        latents = []
-        for start in range(first, first + n, batch):
-            pixels = torch.from_numpy(source_samples(source, start, min(batch, first + n - start)))
-            latents.append(encoder.encode_pixels(pixels.to(device)).cpu().numpy())
-        shard_writer.write_shard(dest, index, k, np.concatenate(latents).astype(np.float32),
-                                 None if labels is None else labels[first:first + n])
+    try:
+        for k in pending[distributed.get_rank()::distributed.get_world_size()]:
+            first, n = k * index["shard_size"], shard_count(index, k)
+            latents = []
+            for start in range(first, first + n, batch):
+                pixels = torch.from_numpy(source_samples(source, start, min(batch, first + n - start)))
+                latents.append(encoder.encode_pixels(pixels.to(device)).cpu().numpy())
+            shard_writer.write_shard(dest, index, k, np.concatenate(latents).astype(np.float32),
+                                     None if labels is None else labels[first:first + n])
+    except DatasetError:
+        if created and distributed.get_world_size() == 1:  # other ranks may still be writing into it
+            shutil.rmtree(shard_writer.work_folder(dest))
+        raise
     distributed.barrier()
     if distributed.is_main():
         shard_writer.finish(dest, index)
