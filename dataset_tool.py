@@ -138,8 +138,9 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             background: str | None) -> None:
     """Crop/resize a folder, ZIP or tar shards of images into a dataset of PNGs or shards (--dest=NAME.shards).
 
-    Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
-    by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
+    Into shards (resumable by shard in DEST.partial/), a folder or ZIP of images is read as into a PNG dataset
+    (every option but --on-error=skip applies), a dataset keeps its PNG or NPY samples as they are (in the encoding
+    it records), and webdataset tar shards (a .tar or a folder of them) are read as into a PNG dataset.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -160,25 +161,27 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         raise click.BadParameter(f"{source} is tar shards, whose images become RGB", param_hint="'--channels'")
     label_map = label_map_of(labels_path) if tar else None
     if is_shards(dest):
-        images = None
+        reading, images = dict(alpha=alpha, background=colour), None
         if not tar and raw_images(source):
             if on_error == "skip":
                 raise click.BadParameter("a shard dataset numbers its samples without gaps; convert to a PNG dataset "
                                          "to leave unreadable images out", param_hint="'--on-error'")
             images = functools.partial(converted_samples, source, labels_path, transform_for(transform, resolution),
-                                       max_images, channels, dict(alpha=alpha, background=colour))
+                                       max_images, channels, dict(reading))
+            # How the images are read, kept in their shards' identity: a rerun with other options starts afresh.
+            reading.update(channels=channels, labels=label_map_of(labels_path), resolution=resolution,
+                           transform=transform)
         elif not tar:
             tar_only(source, resolution, transform)
             if alpha != "drop" or labels_path is not None:
                 raise click.BadParameter("a shard dataset of a dataset holds its samples and labels as they are; "
                                          "convert to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
-        # For images, what the identity of their shards records of how they were read.
-        read = dict(channels=channels, labels=label_map_of(labels_path), resolution=resolution, transform=transform)
+        else:
+            reading["label_map"] = label_map
         with distributed.session(single_process=True):
             try:
                 counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
-                                        encoder, images, alpha=alpha, background=colour,
-                                        **(read if images is not None else dict(label_map=label_map)))
+                                        encoder, images, **reading)
             except UnreadableImageError as e:
                 raise click.ClickException(f"{e}; a shard dataset has no gaps: convert to a PNG dataset with "
                                            f"--on-error=skip to leave such images out") from None

@@ -152,11 +152,11 @@ def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.n
 def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None, shard_size: int | None, encoder: Encoder | None,
                    images: Callable[[], ConvertedSamples] | None = None, **reading) -> tuple[int | None, int] | None:
-    """convert into a shard dataset (resumable): from tar shards or from images (images() opens them: a folder or
-    ZIP of images read as convert reads them), in the encoding given (pixels by default), or from a dataset (a ZIP's
-    PNG or NPY files), in the encoding it records. For tar shards (reading: TarSource's alpha, background and
-    label_map) and images, returns (the images written, None when resumed; how many of this run's had transparent
-    pixels); None for a dataset."""
+    """convert into a shard dataset (resumable): from tar shards (reading: TarSource's alpha, background and
+    label_map) or from images (images() opens them: a folder or ZIP of images read as convert reads them; reading:
+    how, kept in the shards' identity), in the encoding given (pixels by default), or from a dataset (a ZIP's PNG or
+    NPY files), in the encoding it records. For tar shards and images, returns (the images written, None when
+    resumed; how many of this run's had transparent pixels); None for a dataset."""
     with claimed_dest(dest, "convert"):
         samples = images() if images is not None else open_shard_source(source, transform_image, "", **reading)
         read = isinstance(samples, (TarSource, ConvertedSamples))  # samples made here, not a dataset's as they are
@@ -168,7 +168,6 @@ def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarr
                                      param_hint="'--encoding'")
         else:
             encoding = recorded_encoding(samples, str(first.dtype), source)
-        # How the samples were read is part of what they are: a rerun with other options starts afresh.
         identity = {"source": str(source.resolve()), **({"reading": reading} if images is not None else {})}
         index = source_index(samples, encoding, list(first.shape), identity, max_images, shard_size)
         resumed = convert_to_shards(samples, dest, index, report=click.echo)

@@ -284,6 +284,30 @@ def test_a_killed_convert_of_images_keeps_its_progress_and_resumes_to_identical_
 
 
 @pytest.mark.bad_input
+def test_a_killed_convert_of_images_resumed_with_another_background_is_one_line(tmp_path, monkeypatch):
+    source = tmp_path / "raw"
+    source.mkdir()
+    for i in range(2):
+        PIL.Image.fromarray(np.zeros((6, 6, 4), np.uint8)).save(source / f"{i}.png")
+    args = ["convert", "--source", source, "--dest", tmp_path / "b.shards", "--alpha=composite", "--shard-size", 1,
+            "--workers=0"]
+    original = shard_writer.write_shard
+
+    def killed_at_the_second(*a):
+        if a[2] == 1:
+            raise KeyboardInterrupt
+        original(*a)
+
+    monkeypatch.setattr(shard_writer, "write_shard", killed_at_the_second)
+    assert run(*args, "--background=black").exit_code != 0
+    assert (tmp_path / "b.shards.partial" / shard_name(0)).exists()
+    monkeypatch.setattr(shard_writer, "write_shard", original)
+    # The same pixels' shape, other pixels: the finished shard cannot be kept.
+    assert_refused(tmp_path, lambda: run(*args, "--background=white"), "b.shards.partial",
+                   "holds an unfinished write with other settings")
+
+
+@pytest.mark.bad_input
 def test_skipping_unreadable_images_into_shards_is_one_line(tmp_path):
     source = tmp_path / "raw"
     source.mkdir()
