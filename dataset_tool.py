@@ -167,7 +167,7 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                 raise click.BadParameter("a shard dataset numbers its samples without gaps; convert to a PNG dataset "
                                          "to leave unreadable images out", param_hint="'--on-error'")
             images = functools.partial(converted_samples, source, labels_path, transform_for(transform, resolution),
-                                       max_images, channels, dict(reading))
+                                       max_images, channels, dict(reading, workers=workers))
             # How the images are read, kept in their shards' identity: a rerun with other options starts afresh.
             reading.update(channels=channels, labels=label_map_of(labels_path), resolution=resolution,
                            transform=transform)
@@ -240,11 +240,12 @@ def raw_images(source: Path) -> bool:
 
 
 def converted_samples(source: Path, labels_path: Path | None, transform_image: Callable[[np.ndarray], np.ndarray],
-                      max_images: int | None, channels: str, alpha: dict) -> ConvertedSamples:
+                      max_images: int | None, channels: str, reading: dict) -> ConvertedSamples:
     """convert's source images (labeled by their folders or --labels) read for shards as into a PNG dataset: in
-    --channels's mode, transformed, their transparency as alpha (read_image's alpha and background) says."""
+    --channels's mode, transformed, their transparency as reading (ConvertedSamples's alpha and background) says,
+    in its workers."""
     images = image_source(source, labels_path)
-    return ConvertedSamples(images, transform_image, max_images, choose_mode(images, channels, max_images), **alpha)
+    return ConvertedSamples(images, transform_image, max_images, choose_mode(images, channels, max_images), **reading)
 
 
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,

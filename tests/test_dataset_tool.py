@@ -822,7 +822,9 @@ def test_images_convert_into_shards_as_into_a_zip_with_a_label_map_and_a_transfo
     (tmp_path / "map.json").write_text(json.dumps({"cats": 3, "dogs": 1}))
     options = ["--source", source, "--labels", tmp_path / "map.json", "--resolution=6", "--transform=center-crop",
                "--alpha=composite", "--background=#102030", "--workers=0"]
-    results = [run("convert", *options, "--dest", tmp_path / dest) for dest in ("out.zip", "out.shards")]
+    # Into shards in two reading processes, as the same images into a ZIP in this one.
+    results = [run("convert", *options, "--dest", tmp_path / "out.zip"),
+               run("convert", *options, "--workers=2", "--dest", tmp_path / "out.shards")]
     for result in results:
         assert_ok(result)
         assert "3 of 3 images had transparent pixels: composited onto #102030" in result.output
@@ -832,6 +834,18 @@ def test_images_convert_into_shards_as_into_a_zip_with_a_label_map_and_a_transfo
     # Sorted: cats/0.png, cats/2.png, dogs/1.png, numbered by the map.
     assert [int(sharded.raw_labels[i]) for i in range(3)] == [int(zipped.raw_labels[i]) for i in range(3)] == [3, 3, 1]
     assert sharded.classes == zipped.classes == {"cats": 3, "dogs": 1}
+
+
+@pytest.mark.parametrize("channels, shape", [("auto", [1, 4, 4]), ("3", [3, 4, 4])])
+def test_grayscale_images_convert_into_shards_with_the_channels_of_a_zip(tmp_path, channels, shape):
+    for i in range(2):
+        save_image(tmp_path / "gray" / f"{i}.png", np.full((4, 4), 50 * i + 3, np.uint8))
+    for dest in ("out.zip", "out.shards"):
+        assert_ok(run("convert", "--source", tmp_path / "gray", "--dest", tmp_path / dest, f"--channels={channels}",
+                      "--workers=0"))
+    zipped, sharded = ImageFolderDataset(tmp_path / "out.zip"), ShardDataset(tmp_path / "out.shards")
+    assert sharded.image_shape == zipped.image_shape == shape
+    assert [sharded[i][0].tolist() for i in range(2)] == [np.full(shape, 50 * i + 3).tolist() for i in range(2)]
 
 
 @pytest.mark.parametrize("dest", ["out.zip", "out.shards"])
