@@ -18,11 +18,11 @@ from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode
                           make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
 from cli.run_setup import choose_encoder
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
-from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ImageSizeError, ImageSource, UnreadableImageError,
-                               background_colour, choose_mode, convert_images, open_image_source, read_label_map,
-                               with_alpha)
-from edm2.data.dataset import DatasetError, image_fname
-from edm2.data.dataset_files import MAX_IMAGE_PIXELS
+from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ConvertedSamples, ImageSizeError, ImageSource,
+                               UnreadableImageError, background_colour, choose_mode, convert_images, open_image_source,
+                               read_label_map, with_alpha)
+from edm2.data.dataset import DatasetError, image_fname, is_raw_image_folder
+from edm2.data.dataset_files import MAX_IMAGE_PIXELS, FileTree
 from edm2.data.sources import open_data
 from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.shards import is_shard_dataset
@@ -138,8 +138,9 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
             background: str | None) -> None:
     """Crop/resize a folder, ZIP or tar shards of images into a dataset of PNGs or shards (--dest=NAME.shards).
 
-    Into shards, the source is a dataset (its PNG or NPY samples as they are, in the encoding it records; resumable
-    by shard in DEST.partial/) or webdataset tar shards (a .tar or a folder of them; --resolution/--transform apply).
+    Into shards (resumable by shard in DEST.partial/), a folder or ZIP of images is read as into a PNG dataset
+    (every option but --on-error=skip applies), a dataset keeps its PNG or NPY samples as they are (in the encoding
+    it records), and webdataset tar shards (a .tar or a folder of them) are read as into a PNG dataset.
 
     Image i of the sorted source list becomes NNNNN/imgIIIIIIII.png (NNNNN = i // 1000); a
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
@@ -160,13 +161,33 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
         raise click.BadParameter(f"{source} is tar shards, whose images become RGB", param_hint="'--channels'")
     label_map = label_map_of(labels_path) if tar else None
     if is_shards(dest):
-        tar_only(source, resolution, transform)
-        if not tar and (alpha != "drop" or labels_path is not None):
-            raise click.BadParameter("a shard dataset of a dataset holds its samples and labels as they are; convert "
-                                     "to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
+        reading, images = dict(alpha=alpha, background=colour), None
+        if not tar and raw_images(source):
+            if on_error == "skip":
+                raise click.BadParameter("a shard dataset numbers its samples without gaps; convert to a PNG dataset "
+                                         "to leave unreadable images out", param_hint="'--on-error'")
+            images = functools.partial(converted_samples, source, labels_path, transform_for(transform, resolution),
+                                       max_images, channels, dict(reading, workers=workers))
+            # How the images are read, kept in their shards' identity: a rerun with other options starts afresh.
+            reading.update(channels=channels, labels=label_map_of(labels_path), resolution=resolution,
+                           transform=transform)
+        elif not tar:
+            tar_only(source, resolution, transform)
+            if alpha != "drop" or labels_path is not None:
+                raise click.BadParameter("a shard dataset of a dataset holds its samples and labels as they are; "
+                                         "convert to a PNG dataset for --alpha or --labels", param_hint="'--dest'")
+        else:
+            reading["label_map"] = label_map
         with distributed.session(single_process=True):
-            counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
-                                    encoder, alpha=alpha, background=colour, label_map=label_map)
+            try:
+                counts = convert_shards(source, dest, transform_for(transform, resolution), max_images, shard_size,
+                                        encoder, images, **reading)
+            except UnreadableImageError as e:
+                raise click.ClickException(f"{e}; a shard dataset has no gaps: convert to a PNG dataset with "
+                                           f"--on-error=skip to leave such images out") from None
+            except ImageSizeError as e:
+                raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
+                                           f"equal") from None
         if counts is not None:
             report_transparency(*counts, alpha, colour)
         return
@@ -205,6 +226,26 @@ def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray]
     alpha = reading["alpha"]
     report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, reading["background"],
                      samples.classes)
+
+
+def raw_images(source: Path) -> bool:
+    """True for a folder or ZIP of images that is no dataset yet (edm2.data.dataset.is_raw_image_folder), which
+    convert reads as it reads them into a PNG dataset; a source that is no folder or ZIP is left to open_dataset."""
+    if is_shard_dataset(source):
+        return False
+    try:
+        return is_raw_image_folder(FileTree(source))
+    except DatasetError:
+        return False
+
+
+def converted_samples(source: Path, labels_path: Path | None, transform_image: Callable[[np.ndarray], np.ndarray],
+                      max_images: int | None, channels: str, reading: dict) -> ConvertedSamples:
+    """convert's source images (labeled by their folders or --labels) read for shards as into a PNG dataset: in
+    --channels's mode, transformed, their transparency as reading (ConvertedSamples's alpha and background) says,
+    in its workers."""
+    images = image_source(source, labels_path)
+    return ConvertedSamples(images, transform_image, max_images, choose_mode(images, channels, max_images), **reading)
 
 
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,

@@ -1,6 +1,6 @@
 """What dataset_tool.py's commands share: a claimed destination, source datasets (folders, ZIPs, shards), the
-encoder of --encoding and --encoding-settings, and writing shard datasets (resumable by shard) from datasets or
-webdataset tar shards."""
+encoder of --encoding and --encoding-settings, and writing shard datasets (resumable by shard) from datasets, images
+or webdataset tar shards."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import click
 import numpy as np
 import torch
 
+from edm2.data.convert import ConvertedSamples
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
 from edm2.data.shards import ShardDataset, is_shard_dataset
@@ -150,27 +151,29 @@ def open_shard_source(source: Path, transform_image: Callable[[np.ndarray], np.n
 
 def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
                    max_images: int | None, shard_size: int | None, encoder: Encoder | None,
-                   **reading) -> tuple[int | None, int] | None:
-    """convert into a shard dataset (resumable): from tar shards, in the encoding given (pixels by default), or from
-    a dataset (a ZIP's PNG or NPY files), in the encoding it records. For tar shards (reading: TarSource's alpha,
-    background and label_map), returns (the images written, None when resumed; how many of this run's had transparent pixels); None
-    for a dataset."""
+                   images: Callable[[], ConvertedSamples] | None = None, **reading) -> tuple[int | None, int] | None:
+    """convert into a shard dataset (resumable): from tar shards (reading: TarSource's alpha, background and
+    label_map) or from images (images() opens them: a folder or ZIP of images read as convert reads them; reading:
+    how, kept in the shards' identity), in the encoding given (pixels by default), or from a dataset (a ZIP's PNG or
+    NPY files), in the encoding it records. For tar shards and images, returns (the images written, None when
+    resumed; how many of this run's had transparent pixels); None for a dataset."""
     with claimed_dest(dest, "convert"):
-        samples = open_shard_source(source, transform_image, "", **reading)
-        first = samples.pixels(0, 1)[0] if isinstance(samples, TarSource) else samples[0][0]
-        if isinstance(samples, TarSource):
+        samples = images() if images is not None else open_shard_source(source, transform_image, "", **reading)
+        read = isinstance(samples, (TarSource, ConvertedSamples))  # samples made here, not a dataset's as they are
+        first = samples.pixels(0, 1)[0] if read else samples[0][0]
+        if read:
             encoding = (encoder or RELEASE_ENCODINGS[PIXELS]()).dataset_record()
         elif encoder is not None:
             raise click.BadParameter(f"{source} is a dataset: its shards keep the encoding it records",
                                      param_hint="'--encoding'")
         else:
             encoding = recorded_encoding(samples, str(first.dtype), source)
-        index = source_index(samples, encoding, list(first.shape), {"source": str(source.resolve())}, max_images,
-                             shard_size)
+        identity = {"source": str(source.resolve()), **({"reading": reading} if images is not None else {})}
+        index = source_index(samples, encoding, list(first.shape), identity, max_images, shard_size)
         resumed = convert_to_shards(samples, dest, index, report=click.echo)
     click.echo(f"wrote {index['count']} {index['encoding']} samples of shape {'x'.join(map(str, first.shape))} to "
                f"{dest}")
-    if not isinstance(samples, TarSource):
+    if not read:
         return None
     # A resumed run reads only the shards it writes (and the first image, for its shape).
     return None if resumed else index["count"], len(samples.transparent)

@@ -797,15 +797,7 @@ ALPHA_PIXELS = {"drop": ([0, 0, 0], [0, 0, 255], [10, 200, 30]),
 @pytest.mark.parametrize("alpha", list(ALPHA_PIXELS))
 def test_every_source_converts_with_every_alpha_mode(tmp_path, kind, dest, alpha):
     source = rgba_as(tmp_path, kind)
-    args = ["convert", "--source", source, "--dest", tmp_path / dest, f"--alpha={alpha}", "--workers=0"]
-    if dest.endswith(".shards") and kind != "tar":
-        # A dataset's shards hold its samples as they are: --alpha is refused before anything is written.
-        if alpha != "drop":
-            assert_refused(tmp_path, lambda: run(*args), "--dest", "holds its samples and labels as they are")
-        else:  # a folder or ZIP of images of mixed channels becomes a dataset first
-            assert_one_error_line(run(*args), "--dest=DATASET.zip")
-        return
-    result = run(*args)
+    result = run("convert", "--source", source, "--dest", tmp_path / dest, f"--alpha={alpha}", "--workers=0")
     assert_ok(result)
     assert "1 of 3 images had transparent pixels" in result.output
     dataset = ShardDataset(tmp_path / dest) if dest.endswith(".shards") else ImageFolderDataset(tmp_path / dest)
@@ -815,6 +807,45 @@ def test_every_source_converts_with_every_alpha_mode(tmp_path, kind, dest, alpha
     assert np.abs(first[0, 7].astype(int) - half).max() <= (1 if alpha == "composite" else 0)  # 8-bit rounding
     if kind == "tar":
         assert [int(dataset.raw_labels[i]) for i in range(3)] == [2, 0, 1]
+
+
+@pytest.mark.parametrize("kind", ["folder", "zip"])
+def test_images_convert_into_shards_as_into_a_zip_with_a_label_map_and_a_transform(tmp_path, kind):
+    source, rng = tmp_path / "pets", np.random.default_rng(0)
+    for i, (folder, width) in enumerate([("cats", 12), ("dogs", 10), ("cats", 9)]):
+        save_image(source / folder / f"{i}.png", rng.integers(0, 256, (width + 2, width, 4), np.uint8))
+    if kind == "zip":
+        with zipfile.ZipFile(tmp_path / "pets.zip", "w") as archive:
+            for path in sorted(source.rglob("*.png")):
+                archive.write(path, path.relative_to(source).as_posix())
+        source = tmp_path / "pets.zip"
+    (tmp_path / "map.json").write_text(json.dumps({"cats": 3, "dogs": 1}))
+    options = ["--source", source, "--labels", tmp_path / "map.json", "--resolution=6", "--transform=center-crop",
+               "--alpha=composite", "--background=#102030", "--workers=0"]
+    # Into shards in two reading processes, as the same images into a ZIP in this one.
+    results = [run("convert", *options, "--dest", tmp_path / "out.zip"),
+               run("convert", *options, "--workers=2", "--dest", tmp_path / "out.shards")]
+    for result in results:
+        assert_ok(result)
+        assert "3 of 3 images had transparent pixels: composited onto #102030" in result.output
+    zipped, sharded = ImageFolderDataset(tmp_path / "out.zip"), ShardDataset(tmp_path / "out.shards")
+    assert len(sharded) == 3 and sharded.image_shape == [3, 6, 6]
+    assert all(np.array_equal(sharded[i][0], zipped[i][0]) for i in range(3))
+    # Sorted: cats/0.png, cats/2.png, dogs/1.png, numbered by the map.
+    assert [int(sharded.raw_labels[i]) for i in range(3)] == [int(zipped.raw_labels[i]) for i in range(3)] == [3, 3, 1]
+    assert sharded.classes == zipped.classes == {"cats": 3, "dogs": 1}
+
+
+@pytest.mark.parametrize("channels, shape", [("auto", [1, 4, 4]), ("3", [3, 4, 4])])
+def test_grayscale_images_convert_into_shards_with_the_channels_of_a_zip(tmp_path, channels, shape):
+    for i in range(2):
+        save_image(tmp_path / "gray" / f"{i}.png", np.full((4, 4), 50 * i + 3, np.uint8))
+    for dest in ("out.zip", "out.shards"):
+        assert_ok(run("convert", "--source", tmp_path / "gray", "--dest", tmp_path / dest, f"--channels={channels}",
+                      "--workers=0"))
+    zipped, sharded = ImageFolderDataset(tmp_path / "out.zip"), ShardDataset(tmp_path / "out.shards")
+    assert sharded.image_shape == zipped.image_shape == shape
+    assert [sharded[i][0].tolist() for i in range(2)] == [np.full(shape, 50 * i + 3).tolist() for i in range(2)]
 
 
 @pytest.mark.parametrize("dest", ["out.zip", "out.shards"])

@@ -221,6 +221,101 @@ def test_mixed_shapes_are_refused_when_written(tmp_path):
         shard_writer.write_shard(tmp_path / "m.shards", index, 0, np.zeros((2, 3, 8, 9), np.uint8), None)
 
 
+@pytest.mark.bad_input
+def test_images_of_mixed_sizes_into_shards_are_one_line_and_leave_nothing(tmp_path):
+    source = tmp_path / "raw"
+    source.mkdir()
+    for name, size in [("a.png", 8), ("b.png", 8), ("c.png", 6)]:
+        PIL.Image.fromarray(np.zeros((size, size, 3), np.uint8)).save(source / name)
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "m.shards",
+                                         "--workers=0"), "c.png is 6x6 but earlier images are 8x8")
+
+
+@pytest.mark.bad_input
+def test_a_dataset_of_mixed_channels_into_shards_is_one_line_and_leaves_nothing(tmp_path):
+    folder = write_image_dataset(tmp_path / "img", num=4, labels=False)
+    PIL.Image.fromarray(np.zeros((8, 8), np.uint8), "L").save(folder / "00000" / "img00000002.png")
+    assert_refused(tmp_path, lambda: run("convert", "--source", folder, "--dest", tmp_path / "m.shards"),
+                   "img00000002.png", "mixed channel counts")
+
+
+@pytest.mark.bad_input
+def test_a_dataset_of_mixed_channels_encoded_into_shards_is_one_line_and_leaves_nothing(tmp_path):
+    folder = write_image_dataset(tmp_path / "img", num=4, resolution=16, labels=False)
+    PIL.Image.fromarray(np.zeros((16, 16), np.uint8), "L").save(folder / "00000" / "img00000002.png")
+    vae = save_tiny_vae(tmp_path / "vae")
+    assert_refused(tmp_path, lambda: run("encode", "--source", folder, "--vae", vae, "--batch", 2,
+                                         "--dest", tmp_path / "m.shards"), "img00000002.png", "mixed channel counts")
+
+
+@pytest.mark.bad_input
+def test_alpha_or_labels_of_a_dataset_into_shards_are_one_line(zip_shards, tmp_path):
+    (tmp_path / "map.json").write_text(json.dumps({"a": 0}))
+    for option in ["--alpha=keep", f"--labels={tmp_path / 'map.json'}"]:
+        assert_refused(tmp_path, lambda: run("convert", "--source", zip_shards / "toy.zip", "--dest",
+                                             tmp_path / "a.shards", option), "--dest",
+                       "holds its samples and labels as they are")
+
+
+def test_a_killed_convert_of_images_keeps_its_progress_and_resumes_to_identical_shards(tmp_path, monkeypatch):
+    source = tmp_path / "raw"
+    for i, folder in enumerate(["x", "y", "x", "y"]):
+        (source / folder).mkdir(parents=True, exist_ok=True)
+        PIL.Image.fromarray(np.full((6, 6, 4), 60 * i, np.uint8)).save(source / folder / f"{i}.png")
+    args = ["convert", "--source", source, "--alpha=keep", "--shard-size", 2, "--workers=0"]
+    assert_ok(run(*args, "--dest", tmp_path / "whole.shards"))
+    original = shard_writer.write_shard
+
+    def killed_at_the_second(*a):
+        if a[2] == 1:
+            raise KeyboardInterrupt
+        original(*a)
+
+    monkeypatch.setattr(shard_writer, "write_shard", killed_at_the_second)
+    dest = tmp_path / "resumed.shards"
+    assert run(*args, "--dest", dest).exit_code != 0
+    assert sorted(p.name for p in (tmp_path / "resumed.shards.partial").glob("*.bin")) == [shard_name(0)]
+    monkeypatch.setattr(shard_writer, "write_shard", original)
+    result = run(*args, "--dest", dest)
+    assert_ok(result)
+    assert "1 of 2 shards already written" in result.output
+    assert files_of(dest) == files_of(tmp_path / "whole.shards")
+    assert ShardDataset(dest).image_shape == [4, 6, 6]
+
+
+@pytest.mark.bad_input
+def test_a_killed_convert_of_images_resumed_with_another_background_is_one_line(tmp_path, monkeypatch):
+    source = tmp_path / "raw"
+    source.mkdir()
+    for i in range(2):
+        PIL.Image.fromarray(np.zeros((6, 6, 4), np.uint8)).save(source / f"{i}.png")
+    args = ["convert", "--source", source, "--dest", tmp_path / "b.shards", "--alpha=composite", "--shard-size", 1,
+            "--workers=0"]
+    original = shard_writer.write_shard
+
+    def killed_at_the_second(*a):
+        if a[2] == 1:
+            raise KeyboardInterrupt
+        original(*a)
+
+    monkeypatch.setattr(shard_writer, "write_shard", killed_at_the_second)
+    assert run(*args, "--background=black").exit_code != 0
+    assert (tmp_path / "b.shards.partial" / shard_name(0)).exists()
+    monkeypatch.setattr(shard_writer, "write_shard", original)
+    # The same pixels' shape, other pixels: the finished shard cannot be kept.
+    assert_refused(tmp_path, lambda: run(*args, "--background=white"), "b.shards.partial",
+                   "holds an unfinished write with other settings")
+
+
+@pytest.mark.bad_input
+def test_skipping_unreadable_images_into_shards_is_one_line(tmp_path):
+    source = tmp_path / "raw"
+    source.mkdir()
+    PIL.Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(source / "a.png")
+    assert_refused(tmp_path, lambda: run("convert", "--source", source, "--dest", tmp_path / "m.shards",
+                                         "--on-error=skip"), "--on-error", "numbers its samples without gaps")
+
+
 # ----------------------------------------------------------------------------------------------
 # Blends: shares by weight, from a JSON spec or the option.
 

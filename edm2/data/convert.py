@@ -242,3 +242,47 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
     if size is None:
         raise DatasetError(f"no image of {source.path} could be read")
     return written, transparent
+
+
+class ConvertedSamples:
+    """A source's first max_images images read as convert_images reads them (mode, transform, alpha handling; in
+    `workers` DataLoader processes), as NCHW uint8 samples for a shard dataset: no gaps, so an unreadable image
+    raises UnreadableImageError, and every image must be square and of the first one's size (ImageSizeError)."""
+
+    def __init__(self, source: ImageSource, transform: Callable[[np.ndarray], np.ndarray],
+                 max_images: int | None = None, mode: str = "RGB", alpha: str = "drop",
+                 background: tuple[int, int, int] = BACKGROUNDS["white"], workers: int = 0):
+        self.path, self.names, self.workers = source.path, source.names[:max_images], workers
+        self.classes = source.classes
+        self.labels = None if source.labels is None else np.array([source.labels[n] for n in self.names], np.int64)
+        self.transparent: set[int] = set()  # indices of the images read so far that had transparent pixels
+        self._images = ConvertedImages(source.files, self.names, transform, mode, alpha, background)
+        self._shape: tuple[int, ...] | None = None  # the first image's CHW, once read
+        self._shape = self._sample(0, self._images[0]).shape
+        if self._shape[1] != self._shape[2]:
+            raise ImageSizeError(f"{shown(self.names[0])} is {self._shape[2]}x{self._shape[1]}, not square; datasets "
+                                 f"hold square images")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _sample(self, idx: int, item: tuple[bytes | None, tuple[int, int] | str, bool]) -> np.ndarray:
+        """Image idx from its ConvertedImages item, as CHW: the array a dataset of its PNG reads back."""
+        png, shape, transparent = item
+        if png is None:
+            raise UnreadableImageError(f"cannot read image {shown(self.names[idx])} in {shown(self.path)} "
+                                       f"({shown(shape)})")
+        if transparent:
+            self.transparent.add(idx)
+        with PIL.Image.open(io.BytesIO(png)) as image:  # the PNG convert_images writes, decoded: the same pixels
+            pixels = np.asarray(image)
+        if self._shape is not None and pixels.shape[:2] != self._shape[1:]:
+            raise ImageSizeError(f"{shown(self.names[idx])} is {pixels.shape[1]}x{pixels.shape[0]} but earlier "
+                                 f"images are {self._shape[2]}x{self._shape[1]}")
+        return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+
+    def pixels(self, first: int, n: int) -> np.ndarray:
+        """Samples [first, first + n), NCHW uint8."""
+        items = torch.utils.data.DataLoader(torch.utils.data.Subset(self._images, range(first, first + n)),
+                                            batch_size=None, num_workers=min(self.workers, n))
+        return np.stack([self._sample(idx, item) for idx, item in enumerate(items, start=first)])

@@ -1,9 +1,11 @@
-"""Filling shard datasets from a source of samples: a dataset (folder, ZIP or shards) or webdataset tar shards, as
-they are (convert) or through the VAE (encode, over every process of a torchrun). Resumable by shard
-(edm2/data/shard_writer.py); the result does not depend on interruptions or the number of processes."""
+"""Filling shard datasets from a source of samples: a dataset (folder, ZIP or shards), images read as convert reads
+them (ConvertedSamples) or webdataset tar shards, as they are (convert) or through the VAE (encode, over every
+process of a torchrun). Resumable by shard (edm2/data/shard_writer.py); the result does not depend on interruptions
+or the number of processes."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +13,8 @@ import numpy as np
 import torch
 
 from edm2.data import shard_writer
+from edm2.data.convert import ConvertedSamples
+from edm2.data.dataset_files import DatasetError
 from edm2.data.shards import num_shards, shard_count
 from edm2.data.tar_source import TarSource
 from edm2.encoders import Encoder
@@ -18,8 +22,8 @@ from edm2.runtime import distributed
 
 
 def source_labels(source: object) -> np.ndarray | None:
-    """The class of every sample of a source (a TarSource or a dataset), None when unlabeled."""
-    if isinstance(source, TarSource):
+    """The class of every sample of a source (a TarSource, ConvertedSamples or a dataset), None when unlabeled."""
+    if isinstance(source, (TarSource, ConvertedSamples)):
         return source.labels
     labels = source.raw_labels
     return None if labels is None else np.array([labels[i] for i in range(len(source))], dtype=np.int64)
@@ -27,7 +31,7 @@ def source_labels(source: object) -> np.ndarray | None:
 
 def source_samples(source: object, first: int, n: int) -> np.ndarray:
     """Samples [first, first + n) of a source, NCHW as stored."""
-    if isinstance(source, TarSource):
+    if isinstance(source, (TarSource, ConvertedSamples)):
         return source.pixels(first, n)
     return np.stack([source[i][0] for i in range(first, first + n)])
 
@@ -56,8 +60,10 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
     """Encode a source's pixels into the latent shard dataset dest on every rank; rank 0 prepares and finishes.
 
     Each shard is encoded in fixed blocks of `batch` from its first sample, so every image is encoded in the same
-    company whatever the interruptions or the number of processes."""
+    company whatever the interruptions or the number of processes. In a single process, a refusal of the samples
+    removes a progress folder this call made (as shard_writer.write_shards does)."""
     problem, pending = None, []
+    created = not shard_writer.work_folder(dest).exists()
     if distributed.is_main():
         try:
             pending = shard_writer.prepare(dest, index)
@@ -70,14 +76,19 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
         report(f"resuming {shard_writer.work_folder(dest)}: {num_shards(index) - len(pending)} of "
                f"{num_shards(index)} shards already written")
     labels, device = source_labels(source), distributed.device()
-    for k in pending[distributed.get_rank()::distributed.get_world_size()]:
-        first, n = k * index["shard_size"], shard_count(index, k)
-        latents = []
-        for start in range(first, first + n, batch):
-            pixels = torch.from_numpy(source_samples(source, start, min(batch, first + n - start)))
-            latents.append(encoder.encode_pixels(pixels.to(device)).cpu().numpy())
-        shard_writer.write_shard(dest, index, k, np.concatenate(latents).astype(np.float32),
-                                 None if labels is None else labels[first:first + n])
+    try:
+        for k in pending[distributed.get_rank()::distributed.get_world_size()]:
+            first, n = k * index["shard_size"], shard_count(index, k)
+            latents = []
+            for start in range(first, first + n, batch):
+                pixels = torch.from_numpy(source_samples(source, start, min(batch, first + n - start)))
+                latents.append(encoder.encode_pixels(pixels.to(device)).cpu().numpy())
+            shard_writer.write_shard(dest, index, k, np.concatenate(latents).astype(np.float32),
+                                     None if labels is None else labels[first:first + n])
+    except DatasetError:
+        if created and distributed.get_world_size() == 1:  # other ranks may still be writing into it
+            shutil.rmtree(shard_writer.work_folder(dest))
+        raise
     distributed.barrier()
     if distributed.is_main():
         shard_writer.finish(dest, index)

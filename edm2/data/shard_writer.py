@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -114,12 +115,21 @@ def finish(dest: Path, index: dict) -> None:
 def write_shards(dest: Path, index: dict, fill: Callable[[int, int, int], tuple[np.ndarray, np.ndarray | None]],
                  report: Callable[[str], None] | None = None) -> int:
     """Write (or finish) a whole shard dataset in this process: fill(k, first, count) gives shard k's samples and
-    labels. Returns how many shards were already there."""
+    labels. Returns how many shards were already there.
+
+    A refusal of the samples (a DatasetError: mixed shapes, an unreadable image) removes a progress folder this call
+    made: its samples would be refused again, so nothing of it could be resumed."""
+    created = not work_folder(dest).exists()
     pending = prepare(dest, index)
     done = num_shards(index) - len(pending)
     if done and report:
         report(f"resuming {work_folder(dest)}: {done} of {num_shards(index)} shards already written")
-    for k in pending:
-        write_shard(dest, index, k, *fill(k, k * index["shard_size"], shard_count(index, k)))
+    try:
+        for k in pending:
+            write_shard(dest, index, k, *fill(k, k * index["shard_size"], shard_count(index, k)))
+    except DatasetError:
+        if created:
+            shutil.rmtree(work_folder(dest))
+        raise
     finish(dest, index)
     return done
