@@ -257,13 +257,8 @@ def test_alpha_or_labels_of_a_dataset_into_shards_are_one_line(zip_shards, tmp_p
                        "holds its samples and labels as they are")
 
 
-def test_a_killed_convert_of_images_keeps_its_progress_and_resumes_to_identical_shards(tmp_path, monkeypatch):
-    source = tmp_path / "raw"
-    for i, folder in enumerate(["x", "y", "x", "y"]):
-        (source / folder).mkdir(parents=True, exist_ok=True)
-        PIL.Image.fromarray(np.full((6, 6, 4), 60 * i, np.uint8)).save(source / folder / f"{i}.png")
-    args = ["convert", "--source", source, "--alpha=keep", "--shard-size", 2, "--workers=0"]
-    assert_ok(run(*args, "--dest", tmp_path / "whole.shards"))
+def kill_at_the_second_shard(monkeypatch) -> object:
+    """Make shard writes stop as Ctrl-C would at the second shard; returns the real write_shard to restore."""
     original = shard_writer.write_shard
 
     def killed_at_the_second(*a):
@@ -272,6 +267,17 @@ def test_a_killed_convert_of_images_keeps_its_progress_and_resumes_to_identical_
         original(*a)
 
     monkeypatch.setattr(shard_writer, "write_shard", killed_at_the_second)
+    return original
+
+
+def test_a_killed_convert_of_images_keeps_its_progress_and_resumes_to_identical_shards(tmp_path, monkeypatch):
+    source = tmp_path / "raw"
+    for i, folder in enumerate(["x", "y", "x", "y"]):
+        (source / folder).mkdir(parents=True, exist_ok=True)
+        PIL.Image.fromarray(np.full((6, 6, 4), 60 * i, np.uint8)).save(source / folder / f"{i}.png")
+    args = ["convert", "--source", source, "--alpha=keep", "--shard-size", 2, "--workers=0"]
+    assert_ok(run(*args, "--dest", tmp_path / "whole.shards"))
+    original = kill_at_the_second_shard(monkeypatch)
     dest = tmp_path / "resumed.shards"
     assert run(*args, "--dest", dest).exit_code != 0
     assert sorted(p.name for p in (tmp_path / "resumed.shards.partial").glob("*.bin")) == [shard_name(0)]
@@ -291,14 +297,7 @@ def test_a_killed_convert_of_images_resumed_with_another_background_is_one_line(
         PIL.Image.fromarray(np.zeros((6, 6, 4), np.uint8)).save(source / f"{i}.png")
     args = ["convert", "--source", source, "--dest", tmp_path / "b.shards", "--alpha=composite", "--shard-size", 1,
             "--workers=0"]
-    original = shard_writer.write_shard
-
-    def killed_at_the_second(*a):
-        if a[2] == 1:
-            raise KeyboardInterrupt
-        original(*a)
-
-    monkeypatch.setattr(shard_writer, "write_shard", killed_at_the_second)
+    original = kill_at_the_second_shard(monkeypatch)
     assert run(*args, "--background=black").exit_code != 0
     assert (tmp_path / "b.shards.partial" / shard_name(0)).exists()
     monkeypatch.setattr(shard_writer, "write_shard", original)
