@@ -34,15 +34,26 @@ def section(page: str, title: str) -> str:
     return page[start:start + 4 + following.start()] if following else page[start:]
 
 
-def apply_blocks(clone: Path, text: str, table: str) -> tuple[str, int]:
-    """Add a subsection's two Python blocks to the one file it names: the function before the table, the row first
-    in it. Returns the file and the lines added."""
+def blocks(text: str) -> tuple[str, str, str]:
+    """The file a subsection says it touches ('Touches one file, `PATH`'), and its two Python blocks: the function
+    and the table row."""
     path = re.search(r"Touches one file, `([^`]+)`", " ".join(text.split())).group(1)
     function, row = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    source = (clone / path).read_text()
+    return path, function, row
+
+
+def with_example(source: str, function: str, row: str, table: str) -> str:
+    """A module's source with an example applied as the page says: the function before the table, the row first in
+    it."""
     start = source.index(f"\n{table}: dict")
     opening = source.index("{\n", start) + 2
-    (clone / path).write_text(source[:start] + "\n\n" + function + "\n" + source[start:opening] + row + source[opening:])
+    return source[:start] + "\n\n" + function + "\n" + source[start:opening] + row + source[opening:]
+
+
+def apply_blocks(clone: Path, text: str, table: str) -> tuple[str, int]:
+    """Apply a subsection's example to the one file it names in the clone. Returns the file and the lines added."""
+    path, function, row = blocks(text)
+    (clone / path).write_text(with_example((clone / path).read_text(), function, row, table))
     return path, len((function + row).splitlines())
 
 

@@ -4,9 +4,9 @@ calculate_metrics.py sweep against a computation by hand); and the loss records'
 
 import json
 import math
-import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,33 +25,22 @@ from edm2.eval import benchmark
 from edm2.eval.validation import loss_per_sigma
 from edm2.formats.snapshot import load_network, read_metadata, save_network
 from edm2.procedures.generation import generate_images
+from scripts.extension_examples import blocks, section, with_example
 from training.options import OptionsError, OptionsMismatch, check_same_hyperparameters
 from tests.helpers import (REPO, TRAIN_ARGS, assert_refused, count_macs, read_pngs, tiny_precond, toy_tiny_options,
                            validation_loss_by_hand)
 
 
-def readme_example(title: str) -> tuple[str, str, str]:
-    """(text, function block, row block) of the Extending subsection (docs/extending.md) with this title."""
-    text = (REPO / "docs" / "extending.md").read_text()
-    section = text[text.index(f"### {title}\n"):]
-    section = section[:re.search(r"\n##", section[4:]).start() + 4]
-    function, row = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    return section, function, row
-
-
 def apply_example(module: types.ModuleType, title: str, table: str, monkeypatch) -> tuple[str, types.ModuleType]:
-    """Edit module's file as docs/extending.md says (the function before the table, the row first in it), load the edited
-    file as a module, and add its new row to the live table for this test. Returns the row's name and the module."""
-    section, function, row = readme_example(title)
-    path = module.__file__
-    assert f"Touches one file, `{path[len(str(REPO)) + 1:]}`" in " ".join(section.split())
-    source = open(path).read()
-    start = source.index(f"\n{table}: dict")
-    opening = source.index("{\n", start) + 2
-    edited = source[:start] + "\n\n" + function + "\n" + source[start:opening] + row + source[opening:]
+    """Edit module's file as docs/extending.md says (scripts/extension_examples.py: the function before the table,
+    the row first in it), load the edited file as a module, and add its new row to the live table for this test.
+    Returns the row's name and the module."""
+    path, function, row = blocks(section((REPO / "docs" / "extending.md").read_text(), title))
+    assert REPO / path == Path(module.__file__)
+    edited = with_example(Path(module.__file__).read_text(), function, row, table)
     extended = types.ModuleType(module.__name__ + "_extended")
     monkeypatch.setitem(sys.modules, extended.__name__, extended)  # dataclasses look their module up there
-    exec(compile(edited, path, "exec"), extended.__dict__)
+    exec(compile(edited, module.__file__, "exec"), extended.__dict__)
     [name] = set(getattr(extended, table)) - set(getattr(module, table))
     monkeypatch.setitem(getattr(module, table), name, getattr(extended, table)[name])
     return name, extended
