@@ -306,6 +306,19 @@ def run_within_memory(prepare: str, attempt: str, headroom: int, *args: str) -> 
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+def run_dataset_tool(*args: object, env: dict | None = None):
+    """dataset_tool.py run in this process with these arguments (click's CliRunner; env added to the environment)."""
+    import dataset_tool  # a command line: only the tests that run it import it
+    from click.testing import CliRunner
+
+    return CliRunner(env=env).invoke(dataset_tool.main, [str(arg) for arg in args])
+
+
+def assert_ok(result) -> None:
+    """A command line's click result that ended well; else its output is the failure's message."""
+    assert result.exit_code == 0, result.output
+
+
 def save_tiny_vae(path: Path, latent_channels: int = 4) -> Path:
     """A randomly initialized AutoencoderKL with 2 levels (2x downsampling, the real one has 4 and 8x)."""
     from diffusers import AutoencoderKL  # seconds to import; only the VAE tests need it

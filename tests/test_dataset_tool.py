@@ -16,7 +16,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import dataset_tool
 from edm2.data import toy_shapes
 from edm2.data.dataset import ImageFolderDataset, image_fname, latent_fname
 from edm2.data.shards import ShardDataset
@@ -24,16 +23,10 @@ from edm2.encoders import StabilityVAEEncoder
 from edm2.runtime import files
 from edm2.runtime.locks import DestinationLock
 from edm2.runtime.distributed import free_port
-from tests.helpers import (REPO, assert_one_error_line, assert_refused, dead_pid, png_bomb_zip, png_file,
-                           run_python_script, save_tiny_vae, wait_for, write_members)
+from tests.helpers import (REPO, assert_ok, assert_one_error_line, assert_refused, dead_pid, png_bomb_zip, png_file,
+                           run_dataset_tool as run, run_python_script, save_tiny_vae, wait_for, write_members)
 
 
-def run(*args, env=None):
-    return CliRunner(env=env).invoke(dataset_tool.main, [str(arg) for arg in args])
-
-
-def assert_ok(result):
-    assert result.exit_code == 0, result.output
 
 
 def zip_contents(path):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import dataset_tool
 import train_edm2
 from cli.run_setup import choose_encoder
 from edm2 import encoders
@@ -19,15 +18,10 @@ from edm2.data.shards import INDEX_FILE, ShardDataset, read_index
 from edm2.encoders import (DiffusersVAEEncoder, Encoder, EncoderSettingsError, LinearRGBEncoder, encoder_for_dataset,
                            encoder_from_config)
 from edm2.data.dataset_files import DatasetError
-from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, save_tiny_vae, write_image_dataset
+from tests.helpers import (TRAIN_ARGS, assert_ok, assert_one_error_line, assert_refused, run_dataset_tool as run,
+                           save_tiny_vae, write_image_dataset)
 
 
-def run(*args):
-    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
-
-
-def assert_ok(result):
-    assert result.exit_code == 0, result.output
 
 
 class Contrast(Encoder):

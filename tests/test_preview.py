@@ -4,15 +4,10 @@ counts."""
 import numpy as np
 import PIL.Image
 import pytest
-from click.testing import CliRunner
 
-import dataset_tool
 from edm2.data.dataset import ImageFolderDataset
-from tests.helpers import assert_refused
+from tests.helpers import assert_refused, run_dataset_tool as run
 
-
-def run(*args):
-    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-import dataset_tool
 from edm2.data import shard_writer
 from edm2.data.convert import read_label_map
 from edm2.data.dataset_files import DatasetError
@@ -21,17 +19,12 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import save_network, snapshot_name
 from scripts import figure15
 from training.run.preflight import dataset_description
-from tests.helpers import assert_one_error_line, randomized, tiny_precond, write_image_dataset
+from tests.helpers import (assert_ok, assert_one_error_line, randomized, run_dataset_tool as run, tiny_precond,
+                           write_image_dataset)
 
 CLASSES = {"circle": 0, "square": 1, "triangle": 2, "star": 3}
 
 
-def run(*args):
-    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
-
-
-def assert_ok(result):
-    assert result.exit_code == 0, result.output
 
 
 @pytest.fixture(scope="module")

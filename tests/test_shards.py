@@ -12,7 +12,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import dataset_tool
 import train_edm2
 from edm2.data import shard_writer
 from edm2.data.blend import BlendDataset, BlendError, parse_blend, segments
@@ -21,15 +20,10 @@ from edm2.data.shards import INDEX_FILE, ShardDataset, shard_name
 from edm2.data.sources import open_data
 from edm2.encoders import StabilityVAEEncoder
 from training.data_order import run_batches
-from tests.helpers import TRAIN_ARGS, assert_one_error_line, assert_refused, save_tiny_vae, write_image_dataset
+from tests.helpers import (TRAIN_ARGS, assert_ok, assert_one_error_line, assert_refused, run_dataset_tool as run,
+                           save_tiny_vae, write_image_dataset)
 
 
-def run(*args):
-    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
-
-
-def assert_ok(result):
-    assert result.exit_code == 0, result.output
 
 
 def files_of(folder):

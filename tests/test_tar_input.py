@@ -11,19 +11,14 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from click.testing import CliRunner
 
-import dataset_tool
 from edm2.data.shards import ShardDataset
 from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
 from edm2.data.tar_source import MAX_MEMBER_BYTES, TarSource
 from edm2.data.transforms import make_transform
 from edm2.encoders import RELEASE_ENCODINGS, PIXELS
-from tests.helpers import assert_refused
+from tests.helpers import assert_refused, run_dataset_tool as run
 
-
-def run(*args):
-    return CliRunner().invoke(dataset_tool.main, [str(arg) for arg in args])
 
 
 def png(seed: int, size: int = 8) -> bytes:
