@@ -172,11 +172,15 @@ def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, co
         finish_encode(work, dest, dataset, count, encoder.dataset_record())
 
 
+def mean_pixels(encoder: StabilityVAEEncoder, latents: torch.Tensor) -> torch.Tensor:
+    """uint8 NCHW pixels: the VAE decoding (encoder.decode_raw, StabilityVAEEncoder's or a subclass's) of stored
+    mean/std latents' mean, the first half of their channels."""
+    return encoder.decode_raw(latents[:, :latents.shape[1] // 2])
+
+
 def decoded_images(dataset: ImageFolderDataset, encoder: StabilityVAEEncoder, count: int, batch: int,
                    device: torch.device) -> Iterator[tuple[int, np.ndarray]]:
-    """(index, uint8 HWC image) of the VAE decoding (encoder.decode_raw, StabilityVAEEncoder's or a subclass's) of the
-    mean of each of the first count stored latents."""
-    channels = dataset.num_channels
+    """(index, uint8 HWC image) of the VAE decoding of the mean of each of the first count stored latents."""
     for indices, latents in batches_of(dataset, block_batches(count, batch), 0):
-        pixels = encoder.decode_raw(latents[:, :channels // 2].to(device))
+        pixels = mean_pixels(encoder, latents.to(device))
         yield from zip(indices.tolist(), pixels.permute(0, 2, 3, 1).cpu().numpy())

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from edm2.data.dataset import ImageData
+from edm2.data.vae_datasets import mean_pixels
 from edm2.procedures.image_grid import GRID_GAP_VALUE, tile
 
 
@@ -59,7 +60,6 @@ def stored_pixels(samples: np.ndarray) -> np.ndarray:
 
 
 def decoded_means(encoder, device: torch.device, samples: np.ndarray) -> np.ndarray:
-    """The VAE decoding on device (encoder.decode_raw) of mean/std latents' mean, the first half of their channels, as
-    uint8 NCHW (preview_grid's decode for latents)."""
-    latents = torch.from_numpy(np.ascontiguousarray(samples[:, :samples.shape[1] // 2]))
-    return encoder.decode_raw(latents.to(device)).cpu().numpy()
+    """Stored mean/std latents decoded on device as dataset_tool.py decode does (vae_datasets.mean_pixels), uint8 NCHW
+    (preview_grid's decode for latents)."""
+    return mean_pixels(encoder, torch.from_numpy(np.ascontiguousarray(samples)).to(device)).cpu().numpy()
