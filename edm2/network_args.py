@@ -253,12 +253,21 @@ def unet_layout(img_resolution: int, in_channels: int, cblock: Sequence[int], nu
             yield Slot("dec", f"{res}x{res}_block{idx}", cin, cout, attention=res in attn_resolutions)
 
 
-def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object) -> None:
+# c_noise of Precond: EDM's ln(sigma) / 4 (EDM Eq. 7, the release's) or TrigFlow's t = arctan(sigma / sigma_data), the
+# embedding of sCM's Section 4.1 whose derivative in t stays bounded.
+TIME_EMBEDDINGS = ("edm", "trigflow")
+
+
+def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object, use_bf16: object,
+                  time_embedding: object = "edm") -> None:
     """Raise ArchitectureError unless Precond's own arguments are in range (the U-Net checks the rest)."""
     real("sigma_data", sigma_data, 0, MAX_SCALE, low_open=True)
     integer("logvar_channels", logvar_channels, 1, MAX_CHANNELS)
     flag("use_fp16", use_fp16)
     flag("use_bf16", use_bf16)
+    if time_embedding not in TIME_EMBEDDINGS:
+        shown = repr(time_embedding) if isinstance(time_embedding, str) and len(time_embedding) <= 40 else "that value"
+        raise ArchitectureError(f"time_embedding {shown} is not one of {', '.join(TIME_EMBEDDINGS)}")
 
 
 def check_toy(in_dim: object, num_layers: object, hidden_dim: object, sigma_data: object) -> None:

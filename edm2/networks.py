@@ -191,10 +191,11 @@ class Precond(torch.nn.Module):
         sigma_data: float = 0.5,
         logvar_channels: int = 128,
         family: str = families.DEFAULT_FAMILY,
+        time_embedding: str = "edm",
         **network_kwargs,
     ):
         super().__init__()
-        network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16)
+        network_args.check_precond(sigma_data, logvar_channels, use_fp16, use_bf16, time_embedding)
         self.family = families.get(family)
         self.init_kwargs = dict(
             img_resolution=img_resolution,
@@ -205,6 +206,8 @@ class Precond(torch.nn.Module):
             sigma_data=sigma_data,
             logvar_channels=logvar_channels,
             family=family,
+            # Recorded when not EDM's, so that the release's networks keep their constructor arguments.
+            **({} if time_embedding == "edm" else dict(time_embedding=time_embedding)),
             **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in network_kwargs.items()},
         )
         self.img_resolution = img_resolution
@@ -213,6 +216,7 @@ class Precond(torch.nn.Module):
         self.use_fp16 = use_fp16
         self.use_bf16 = use_bf16
         self.sigma_data = sigma_data
+        self.time_embedding = time_embedding
         # Compute in the 16-bit dtype on the CPU too (bfloat16 on CPUs with bfloat16 units; tests); not saved.
         self.cpu_16bit = False
         # Stored as `unet`, whatever the family: the prefix of every parameter name in the release's pickles and in our
@@ -241,6 +245,26 @@ class Precond(torch.nn.Module):
         converted with .double() (a float64 reference of the same computation)."""
         return torch.promote_types(self.logvar_linear.weight.dtype, torch.float32)
 
+    def prepare_labels(self, class_labels: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """The labels as F takes them: None without labels, all-zero (unconditional) when none are given."""
+        base = self.base_dtype()
+        if self.label_dim == 0:
+            return None
+        if class_labels is None:
+            return torch.zeros([1, self.label_dim], dtype=base, device=device)
+        return class_labels.to(base).reshape(-1, self.label_dim)
+
+    def noise_labels(self, sigma: torch.Tensor) -> torch.Tensor:
+        """c_noise of noise levels sigma [N]: ln(sigma) / 4 (EDM Eq. 7) or, with time_embedding 'trigflow', the
+        TrigFlow time arctan(sigma / sigma_data)."""
+        if self.time_embedding == "trigflow":
+            return torch.atan(sigma / self.sigma_data)
+        return sigma.log() / 4
+
+    def logvar(self, sigma: torch.Tensor) -> torch.Tensor:
+        """u(sigma) [N] of noise levels sigma [N] (Eq. 21)."""
+        return self.logvar_linear(self.logvar_fourier(self.noise_labels(sigma))).flatten()
+
     def forward(
         self,
         x: torch.Tensor,
@@ -253,12 +277,7 @@ class Precond(torch.nn.Module):
         base = self.base_dtype()
         x = x.to(base)
         sigma = torch.as_tensor(sigma, dtype=base, device=x.device).reshape(-1, 1, 1, 1)
-        if self.label_dim == 0:
-            class_labels = None
-        elif class_labels is None:
-            class_labels = torch.zeros([1, self.label_dim], dtype=base, device=x.device)
-        else:
-            class_labels = class_labels.to(base).reshape(-1, self.label_dim)
+        class_labels = self.prepare_labels(class_labels, x.device)
         dtype = self.compute_dtype(x.device, force_fp32)
 
         # Preconditioning, Eq. 4-8.
@@ -266,7 +285,7 @@ class Precond(torch.nn.Module):
         c_skip = sd**2 / (sigma**2 + sd**2)
         c_out = sigma * sd / (sigma**2 + sd**2).sqrt()
         c_in = 1 / (sd**2 + sigma**2).sqrt()
-        c_noise = sigma.flatten().log() / 4
+        c_noise = self.noise_labels(sigma.flatten())
 
         f_x = self.network((c_in * x).to(dtype), c_noise, class_labels)
         d_x = c_skip * x + c_out * f_x.to(base)
