@@ -89,7 +89,10 @@ def _metadata_captions(files: FileTree, name: str, images: set[str]) -> dict[str
         if not line.strip():
             continue
         at = f"{where} line {number}"
-        entry = bounded_json.parse(line, at)
+        try:
+            entry = bounded_json.parse(line, at)
+        except bounded_json.JSONFileError as e:
+            raise CaptionError(str(e)) from None
         if not isinstance(entry, dict) or not isinstance(entry.get("file_name"), str) or "text" not in entry:
             raise CaptionError(f'{at}: not an object {{"file_name": NAME, "text": CAPTION}}')
         image = posixpath.normpath(posixpath.join(folder, entry["file_name"]))
