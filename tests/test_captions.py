@@ -261,3 +261,16 @@ def test_the_uncaptioned_toy_is_the_toy_it_was(tmp_path):
 def test_bad_hold_out_is_one_line(tmp_path, args, fragments):
     assert_refused(tmp_path, lambda: run("toy", "--dest", tmp_path / "t.zip", "--num", 4, "--classes", 2, *args),
                    *fragments)
+
+
+def test_encode_and_decode_keep_captions(tmp_path, tiny_vae_dir):
+    assert_ok(run("toy", "--dest", tmp_path / "toy.zip", "--resolution", 16, "--num", 5, "--classes", 2,
+                  "--captions"))
+    vae = tiny_vae_dir
+    expected = captions_of(ImageFolderDataset(tmp_path / "toy.zip"))
+    for dest in ("latents.zip", "latents", "latents.shards"):
+        assert_ok(run("encode", "--source", tmp_path / "toy.zip", "--dest", tmp_path / dest, "--vae", vae,
+                      "--batch", 5, "--workers", 0))
+        assert captions_of(open_data(tmp_path / dest)) == expected, dest
+    assert_ok(run("decode", "--source", tmp_path / "latents.zip", "--dest", tmp_path / "decoded.zip", "--vae", vae))
+    assert captions_of(ImageFolderDataset(tmp_path / "decoded.zip")) == expected
