@@ -148,6 +148,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
     Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order or as
     --labels maps them (printed at the end, and kept in dataset.json's "classes").
+    Captions, kept with the images, come from a metadata.jsonl ({"file_name": ..., "text": ...} a line), a NAME.txt
+    beside each image, a tar sample's txt (else its json's "text", else "caption") or a dataset's own (docs/text.md).
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
     with any colour image among them all become RGB. Transparency is dropped unless --alpha says otherwise; the
     count of images that had transparent pixels is printed.

@@ -10,10 +10,11 @@ import zipfile
 import numpy as np
 import pytest
 
+from edm2.data import shard_writer
 from edm2.data.captions import MAX_CAPTION_BYTES, CaptionError
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.dataset_writer import labels_json
-from edm2.data.shards import ShardDataset, captions_name
+from edm2.data.shards import ShardDataset, captions_name, shard_name
 from edm2.data.sources import open_data
 from edm2.data.toy_shapes import (COLOURS, SHAPES, ToyParams, caption_of, captioned_params, colour_name, draw_toy,
                                   measure_adherence, side_of, toy_image)
@@ -274,3 +275,31 @@ def test_encode_and_decode_keep_captions(tmp_path, tiny_vae_dir):
         assert captions_of(open_data(tmp_path / dest)) == expected, dest
     assert_ok(run("decode", "--source", tmp_path / "latents.zip", "--dest", tmp_path / "decoded.zip", "--vae", vae))
     assert captions_of(ImageFolderDataset(tmp_path / "decoded.zip")) == expected
+
+
+def test_an_interrupted_captioned_shard_write_resumes_to_the_same_files(tmp_path):
+    index = shard_writer.new_index("pixels", [3, 8, 8], 0, 5, {"source": "test"}, shard_size=2, captions=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 3, 8, 8), dtype=np.uint8)
+
+    def fill(k, first, n):
+        if interrupt and k == 1:
+            raise KeyboardInterrupt
+        return pixels[first:first + n], None, CAPTIONS[first:first + n]
+
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        shard_writer.write_shards(tmp_path / "r.shards", index, fill)
+    assert sorted(p.name for p in shard_writer.work_folder(tmp_path / "r.shards").iterdir()) == [
+        captions_name(0), "progress.json", "shard-000000.bin"]
+    interrupt = False
+    assert shard_writer.write_shards(tmp_path / "r.shards", index, fill) == 1
+    shard_writer.write_shards(tmp_path / "u.shards", index, fill)
+    for name in ["index.json"] + [f(k) for k in range(3) for f in (captions_name, shard_name)]:
+        assert (tmp_path / "r.shards" / name).read_bytes() == (tmp_path / "u.shards" / name).read_bytes(), name
+    assert captions_of(ShardDataset(tmp_path / "r.shards")) == CAPTIONS
+    with pytest.raises(DatasetError, match="captioned dataset, but 0 captions for 2 samples"):
+        shard_writer.write_shards(tmp_path / "n.shards", index, lambda k, first, n: (pixels[first:first + n], None))
+    stored = json.loads((tmp_path / "u.shards" / "index.json").read_text())
+    (tmp_path / "u.shards" / "index.json").write_text(json.dumps(dict(stored, captions=1)))
+    with pytest.raises(DatasetError, match="captions is not true or false"):
+        ShardDataset(tmp_path / "u.shards")

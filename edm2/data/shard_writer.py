@@ -131,11 +131,11 @@ def finish(dest: Path, index: dict) -> None:
     os.replace(work, dest)
 
 
-def write_shards(dest: Path, index: dict,
-                 fill: Callable[[int, int, int], tuple],
+def write_shards(dest: Path, index: dict, fill: Callable[[int, int, int], tuple],
                  report: Callable[[str], None] | None = None) -> int:
     """Write (or finish) a whole shard dataset in this process: fill(k, first, count) gives shard k's samples and
-    labels, and its captions for a captioned index (write_shard's arguments). Returns how many shards were already there.
+    labels, and its captions for a captioned index (write_shard's arguments). Returns how many shards were already
+    there.
 
     A refusal of the samples (a DatasetError: mixed shapes, an unreadable image) removes a progress folder this call
     made: its samples would be refused again, so nothing of it could be resumed."""
