@@ -303,3 +303,16 @@ def test_an_interrupted_captioned_shard_write_resumes_to_the_same_files(tmp_path
     (tmp_path / "u.shards" / "index.json").write_text(json.dumps(dict(stored, captions=1)))
     with pytest.raises(DatasetError, match="captions is not true or false"):
         ShardDataset(tmp_path / "u.shards")
+
+
+def test_a_blend_of_captioned_datasets_reads_each_sources_captions(tmp_path):
+    assert_ok(run("toy", "--dest", tmp_path / "a.zip", "--resolution", 8, "--num", 3, "--classes", 2, "--captions"))
+    assert_ok(run("toy", "--dest", tmp_path / "b.zip", "--resolution", 8, "--num", 2, "--classes", 2, "--captions", "--seed", 1))
+    assert_ok(run("toy", "--dest", tmp_path / "c.zip", "--resolution", 8, "--num", 2, "--classes", 2))
+    a, b = (ImageFolderDataset(tmp_path / name) for name in ("a.zip", "b.zip"))
+    blend = open_data(f"{tmp_path / 'a.zip'}:1,{tmp_path / 'b.zip'}:1")
+    assert blend.has_captions and captions_of(blend) == captions_of(a) + captions_of(b)
+    mixed = open_data(f"{tmp_path / 'a.zip'}:1,{tmp_path / 'c.zip'}:1")
+    assert not mixed.has_captions
+    with pytest.raises(CaptionError, match="has no captions"):
+        mixed.get_caption(0)
