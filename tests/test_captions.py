@@ -16,8 +16,8 @@ from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.dataset_writer import labels_json
 from edm2.data.shards import ShardDataset, captions_name, shard_name
 from edm2.data.sources import open_data
-from edm2.data.toy_shapes import (COLOURS, SHAPES, ToyParams, caption_of, captioned_params, colour_name, draw_toy,
-                                  measure_adherence, side_of, toy_image)
+from edm2.data.toy_shapes import (COLOURS, SHAPES, TOY_BACKGROUND, ToyParams, caption_of, captioned_params,
+                                  colour_name, draw_toy, measure_adherence, side_of, toy_image)
 from tests.helpers import assert_ok, assert_refused, png_file, run_dataset_tool as run, write_members
 
 # Captions that a careless reader would damage: non-ASCII, quotes, a JSON-looking text, an empty one.
@@ -316,3 +316,16 @@ def test_a_blend_of_captioned_datasets_reads_each_sources_captions(tmp_path):
     assert not mixed.has_captions
     with pytest.raises(CaptionError, match="has no captions"):
         mixed.get_caption(0)
+
+
+@pytest.mark.parametrize("resolution, radius", [(16, 0.26), (16, 0.36), (32, 0.26)])
+def test_the_toy_shapes_differ_in_a_sizeable_part_of_their_pixels(resolution, radius):
+    # Same centre, size and colour: whatever tells two shapes apart is their outline alone.
+    coverage = {shape: (draw_toy(ToyParams(shape, resolution, radius * resolution, resolution / 2, resolution / 2,
+                                           (0.0, 1.0, 1.0)))[..., 0] - TOY_BACKGROUND[0]) / (255 - TOY_BACKGROUND[0])
+                for shape in SHAPES}
+    for a in SHAPES:
+        for b in SHAPES:
+            if a < b:
+                differ = np.abs(coverage[a] - coverage[b]).sum() / max(coverage[a].sum(), coverage[b].sum())
+                assert differ > 0.15, (a, b, differ)  # at least 15% of the larger shape's area differs
