@@ -307,7 +307,8 @@ def test_an_interrupted_captioned_shard_write_resumes_to_the_same_files(tmp_path
 
 def test_a_blend_of_captioned_datasets_reads_each_sources_captions(tmp_path):
     assert_ok(run("toy", "--dest", tmp_path / "a.zip", "--resolution", 8, "--num", 3, "--classes", 2, "--captions"))
-    assert_ok(run("toy", "--dest", tmp_path / "b.zip", "--resolution", 8, "--num", 2, "--classes", 2, "--captions", "--seed", 1))
+    assert_ok(run("toy", "--dest", tmp_path / "b.zip", "--resolution", 8, "--num", 2, "--classes", 2, "--captions",
+                  "--seed", 1))
     assert_ok(run("toy", "--dest", tmp_path / "c.zip", "--resolution", 8, "--num", 2, "--classes", 2))
     a, b = (ImageFolderDataset(tmp_path / name) for name in ("a.zip", "b.zip"))
     blend = open_data(f"{tmp_path / 'a.zip'}:1,{tmp_path / 'b.zip'}:1")
