@@ -153,6 +153,8 @@ def test_the_writer_refuses_captions_for_some_images_only():
      ["line 2", "second caption"]),
     ({"a.png": 0, "metadata.jsonl": b'{"file_name": "a.png"}'}, ["line 1", "not an object"]),
     ({"a.png": 0, "metadata.jsonl": b"{not json"}, ["line 1", "not valid JSON"]),
+    ({"x/a.png": 0, "metadata.jsonl": metadata_line("x/a.png", "x").encode(),
+      "x/metadata.jsonl": metadata_line("a.png", "y").encode()}, ["x/a.png has a caption in two metadata.jsonl"]),
     ({"a.png": 0, "a.txt": b"x" * (MAX_CAPTION_BYTES + 1)}, ["a.txt", "more than"]),
 ])
 def test_bad_captions_in_an_image_folder_are_one_line(tmp_path, members, fragments):

@@ -57,10 +57,15 @@ def read_source_captions(files: FileTree, names: list[str]) -> dict[str, str] | 
     metadata.jsonl or a line naming no image."""
     from_metadata: dict[str, str] = {}
     metadata = [name for name in files.names if posixpath.basename(name) == METADATA_FILE]
+    images = set(names)
     for name in metadata:
-        from_metadata.update(_metadata_captions(files, name, set(names)))
-    stems = {os.path.splitext(name)[0]: name for name in files.names if name.lower().endswith(".txt")
-             and posixpath.basename(name) != METADATA_FILE}
+        found = _metadata_captions(files, name, images)
+        again = next((image for image in found if image in from_metadata), None)
+        if again is not None:
+            raise CaptionError(f"{files.path}: {shown(again)} has a caption in two {METADATA_FILE} files (the "
+                               f"second: {shown(name)}); give each image one")
+        from_metadata.update(found)
+    stems = {os.path.splitext(name)[0]: name for name in files.names if name.lower().endswith(".txt")}
     from_text = {name: stems[os.path.splitext(name)[0]] for name in names if os.path.splitext(name)[0] in stems}
     if not metadata and not from_text:
         return None
