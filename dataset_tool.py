@@ -214,7 +214,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
     report_converted(dest, written, len(images.names[:max_images]) - written,
-                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
+                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes,
+                     images.captions is not None)
 
 
 def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
@@ -229,7 +230,7 @@ def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray]
             written, transparent = convert_tar_images(samples, writer, max_images)
     alpha = reading["alpha"]
     report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, reading["background"],
-                     samples.classes)
+                     samples.classes, samples.captions is not None)
 
 
 def raw_images(source: Path) -> bool:
@@ -253,10 +254,12 @@ def converted_samples(source: Path, labels_path: Path | None, transform_image: C
 
 
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
-                     colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
-    """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
+                     colour: tuple[int, int, int], classes: dict[str, int] | None, captioned: bool = False) -> None:
+    """convert's closing lines: what it wrote (and whether with captions), what it did with transparency, and the
+    classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
-    click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
+    click.echo(f"wrote {written} {kind[mode]} images{' with their captions' if captioned else ''} to {shown(dest)}"
+               + (f" ({skipped} skipped)" if skipped else ""))
     report_transparency(written, transparent, alpha, colour)
     if classes:
         click.echo("classes (dataset.json's numbers and names):")

@@ -61,10 +61,11 @@ def write_tar(path, samples: list[dict]) -> None:
 
 
 def test_metadata_jsonl_captions_travel_with_labels_through_zip_folder_and_shards(tmp_path):
-    source, names = metadata_folder(tmp_path / "src")
-    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "d.zip"))
-    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "d"))
-    assert_ok(run("convert", "--source", source, "--dest", tmp_path / "d.shards", "--shard-size", 2))
+    source, _ = metadata_folder(tmp_path / "src")
+    for dest, extra in (("d.zip", []), ("d", []), ("d.shards", ["--shard-size", 2])):
+        result = run("convert", "--source", source, "--dest", tmp_path / dest, *extra)
+        assert_ok(result)
+        assert f"{len(CAPTIONS)} " in result.output and "with their captions to" in result.output, dest
     for dest in ("d.zip", "d", "d.shards"):
         dataset = open_data(tmp_path / dest)
         assert dataset.has_captions and captions_of(dataset) == CAPTIONS, dest
@@ -125,7 +126,9 @@ def test_webdataset_captions_from_txt_then_json_text_then_json_caption(tmp_path)
 
 def test_a_dataset_without_captions_has_none_and_says_so(tmp_path):
     write_members(tmp_path / "src", dict(zip(["a.png", "b.png"], images(2))))
-    assert_ok(run("convert", "--source", tmp_path / "src", "--dest", tmp_path / "d.zip"))
+    result = run("convert", "--source", tmp_path / "src", "--dest", tmp_path / "d.zip")
+    assert_ok(result)
+    assert "captions" not in result.output
     assert_ok(run("convert", "--source", tmp_path / "d.zip", "--dest", tmp_path / "d.shards"))
     for dest in ("d.zip", "d.shards"):
         dataset = open_data(tmp_path / dest)
