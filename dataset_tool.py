@@ -18,6 +18,7 @@ from cli.datasets import (EncodingSettings, claimed_dest, convert_shards, encode
                           make_encoder, open_dataset, open_shard_source, ready, recorded_encoding, tar_only)
 from cli.run_setup import choose_encoder
 from cli.types import MAX_SEED_OPTION, Integer, Resolution
+from edm2.data.captions import caption_or_none
 from edm2.data.convert import (ALPHA_MODES, CHANNEL_MODES, ConvertedSamples, ImageSizeError, ImageSource,
                                UnreadableImageError, background_colour, choose_mode, convert_images, open_image_source,
                                read_label_map, with_alpha)
@@ -28,7 +29,8 @@ from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.shards import is_shard_dataset
 from edm2.data.tar_convert import convert_tar_images
 from edm2.data.tar_source import is_tar_source
-from edm2.data.toy_shapes import SHAPES, toy_image
+from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, caption_of, captioned_params, draw_toy,
+                                  kept_colours, parse_hold_out, toy_params)
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
 from edm2.data.vae_datasets import decoded_images, encode_dataset, label_of
 from edm2.encoders import DEFAULT_VAE, LATENTS, PIXELS, Encoder, StandardRGBEncoder
@@ -146,6 +148,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
     skipped image leaves its index unused. Nothing is written unless the whole run succeeds.
     Top-level class folders (symbolic links followed) give the labels, numbered in sorted folder order or as
     --labels maps them (printed at the end, and kept in dataset.json's "classes").
+    Captions, kept with the images, come from a metadata.jsonl ({"file_name": ..., "text": ...} a line), a NAME.txt
+    beside each image, a tar sample's txt (else its json's "text", else "caption") or a dataset's own (docs/text.md).
     Grayscale sources (every image in PIL mode 1, L, LA, I or F) stay one-channel unless --channels=3;
     with any colour image among them all become RGB. Transparency is dropped unless --alpha says otherwise; the
     count of images that had transparent pixels is printed.
@@ -210,7 +214,8 @@ def convert(source: Path, dest: Path, resolution: tuple[int, int] | None, transf
                 raise click.ClickException(f"{e}; use --resolution and --transform to make them square and "
                                            f"equal") from None
     report_converted(dest, written, len(images.names[:max_images]) - written,
-                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes)
+                     with_alpha(mode) if alpha == "keep" else mode, transparent, alpha, colour, images.classes,
+                     images.captions is not None)
 
 
 def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray], np.ndarray],
@@ -225,7 +230,7 @@ def convert_tar(source: Path, dest: Path, transform_image: Callable[[np.ndarray]
             written, transparent = convert_tar_images(samples, writer, max_images)
     alpha = reading["alpha"]
     report_converted(dest, written, 0, "RGBA" if alpha == "keep" else "RGB", transparent, alpha, reading["background"],
-                     samples.classes)
+                     samples.classes, samples.captions is not None)
 
 
 def raw_images(source: Path) -> bool:
@@ -249,10 +254,12 @@ def converted_samples(source: Path, labels_path: Path | None, transform_image: C
 
 
 def report_converted(dest: Path, written: int, skipped: int, mode: str, transparent: int, alpha: str,
-                     colour: tuple[int, int, int], classes: dict[str, int] | None) -> None:
-    """convert's closing lines: what it wrote, what it did with transparency, and the classes."""
+                     colour: tuple[int, int, int], classes: dict[str, int] | None, captioned: bool = False) -> None:
+    """convert's closing lines: what it wrote (and whether with captions), what it did with transparency, and the
+    classes."""
     kind = {"L": "grayscale (1 channel)", "RGB": "RGB", "LA": "grayscale+alpha (2 channels)", "RGBA": "RGBA (4 channels)"}
-    click.echo(f"wrote {written} {kind[mode]} images to {shown(dest)}" + (f" ({skipped} skipped)" if skipped else ""))
+    click.echo(f"wrote {written} {kind[mode]} images{' with their captions' if captioned else ''} to {shown(dest)}"
+               + (f" ({skipped} skipped)" if skipped else ""))
     report_transparency(written, transparent, alpha, colour)
     if classes:
         click.echo("classes (dataset.json's numbers and names):")
@@ -380,7 +387,7 @@ def decode(source: Path, dest: Path, vae: str | None, batch: int, max_images: in
             writer.encoding = StandardRGBEncoder().dataset_record()
             for idx, image in tqdm(decoded_images(dataset, encoder, count, batch, distributed.device()),
                                    total=count, desc="decode", unit="img"):
-                writer.add(image_fname(idx), png_bytes(image), label_of(dataset, idx))
+                writer.add(image_fname(idx), png_bytes(image), label_of(dataset, idx), caption_or_none(dataset, idx))
     click.echo(f"wrote {count} images to {dest}")
 
 
@@ -391,22 +398,41 @@ def decode(source: Path, dest: Path, vae: str | None, batch: int, max_images: in
 @click.option("--classes", default=6, show_default=True, type=Integer(1, len(SHAPES)),
               help=f"Number of shape classes, at most {len(SHAPES)}: {', '.join(SHAPES)}.")
 @click.option("--seed", default=0, show_default=True, type=Integer(0, MAX_SEED_OPTION), help="Random seed.")
-def toy(dest: Path, resolution: int, num: int, classes: int, seed: int) -> None:
+@click.option("--captions", is_flag=True, help="Caption every image \"a COLOUR SHAPE on the SIDE\" (dataset.json's "
+              "\"captions\"), colours clearly one of " + ", ".join(COLOURS) + ", shapes clearly left or right.")
+@click.option("--hold-out", metavar="COLOUR:SHAPE,...", help="With --captions: colour/shape pairs that no image "
+              "shows (e.g. red:square,blue:circle), to test prompts never seen in training.")
+def toy(dest: Path, resolution: int, num: int, classes: int, seed: int, captions: bool, hold_out: str | None) -> None:
     """Make a labeled dataset of coloured shapes (class = shape) that a small model learns quickly on a CPU.
 
-    Image i shows shape i % classes; its colour, size and position come from the seed and i alone.
+    Image i shows shape i % classes; its colour, size and position come from the seed and i alone. With
+    --captions, each image also has a caption saying its colour (the hue's sextant: red covers hues [-30, 30)
+    degrees, yellow [30, 90), and so on), its shape and the side of its centre; --hold-out leaves the colour/shape
+    pairs it names out (their images are drawn in the shape's other colours).
 
     \b
     python dataset_tool.py toy --dest=datasets/toy32.zip --resolution=32 --num=10000 --classes=6
+    python dataset_tool.py toy --dest=datasets/toy16-text.zip --resolution=16 --captions --hold-out=red:square
     """
+    kinds = list(SHAPES)[:classes]
+    if hold_out is not None and not captions:
+        raise click.BadParameter("holds out caption combinations: give --captions too", param_hint="'--hold-out'")
+    try:
+        held_out = parse_hold_out(hold_out, kinds) if hold_out is not None else frozenset()
+    except HoldOutError as e:
+        raise click.BadParameter(str(e), param_hint="'--hold-out'") from None
     with distributed.session(single_process=True):
-        kinds = list(SHAPES)[:classes]
         with claimed_dest(dest, "toy"), dataset_writer(dest) as writer:
             writer.encoding = StandardRGBEncoder().dataset_record()
             for idx in tqdm(range(num), desc="toy", unit="img"):
-                image = toy_image(kinds[idx % classes], resolution, np.random.default_rng([seed, idx]))
-                writer.add(image_fname(idx), png_bytes(image), idx % classes)
-    click.echo(f"wrote {num} images of {classes} classes ({', '.join(kinds)}) to {dest}")
+                shape, rng = kinds[idx % classes], np.random.default_rng([seed, idx])
+                params = (captioned_params(shape, resolution, rng, kept_colours(shape, held_out)) if captions
+                          else toy_params(shape, resolution, rng))
+                writer.add(image_fname(idx), png_bytes(draw_toy(params)), idx % classes,
+                           caption_of(params) if captions else None)
+    held = f", holding out {', '.join(f'{c}:{s}' for c, s in sorted(held_out))}" if held_out else ""
+    click.echo(f"wrote {num} {'captioned ' if captions else ''}images of {classes} classes ({', '.join(kinds)}) to "
+               f"{dest}{held}")
 
 
 @main.command()

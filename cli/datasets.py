@@ -17,7 +17,7 @@ import torch
 from edm2.data.convert import ConvertedSamples
 from edm2.data.dataset import DatasetError, ImageFolderDataset
 from edm2.data.shard_convert import convert_to_shards, encode_to_shards, source_index
-from edm2.data.shards import ShardDataset, is_shard_dataset
+from edm2.data.shards import ShardDataset, has_captions, is_shard_dataset
 from edm2.data.tar_source import TarSource, is_tar_source
 from edm2.encoders import (ENCODINGS, LATENTS, PIXELS, RELEASE_ENCODINGS, Encoder, EncoderError, EncoderSettingsError,
                            encoder_for_dataset)
@@ -171,8 +171,8 @@ def convert_shards(source: Path, dest: Path, transform_image: Callable[[np.ndarr
         identity = {"source": str(source.resolve()), **({"reading": reading} if images is not None else {})}
         index = source_index(samples, encoding, list(first.shape), identity, max_images, shard_size)
         resumed = convert_to_shards(samples, dest, index, report=click.echo)
-    click.echo(f"wrote {index['count']} {index['encoding']} samples of shape {'x'.join(map(str, first.shape))} to "
-               f"{dest}")
+    click.echo(f"wrote {index['count']} {index['encoding']} samples of shape {'x'.join(map(str, first.shape))}"
+               f"{' with their captions' if has_captions(index) else ''} to {dest}")
     if not read:
         return None
     # A resumed run reads only the shards it writes (and the first image, for its shape).

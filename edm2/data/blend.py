@@ -166,6 +166,18 @@ class BlendDataset(ImageData):
         source, j = self.source_of(idx)
         return source[j]
 
+    @property
+    def has_captions(self) -> bool:
+        """True when every source has captions."""
+        return all(source.has_captions for source in self.sources)
+
+    def get_caption(self, idx: int) -> str:
+        """The caption of item idx, read from its source."""
+        if not self.has_captions:
+            return super().get_caption(idx)
+        source, j = self.source_of(idx)
+        return source.get_caption(j)
+
     def describe(self) -> str:
         """The line a run prints of a blend: how many datasets, and each one's share."""
         return f"Blend of {len(self.sources)} datasets: {self.shares()}"

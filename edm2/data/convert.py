@@ -16,6 +16,7 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
+from edm2.data.captions import read_dataset_captions, read_source_captions
 from edm2.data.dataset import image_fname, source_image_names
 from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE, parse_classes, read_dataset_json
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, open_image
@@ -60,13 +61,15 @@ class ImageSource:
     """The images of a folder (recursively) or ZIP in sorted order, with their classes if it has any.
 
     classes maps class names to labels ({folder: label} when the labels come from folders, dataset.json's
-    CLASSES_KEY when it has one).
+    CLASSES_KEY when it has one); captions maps every image to its caption (edm2/data/captions.py: dataset.json's,
+    or a metadata.jsonl's and NAME.txt files'), None when there are none.
     """
 
     files: FileTree
     names: list[str]
     labels: dict[str, int] | None
     classes: dict[str, int] | None = None
+    captions: dict[str, str] | None = None
 
     @property
     def path(self) -> Path:
@@ -75,8 +78,9 @@ class ImageSource:
 
 
 def open_image_source(path: str | os.PathLike, label_map: dict[str, int] | None = None) -> ImageSource:
-    """The images of path; classes from its dataset.json if present, else from top-level folder names: numbered in
-    sorted folder order, or as label_map ({folder: class}, read_label_map) gives them."""
+    """The images of path; classes (and captions) from its dataset.json if present, else from top-level folder
+    names: numbered in sorted folder order, or as label_map ({folder: class}, read_label_map) gives them, and
+    captions from its metadata.jsonl and NAME.txt files (read_source_captions)."""
     files = FileTree(path)
     names = source_image_names(files.names)
     if not names:
@@ -86,8 +90,10 @@ def open_image_source(path: str | os.PathLike, label_map: dict[str, int] | None 
             raise DatasetError(f"{shown(path)} has its own {LABELS_FILE}, whose labels it keeps; a label map is for "
                                "class folders")
         labels, classes = read_dataset_json(files, names)
-        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)), classes)
-    return ImageSource(files, names, *_folder_labels(names, label_map))
+        captions = read_dataset_captions(files, names)
+        return ImageSource(files, names, None if labels is None else dict(zip(names, labels)), classes,
+                           None if captions is None else dict(zip(names, captions)))
+    return ImageSource(files, names, *_folder_labels(names, label_map), read_source_captions(files, names))
 
 
 def _folder_labels(names: list[str], label_map: dict[str, int] | None) -> tuple[dict[str, int] | None,
@@ -236,7 +242,8 @@ def convert_images(source: ImageSource, writer: DatasetWriter, transform: Callab
                 raise ImageSizeError(f"{shown(name)} is {size[1]}x{size[0]}, not square; datasets hold square images")
         elif shape != size:
             raise ImageSizeError(f"{shown(name)} is {shape[1]}x{shape[0]} but earlier images are {size[1]}x{size[0]}")
-        writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name])
+        writer.add(image_fname(idx), png, None if source.labels is None else source.labels[name],
+                   None if source.captions is None else source.captions[name])
         written += 1
         transparent += bool(had_alpha)
     if size is None:
@@ -255,6 +262,7 @@ class ConvertedSamples:
         self.path, self.names, self.workers = source.path, source.names[:max_images], workers
         self.classes = source.classes
         self.labels = None if source.labels is None else np.array([source.labels[n] for n in self.names], np.int64)
+        self.captions = None if source.captions is None else [source.captions[n] for n in self.names]
         self.transparent: set[int] = set()  # indices of the images read so far that had transparent pixels
         self._images = ConvertedImages(source.files, self.names, transform, mode, alpha, background)
         self._shape: tuple[int, ...] | None = None  # the first image's CHW, once read

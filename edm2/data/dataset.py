@@ -17,6 +17,7 @@ import numpy as np
 import PIL.Image
 import torch
 
+from edm2.data.captions import CaptionError, read_dataset_captions
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
 from edm2.data.dataset_json import LABELS_FILE, read_dataset_json, read_encoding
 from edm2.errors import shown
@@ -107,6 +108,15 @@ class ImageData(torch.utils.data.Dataset):
         """True when labels were requested and the dataset provides them."""
         return self.label_dim > 0
 
+    @property
+    def has_captions(self) -> bool:
+        """True when every item has a caption (possibly empty) in the dataset's record."""
+        return False
+
+    def get_caption(self, idx: int) -> str:
+        """The caption of item idx; CaptionError for a dataset without captions."""
+        raise CaptionError(f"{getattr(self, 'path', 'the dataset')}: has no captions")
+
 
 class ImageFolderDataset(ImageData):
     """Images (uint8 CHW from PNG, float32 CHW from NPY) and one-hot labels of a release-format dataset.
@@ -161,6 +171,8 @@ class ImageFolderDataset(ImageData):
             self._raw_idx = np.sort(self._raw_idx[:max_size])
         self.raw_labels = None if all_labels is None else np.array(all_labels, dtype=np.int64)[self._raw_idx]
         self.label_dim = 0 if all_labels is None else max(all_labels) + 1
+        captions = read_dataset_captions(self._files, self._all_fnames)
+        self._captions = None if captions is None else [captions[i] for i in self._raw_idx]
 
         first = self._load(self._raw_idx[0])
         if first.ndim != 3 or first.shape[1] != first.shape[2]:
@@ -254,6 +266,17 @@ class ImageFolderDataset(ImageData):
         if self.raw_labels is not None:
             onehot[self.raw_labels[idx]] = 1
         return onehot
+
+    @property
+    def has_captions(self) -> bool:
+        """True when dataset.json gives every image a caption."""
+        return self._captions is not None
+
+    def get_caption(self, idx: int) -> str:
+        """The caption dataset.json gives item idx."""
+        if self._captions is None:
+            return super().get_caption(idx)
+        return self._captions[idx]
 
     @property
     def fnames(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import numpy as np
 import PIL.Image
 
+from edm2.data.captions import CAPTIONS_KEY, CaptionError, captions_record
 from edm2.data.dataset_json import CLASSES_KEY, LABELS_FILE
 from edm2.runtime import files
 
@@ -36,14 +37,21 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 def labels_json(labels: dict[str, int | None], classes: dict[str, int] | None = None,
-                encoding: dict | None = None) -> str:
+                encoding: dict | None = None, captions: dict[str, str | None] | None = None) -> str:
     """dataset.json text: every file's class, or null unless every file has one (as the release); with classes,
-    also the class names ({name: class}, under CLASSES_KEY, which the release's readers ignore); and what the files
-    hold, {"encoding": name, "encoding_settings": {...}} (edm2.encoders.ENCODINGS), when given."""
+    also the class names ({name: class}, under CLASSES_KEY, which the release's readers ignore); what the files
+    hold, {"encoding": name, "encoding_settings": {...}} (edm2.encoders.ENCODINGS), when given; and every file's
+    caption (CAPTIONS_KEY: [[name, caption], ...]) when some file has one, which every file then must."""
     complete = len(labels) > 0 and all(label is not None for label in labels.values())
     stored = {"labels": [[name, int(label)] for name, label in labels.items()] if complete else None}
     if classes is not None and complete:
         stored[CLASSES_KEY] = classes
+    captioned = {name: text for name, text in (captions or {}).items() if text is not None}
+    if captioned:
+        if len(captioned) < len(labels):
+            missing = next(name for name in labels if name not in captioned)
+            raise CaptionError(f"{missing} has no caption, but other images have one; a dataset captions all or none")
+        stored[CAPTIONS_KEY] = captions_record(captioned)
     return json.dumps({**stored, **(encoding or {})})
 
 
@@ -66,14 +74,21 @@ class DatasetWriter:
         self.labels: dict[str, int | None] = {}
         self.classes: dict[str, int] | None = None  # class names, written to dataset.json beside the labels
         self.encoding: dict | None = None  # dataset.json's "encoding" and "encoding_settings", set by the caller
+        self.captions: dict[str, str | None] = {}
 
-    def add(self, fname: str, data: bytes, label: int | None = None) -> None:
-        """Store one image file under its release name with its class (None for unlabeled)."""
+    def add(self, fname: str, data: bytes, label: int | None = None, caption: str | None = None) -> None:
+        """Store one image file under its release name with its class (None for unlabeled) and its caption (None
+        for uncaptioned)."""
         try:
             self._add_file(fname, data)
         except OSError as e:
             raise write_failure(self.dest, e) from None
         self.labels[fname] = label
+        self.captions[fname] = caption
+
+    def dataset_json(self) -> str:
+        """The dataset.json text of the files added (labels_json)."""
+        return labels_json(self.labels, self.classes, self.encoding, self.captions)
 
 
 def write_zip_member(archive: zipfile.ZipFile, fname: str, data: bytes | str) -> None:
@@ -104,7 +119,7 @@ def dataset_writer(dest: str | os.PathLike) -> Iterator[DatasetWriter]:
         writer = DatasetWriter(dest, lambda fname, data: _write_file(tmp / fname, data))
         yield writer
         try:
-            (tmp / LABELS_FILE).write_text(labels_json(writer.labels, writer.classes, writer.encoding))
+            (tmp / LABELS_FILE).write_text(writer.dataset_json())
         except OSError as e:
             raise write_failure(dest, e) from None
         os.replace(tmp, dest)
@@ -123,7 +138,7 @@ def _zip_writer(dest: Path) -> Iterator[DatasetWriter]:
             _abandon(archive)
             raise
         try:
-            write_zip_member(archive, LABELS_FILE, labels_json(writer.labels, writer.classes, writer.encoding))
+            write_zip_member(archive, LABELS_FILE, writer.dataset_json())
             archive.close()
         except OSError as e:
             _abandon(archive)

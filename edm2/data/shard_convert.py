@@ -29,6 +29,13 @@ def source_labels(source: object) -> np.ndarray | None:
     return None if labels is None else np.array([labels[i] for i in range(len(source))], dtype=np.int64)
 
 
+def source_captions(source: object) -> list[str] | None:
+    """The caption of every sample of a source (a TarSource, ConvertedSamples or a dataset), None when it has none."""
+    if isinstance(source, (TarSource, ConvertedSamples)):
+        return source.captions
+    return [source.get_caption(i) for i in range(len(source))] if source.has_captions else None
+
+
 def source_samples(source: object, first: int, n: int) -> np.ndarray:
     """Samples [first, first + n) of a source, NCHW as stored."""
     if isinstance(source, (TarSource, ConvertedSamples)):
@@ -43,15 +50,17 @@ def source_index(source: object, encoding: dict, shape: list[int], identity: dic
     labels = source_labels(source)
     label_dim = 0 if labels is None else int(labels[:count].max()) + 1
     return shard_writer.new_index(encoding["encoding"], shape, label_dim, count, identity, shard_size,
-                                  encoding.get("encoding_settings"), getattr(source, "classes", None))
+                                  encoding.get("encoding_settings"), getattr(source, "classes", None),
+                                  captions=source_captions(source) is not None)
 
 
 def convert_to_shards(source: object, dest: Path, index: dict, report: Callable[[str], None]) -> int:
     """Write a source's samples as they are into the shard dataset dest (resuming its progress folder)."""
-    labels = source_labels(source)
+    labels, captions = source_labels(source), source_captions(source)
 
-    def fill(_k: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray | None]:
-        return source_samples(source, first, n), None if labels is None else labels[first:first + n]
+    def fill(_k: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray | None, list[str] | None]:
+        return (source_samples(source, first, n), None if labels is None else labels[first:first + n],
+                None if captions is None else captions[first:first + n])
     return shard_writer.write_shards(dest, index, fill, report)
 
 
@@ -75,7 +84,7 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
     if distributed.is_main() and len(pending) < num_shards(index):
         report(f"resuming {shard_writer.work_folder(dest)}: {num_shards(index) - len(pending)} of "
                f"{num_shards(index)} shards already written")
-    labels, device = source_labels(source), distributed.device()
+    labels, captions, device = source_labels(source), source_captions(source), distributed.device()
     try:
         for k in pending[distributed.get_rank()::distributed.get_world_size()]:
             first, n = k * index["shard_size"], shard_count(index, k)
@@ -84,7 +93,8 @@ def encode_to_shards(source: object, dest: Path, index: dict, encoder: Encoder, 
                 pixels = torch.from_numpy(source_samples(source, start, min(batch, first + n - start)))
                 latents.append(encoder.encode_pixels(pixels.to(device)).cpu().numpy())
             shard_writer.write_shard(dest, index, k, np.concatenate(latents).astype(np.float32),
-                                     None if labels is None else labels[first:first + n])
+                                     None if labels is None else labels[first:first + n],
+                                     None if captions is None else captions[first:first + n])
     except DatasetError:
         if created and distributed.get_world_size() == 1:  # other ranks may still be writing into it
             shutil.rmtree(shard_writer.work_folder(dest))

@@ -19,8 +19,9 @@ import numpy as np
 
 from edm2.data.dataset_files import DatasetError
 from edm2.data.dataset_json import CLASSES_KEY
-from edm2.data.shards import (FORMAT, INDEX_FILE, LABEL_DTYPE, VERSION, check_index, check_shard, num_shards,
-                              shard_count, shard_header, shard_name)
+from edm2.data.captions import CAPTIONS_KEY, check_caption
+from edm2.data.shards import (FORMAT, INDEX_FILE, LABEL_DTYPE, VERSION, captions_name, check_index, check_shard,
+                              has_captions, num_shards, read_captions, shard_count, shard_header, shard_name)
 from edm2.encoders import ENCODINGS
 from edm2.runtime import bounded_json, files
 
@@ -35,9 +36,10 @@ class ShardWorkError(DatasetError):
 
 def new_index(encoding: str, shape: list[int], label_dim: int, count: int, identity: dict,
               shard_size: int | None = None, settings: dict | None = None,
-              classes: dict[str, int] | None = None) -> dict:
-    """The index of a shard dataset of an encoding (an edm2.encoders.ENCODINGS name, and its settings if any) and
-    class names (CLASSES_KEY, if any); its id hashes the index's fields and identity (what the samples come from)."""
+              classes: dict[str, int] | None = None, captions: bool = False) -> dict:
+    """The index of a shard dataset of an encoding (an edm2.encoders.ENCODINGS name, and its settings if any),
+    class names (CLASSES_KEY, if any) and whether its samples have captions; its id hashes the index's fields and
+    identity (what the samples come from)."""
     dtype = ENCODINGS[encoding].stored_dtype
     per_sample = int(np.prod(shape)) * np.dtype(dtype).itemsize
     shard_size = min(count, shard_size or max(1, SHARD_BYTES // per_sample))
@@ -47,6 +49,8 @@ def new_index(encoding: str, shape: list[int], label_dim: int, count: int, ident
     index.update(dtype=dtype, shape=list(shape), label_dim=label_dim, count=count, shard_size=shard_size)
     if classes and label_dim:
         index[CLASSES_KEY] = dict(classes)  # only when named: the ids of datasets without names stay as they were
+    if captions:
+        index[CAPTIONS_KEY] = True  # only when captioned, for the same reason
     ident = hashlib.sha256(json.dumps([index, identity], sort_keys=True).encode()).hexdigest()[:32]
     return dict(index, id=ident)
 
@@ -78,9 +82,11 @@ def prepare(dest: Path, index: dict) -> list[int]:
     return [k for k in range(num_shards(index)) if not (work / shard_name(k)).exists()]
 
 
-def write_shard(dest: Path, index: dict, k: int, samples: np.ndarray, labels: np.ndarray | None) -> None:
-    """Write shard k of dest's progress folder from its samples (n x CHW) and classes; mixed shapes or dtypes are
-    refused."""
+def write_shard(dest: Path, index: dict, k: int, samples: np.ndarray, labels: np.ndarray | None,
+                captions: list[str] | None = None) -> None:
+    """Write shard k of dest's progress folder from its samples (n x CHW), classes and captions (for a captioned
+    index); mixed shapes or dtypes are refused. The captions file is written first: a shard file whole means its
+    shard complete."""
     expected = (shard_count(index, k), *index["shape"])
     if samples.dtype != np.dtype(index["dtype"]) or samples.shape != expected:
         raise DatasetError(f"shard {k}: samples of shape {'x'.join(map(str, samples.shape[1:]))} and dtype "
@@ -89,6 +95,17 @@ def write_shard(dest: Path, index: dict, k: int, samples: np.ndarray, labels: np
     if index["label_dim"] and (labels is None or len(labels) != expected[0]):
         raise DatasetError(f"shard {k}: labeled dataset, but {0 if labels is None else len(labels)} labels for "
                            f"{expected[0]} samples")
+    if has_captions(index):
+        if captions is None or len(captions) != expected[0]:
+            raise DatasetError(f"shard {k}: captioned dataset, but {0 if captions is None else len(captions)} "
+                               f"captions for {expected[0]} samples")
+        text = json.dumps([check_caption(c, f"shard {k} caption {i}") for i, c in enumerate(captions)])
+        path = work_folder(dest) / captions_name(k)
+        try:
+            with files.atomic_path(path) as tmp:
+                tmp.write_text(text)
+        except OSError as e:
+            raise files.OutputError(f"{path}: cannot write ({e.strerror or e})") from None
     path = work_folder(dest) / shard_name(k)
     try:
         with files.atomic_path(path) as tmp, open(tmp, "wb") as f:
@@ -106,16 +123,19 @@ def finish(dest: Path, index: dict) -> None:
     check_index(index, work)
     for k in range(num_shards(index)):
         check_shard(work, index, k)
+        if has_captions(index):
+            read_captions(work, index, k)
     with files.atomic_path(work / INDEX_FILE) as tmp:
         tmp.write_text(json.dumps(index, indent=2))
     (work / PROGRESS_FILE).unlink()
     os.replace(work, dest)
 
 
-def write_shards(dest: Path, index: dict, fill: Callable[[int, int, int], tuple[np.ndarray, np.ndarray | None]],
+def write_shards(dest: Path, index: dict, fill: Callable[[int, int, int], tuple],
                  report: Callable[[str], None] | None = None) -> int:
     """Write (or finish) a whole shard dataset in this process: fill(k, first, count) gives shard k's samples and
-    labels. Returns how many shards were already there.
+    labels, and its captions for a captioned index (write_shard's arguments). Returns how many shards were already
+    there.
 
     A refusal of the samples (a DatasetError: mixed shapes, an unreadable image) removes a progress folder this call
     made: its samples would be refused again, so nothing of it could be resumed."""

@@ -6,7 +6,8 @@ mean/std latents, ..., and its settings), their dtype (the one its Encoder class
 classes (0 for none) and, where the source's dataset.json names them, the class names ({name: class}, as
 dataset.json's CLASSES_KEY), the count and the samples per shard; it does not grow with the dataset. Shard k holds
 samples [k * shard_size, ...): a 64-byte header (SHARD_HEADER: magic, the dataset's id, k, its first sample, its
-count, bytes per sample), the samples back to back, then one int32 label per sample when labeled. A process maps
+count, bytes per sample), the samples back to back, then one int32 label per sample when labeled; with "captions":
+true in the index, captions-KKKKKK.json beside it lists its samples' captions in order. A process maps
 at most MAX_OPEN_SHARDS shards at a time, so its own memory does not depend on the number of samples, and the page
 cache is shared by every process of a machine.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edm2.data.captions import CAPTIONS_KEY, CaptionError, check_caption
 from edm2.data.dataset import ImageData, LabelsOf
 from edm2.data.dataset_json import CLASSES_KEY, MAX_CLASSES, parse_classes
 from edm2.data.dataset_files import MAX_FILE_BYTES, DatasetError
@@ -42,6 +44,31 @@ LABEL_DTYPE = np.dtype("<i4")
 def shard_name(k: int) -> str:
     """File name of shard k."""
     return f"shard-{k:06d}.bin"
+
+
+def captions_name(k: int) -> str:
+    """File name of shard k's captions: a JSON list of its samples' captions in order."""
+    return f"captions-{k:06d}.json"
+
+
+def has_captions(index: dict) -> bool:
+    """True when the index says every shard has a captions file."""
+    return index.get(CAPTIONS_KEY, False) is True
+
+
+def read_captions(path: Path, index: dict, k: int) -> list[str]:
+    """Shard k's captions, checked: one text (check_caption) per sample of the shard."""
+    file = path / captions_name(k)
+    try:
+        captions = bounded_json.read(file)
+    except OSError as e:
+        raise CaptionError(f"{path}: {captions_name(k)} is missing or unreadable ({e.strerror or e})") from None
+    except bounded_json.JSONFileError as e:
+        raise CaptionError(str(e)) from None
+    if not isinstance(captions, list) or len(captions) != shard_count(index, k):
+        held = f"{len(captions)} entries" if isinstance(captions, list) else f"a JSON {type(captions).__name__}"
+        raise CaptionError(f"{file}: holds {held}, not a list of the shard's {shard_count(index, k)} captions")
+    return [check_caption(text, f"{file} entry {i}") for i, text in enumerate(captions)]
 
 
 def is_shard_dataset(path: str | os.PathLike) -> bool:
@@ -106,6 +133,7 @@ def check_index(index: object, path: Path) -> dict:
     need(isinstance(index.get("id"), str) and len(index["id"]) == 32 and all(c in "0123456789abcdef"
                                                                              for c in index["id"]),
          "id is not 32 hexadecimal digits")
+    need(isinstance(index.get(CAPTIONS_KEY, False), bool), f"{CAPTIONS_KEY} is not true or false")
     parse_classes(index, path / INDEX_FILE)
     return index
 
@@ -170,6 +198,9 @@ class ShardDataset(ImageData):
         self.index = read_index(self.path)
         for k in range(num_shards(self.index)):
             check_shard(self.path, self.index, k)
+            if has_captions(self.index) and not (self.path / captions_name(k)).is_file():
+                raise CaptionError(f"{self.path}: {captions_name(k)} is missing; the index says its shards have "
+                                   f"captions")
         beyond = self.path / shard_name(num_shards(self.index))
         if beyond.exists():
             raise DatasetError(f"{self.path}: holds {beyond.name}, beyond the index's {num_shards(self.index)} "
@@ -182,6 +213,7 @@ class ShardDataset(ImageData):
         self.raw_labels = LabelsOf(self._size, self.label_of) if use_labels and self._labeled else None
         self.classes = self.index.get(CLASSES_KEY) if self.raw_labels is not None else None
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
+        self._captions: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
         if resolution is not None and self.resolution != resolution:
             raise DatasetError(f"{self.path}: samples are {self.resolution}x{self.resolution}, "
                                f"expected resolution {resolution}")
@@ -232,6 +264,26 @@ class ShardDataset(ImageData):
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
         return self.load(idx), self.get_label(idx)
 
+    @property
+    def has_captions(self) -> bool:
+        """True when the index says the shards have captions (captions-KKKKKK.json)."""
+        return has_captions(self.index)
+
+    def get_caption(self, idx: int) -> str:
+        """The caption of sample idx, from its shard's captions file (read and checked once, at most
+        MAX_OPEN_SHARDS of them held)."""
+        if not self.has_captions:
+            return super().get_caption(idx)
+        if not 0 <= idx < self._size:
+            raise IndexError(f"sample {idx} of {self._size}")
+        k, i = divmod(idx, self.index["shard_size"])
+        if k not in self._captions:
+            if len(self._captions) >= MAX_OPEN_SHARDS:
+                self._captions.popitem(last=False)
+            self._captions[k] = read_captions(self.path, self.index, k)
+        self._captions.move_to_end(k)
+        return self._captions[k][i]
+
     def get_label(self, idx: int) -> np.ndarray:
         """One-hot float32 label of sample idx; a zero-length array when the dataset has no labels."""
         onehot = np.zeros(self.label_dim, dtype=np.float32)
@@ -244,7 +296,7 @@ class ShardDataset(ImageData):
         self._maps.clear()
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, _maps=collections.OrderedDict())
+        return dict(self.__dict__, _maps=collections.OrderedDict(), _captions=collections.OrderedDict())
 
     @property
     def fnames(self) -> ShardNames:

@@ -14,13 +14,14 @@ BLOCK = 256
 
 def convert_tar_images(source: TarSource, writer: DatasetWriter, max_images: int | None = None) -> tuple[int, int]:
     """Write the first max_images samples of source (transformed and with its alpha handling) as image i ->
-    image_fname(i) with its class; return the count and how many had transparent pixels."""
+    image_fname(i) with its class and caption; return the count and how many had transparent pixels."""
     count = min(len(source), max_images or len(source))
     with tqdm(total=count, desc="convert", unit="img") as progress:
         for first in range(0, count, BLOCK):
             block = source.pixels(first, min(BLOCK, count - first))
             for i, image in enumerate(block, start=first):
                 label = None if source.labels is None else int(source.labels[i])
-                writer.add(image_fname(i), png_bytes(image.transpose(1, 2, 0)), label)
+                caption = None if source.captions is None else source.captions[i]
+                writer.add(image_fname(i), png_bytes(image.transpose(1, 2, 0)), label, caption)
             progress.update(len(block))
     return count, sum(1 for i in source.transparent if i < count)

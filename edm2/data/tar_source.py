@@ -23,6 +23,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
+from edm2.data.captions import CaptionError, caption_text, check_caption
 from edm2.data.convert import BACKGROUNDS, read_image
 from edm2.data.dataset_json import is_class
 from edm2.data.dataset_files import IMAGE_ERRORS, MAX_FILE_BYTES, DatasetError, open_image
@@ -31,6 +32,7 @@ from edm2.runtime import bounded_json, files
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 LABEL_KEYS = ("cls", "json")
+CAPTION_KEYS = ("txt", "json")  # KEY.txt, else KEY.json's "text", else its "caption" (img2dataset writes both)
 TAR_INSTALL = "pip install webdataset (or the extra: pip install 'edm2[webdataset]')"
 MAX_MEMBER_BYTES = MAX_FILE_BYTES  # a sample's file is bounded as a file of a folder or ZIP dataset is
 # The first bytes of a compressed tar, and the reader that decompresses it (the tar's bytes, or EOFError at a cut).
@@ -191,10 +193,7 @@ def _class(sample: dict, path: str, label_map: dict[str, int] | None = None) -> 
         text = sample["cls"].decode("ascii", "replace").strip()
         label = int(text) if text.isdigit() and len(text) <= bounded_json.MAX_INT_DIGITS else text
     elif "json" in sample:
-        try:
-            meta = bounded_json.parse(sample["json"], f"{path}: member {shown(sample['__key__'])}.json")
-        except bounded_json.JSONFileError as e:
-            raise TarSourceError(str(e)) from None
+        meta = _sidecar(sample, path)
         label = meta.get("label", meta.get("class")) if isinstance(meta, dict) else None
     if label is not None and label_map is not None:
         if str(label) not in label_map:
@@ -206,20 +205,40 @@ def _class(sample: dict, path: str, label_map: dict[str, int] | None = None) -> 
     return label
 
 
+def _sidecar(sample: dict, path: str) -> object:
+    """The parsed KEY.json of a sample that has one."""
+    try:
+        return bounded_json.parse(sample["json"], f"{path}: member {shown(sample['__key__'])}.json")
+    except bounded_json.JSONFileError as e:
+        raise TarSourceError(str(e)) from None
+
+
+def _caption(sample: dict, path: str) -> str | None:
+    """The sample's caption from KEY.txt (UTF-8), else KEY.json's "text", else its "caption"; None without any."""
+    where = f"{path}: member {shown(sample['__key__'])}"
+    if "txt" in sample:
+        return caption_text(sample["txt"], f"{where}.txt")
+    meta = _sidecar(sample, path) if "json" in sample else None
+    if not isinstance(meta, dict):
+        return None
+    key = next((key for key in ("text", "caption") if key in meta), None)
+    return None if key is None else check_caption(meta[key], f'{where}.json "{key}"')
+
+
 class TarSource:
-    """The samples of tar shards: count, classes (None when unlabeled), and images by position; alpha and background
-    are read_image's (transparency dropped, kept or composited), and transparent holds the positions read whose
-    image had transparent pixels."""
+    """The samples of tar shards: count, classes (None when unlabeled), captions (None when uncaptioned: _caption
+    says where they come from), and images by position; alpha and background are read_image's (transparency dropped,
+    kept or composited), and transparent holds the positions read whose image had transparent pixels."""
 
     def __init__(self, spec: str | os.PathLike, transform: Callable[[np.ndarray], np.ndarray], alpha: str = "drop",
                  background: tuple[int, int, int] = BACKGROUNDS["white"], label_map: dict[str, int] | None = None):
         self.spec, self.paths, self.transform = str(spec), tar_paths(spec), transform
         self.alpha, self.background, self.transparent = alpha, background, set()
         self.classes = label_map  # the class names, where a label map gave them
-        self.counts, labels = [], []
+        self.counts, labels, captions = [], [], []
         for path in self.paths:
             count = 0
-            for sample in _samples(path, LABEL_KEYS):
+            for sample in _samples(path, tuple({*LABEL_KEYS, *CAPTION_KEYS})):
                 if not any(key in sample for key in IMAGE_KEYS):
                     raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has no image "
                                          f"({', '.join(IMAGE_KEYS)})")
@@ -228,11 +247,17 @@ class TarSource:
                     raise TarSourceError(f"{path}: sample {shown(sample['__key__'])} has "
                                          f"{'no' if labels[-1] is None else 'a'} class (cls or json 'label'), "
                                          f"the first sample {'has' if labels[-1] is None else 'none'}")
+                captions.append(_caption(sample, path))
+                if (captions[-1] is None) != (captions[0] is None):
+                    raise CaptionError(f"{path}: sample {shown(sample['__key__'])} has "
+                                       f"{'no' if captions[-1] is None else 'a'} caption (txt, or json 'text' or "
+                                       f"'caption'), the first sample {'has' if captions[-1] is None else 'none'}")
                 count += 1
             self.counts.append(count)
         if not labels:
             raise TarSourceError(f"{self.spec}: the tar files hold no samples")
         self.labels = None if labels[0] is None else np.array(labels, dtype=np.int64)
+        self.captions: list[str] | None = None if captions[0] is None else captions
         self.label_dim = 0 if self.labels is None else int(self.labels.max()) + 1
         self.starts = np.cumsum([0] + self.counts)
         # The position after the last sample read, the samples from there on, and that last (tar, sample).

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from edm2.data.captions import caption_or_none
 from edm2.data.dataset import DatasetError, ImageFolderDataset, latent_fname
 from edm2.data.dataset_json import LABELS_FILE
 from edm2.data.dataset_writer import dataset_writer, is_zip_path, labels_json, npy_bytes, write_failure
@@ -124,14 +125,15 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
                         latents = f.read()
                 except OSError as e:
                     raise DatasetError(f"{work}: cannot read {name} ({e.strerror or e})") from None
-                writer.add(name, latents, label_of(dataset, idx))
+                writer.add(name, latents, label_of(dataset, idx), caption_or_none(dataset, idx))
         shutil.rmtree(work)
         return
     files.remove_stale_temporaries(work, owned=True, recursive=True)  # every writer has finished
     (work / ENCODE_MANIFEST).unlink()
     with files.atomic_path(work / LABELS_FILE) as tmp:
         tmp.write_text(labels_json({name: label_of(dataset, idx) for idx, name in enumerate(names)},
-                               encoding=encoding))
+                               encoding=encoding,
+                               captions={name: caption_or_none(dataset, idx) for idx, name in enumerate(names)}))
     os.replace(work, dest)
 
 
