@@ -73,8 +73,9 @@ def _write_manifest(work: Path, manifest: dict) -> None:
         tmp.write_text(json.dumps(manifest, indent=2))
 
 
-def prepare_work_dir(work: Path, manifest: dict) -> None:
-    """Create the progress folder of an encode, or check that an existing one belongs to this encode."""
+def prepare_work_dir(work: Path, manifest: dict, progress: str = _LATENT_GLOB) -> None:
+    """Create the progress folder of an encode, or check that an existing one belongs to this encode (one whose
+    finished files, the glob progress, are none yet may start afresh)."""
     if not work.exists():
         _write_manifest(work, manifest)
         return
@@ -85,7 +86,7 @@ def prepare_work_dir(work: Path, manifest: dict) -> None:
     except (OSError, bounded_json.JSONFileError, AttributeError) as e:  # AttributeError: JSON that is not an object
         raise EncodeWorkError(f"{work} exists but is not an unfinished encode ({type(e).__name__}: {one_line(e)}); "
                               f"delete it or choose another destination") from None
-    if changed and not any(work.glob(_LATENT_GLOB)):
+    if changed and not any(work.glob(progress)):
         _write_manifest(work, manifest)  # nothing encoded yet: start afresh
     elif changed:
         raise EncodeWorkError(f"{work} holds an unfinished encode with other settings ({'; '.join(changed)}); "
