@@ -151,10 +151,10 @@ def load_text_encoder(id_or_dir: str | os.PathLike, tokens: int | None = None,
 def stored_embeddings(pooled: torch.Tensor, tokens: torch.Tensor) -> np.ndarray:
     """The cached form of encode's output: float16 [N, 1 + L, D], row 0 pooled, rows 1..L the tokens; values past
     float16's range are refused rather than stored as infinities."""
-    stored = torch.cat([pooled.unsqueeze(1), tokens], dim=1).numpy().astype(STORED_DTYPE)
-    if not np.isfinite(stored).all():
+    values = torch.cat([pooled.unsqueeze(1), tokens], dim=1).numpy()
+    if not (np.abs(values) <= np.finfo(STORED_DTYPE).max).all():  # NaN fails the comparison too
         raise TextEncoderError("the text encoder's embeddings exceed float16's range (65504) or are not finite")
-    return stored
+    return values.astype(STORED_DTYPE)
 
 
 def condition_of(embeddings: np.ndarray, length: int) -> np.ndarray:
