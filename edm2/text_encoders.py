@@ -64,7 +64,7 @@ def folder_sha256(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _model_folder(transformers, name: str) -> Path:
+def _model_folder(name: str) -> Path:
     """The local folder of a model: the given folder, or the hub cache's snapshot that loading just filled."""
     if Path(name).is_dir():
         return Path(name)
@@ -144,7 +144,7 @@ def load_text_encoder(id_or_dir: str | os.PathLike, tokens: int | None = None,
     if tokenizer.pad_token_id is None:
         raise TextEncoderError(f"{shown(name)}: its tokenizer has no padding token")
     device = torch.device(device)
-    sha256 = folder_sha256(_model_folder(transformers, name))
+    sha256 = folder_sha256(_model_folder(name))
     return TextEncoder(name, family, model.eval().requires_grad_(False).to(device), tokenizer, tokens, sha256, device)
 
 

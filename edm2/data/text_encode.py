@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 from tqdm import tqdm
 
 from edm2.data.dataset import DatasetError, ImageFolderDataset
@@ -24,7 +23,7 @@ from edm2.data.dataset_files import FileTree
 from edm2.data.dataset_json import LABELS_FILE, read_record
 from edm2.data.dataset_writer import is_zip_path, npy_bytes, write_failure, write_zip_member
 from edm2.data.text_data import TEXT_EMPTY_FILE, text_fname
-from edm2.data.vae_datasets import ENCODE_MANIFEST, EncodeWorkError, block_batches, prepare_work_dir, work_dir
+from edm2.data.vae_datasets import ENCODE_MANIFEST, EncodeWorkError, block_batches, start_work, work_dir
 from edm2.runtime import distributed, files
 from edm2.text_encoders import TextEncoder, stored_embeddings
 
@@ -138,17 +137,7 @@ def encode_text_dataset(dataset: ImageFolderDataset, source: Path, dest: Path, e
     count = len(dataset)
     manifest = {"source": str(Path(source).resolve()), "images": count, "text_encoder": encoder.identity,
                 "tokens": encoder.tokens, "batch": batch}
-    problem, pending = None, []
-    if distributed.is_main():
-        try:
-            prepare_work_dir(work, manifest, progress=_BLOCK_GLOB)
-            files.remove_stale_temporaries(work, recursive=True)
-            pending = pending_text_blocks(work, count, batch)
-        except EncodeWorkError as e:
-            problem = str(e)
-    problem, pending = distributed.broadcast_object((problem, pending))
-    if problem:
-        raise EncodeWorkError(problem)
+    pending = start_work(work, manifest, lambda: pending_text_blocks(work, count, batch), _BLOCK_GLOB)
     mine = pending[distributed.get_rank()::distributed.get_world_size()]
     done = count - sum(map(len, block_batches(count, batch, pending)))
     if distributed.is_main() and done:

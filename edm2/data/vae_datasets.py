@@ -136,6 +136,24 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
     os.replace(work, dest)
 
 
+def start_work(work: Path, manifest: dict, pending: Callable[[], list[int]], progress: str = _LATENT_GLOB) -> list[int]:
+    """On every rank, the blocks still to encode (pending(), asked on rank 0 once it has prepared the progress
+    folder work for manifest, progress its finished files: prepare_work_dir); EncodeWorkError on every rank for a
+    folder that is not this encode's."""
+    problem, blocks = None, []
+    if distributed.is_main():
+        try:
+            prepare_work_dir(work, manifest, progress)
+            files.remove_stale_temporaries(work, recursive=True)
+            blocks = pending()
+        except EncodeWorkError as e:
+            problem = str(e)
+    problem, blocks = distributed.broadcast_object((problem, blocks))
+    if problem:
+        raise EncodeWorkError(problem)
+    return blocks
+
+
 def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, count: int, batch: int,
                    workers: int, manifest: dict, report: Callable[[str], None] = distributed.print0) -> None:
     """Encode the first count images of dataset into dest on every rank (encoder.encode_pixels); rank 0 prepares and
@@ -144,17 +162,7 @@ def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, co
     manifest holds the settings a rerun must share to continue this encode's progress folder.
     """
     work = work_dir(dest)
-    problem, pending = None, []
-    if distributed.is_main():
-        try:
-            prepare_work_dir(work, manifest)
-            files.remove_stale_temporaries(work, recursive=True)
-            pending = pending_blocks(work, count, batch)
-        except EncodeWorkError as e:
-            problem = str(e)
-    problem, pending = distributed.broadcast_object((problem, pending))
-    if problem:
-        raise EncodeWorkError(problem)
+    pending = start_work(work, manifest, lambda: pending_blocks(work, count, batch))
     # This rank's share of the pending blocks; every image is always encoded in the same company.
     batches = block_batches(count, batch, pending[distributed.get_rank()::distributed.get_world_size()])
     done = count - sum(map(len, block_batches(count, batch, pending)))
