@@ -265,3 +265,21 @@ def test_missing_transformers_is_one_line(text_setup, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert_one_error_line(result, "--text-encoder", "pip install edm2[text]")
     assert not (tmp_path / "o.zip").exists() and not (tmp_path / "o.zip.partial").exists()
+
+
+def test_blends_of_text_datasets_share_their_text_encoding(text_setup, tmp_path):
+    from edm2.data.blend import BlendError
+    from edm2.data.sources import open_data
+
+    root, encoder_dir, reference, _ = text_setup
+    blend = open_data(f"{reference}:1,{reference}:1")
+    assert blend.has_text and blend.text_record == ImageFolderDataset(reference).text_record
+    assert np.array_equal(blend[len(CAPTIONS) + 2][1], ImageFolderDataset(reference).get_condition(2))
+    assert np.array_equal(blend.empty_condition(), ImageFolderDataset(reference).empty_condition())
+    with pytest.raises(BlendError, match="share their text_encoding"):
+        open_data(f"{reference}:1,{root / 'toy'}:1")
+    other = tmp_path / "clip.zip"
+    assert_ok(run("encode-text", "--source", root / "toy", "--dest", other, "--text-encoder",
+                  tiny_text_encoder(tmp_path / "clip", "clip"), "--tokens", TOKENS))
+    with pytest.raises(BlendError, match="share their text_encoding"):
+        open_data(f"{reference}:1,{other}:1")

@@ -92,6 +92,7 @@ class ImageData(torch.utils.data.Dataset):
     encoding_settings: dict
     record_file = LABELS_FILE
     classes: dict[str, int] | None = None  # class names ({name: class}) where the dataset records them
+    has_text: bool = False  # cached text embeddings (edm2.data.text_data), whose conditions are then the labels
 
     @property
     def num_channels(self) -> int:
