@@ -283,3 +283,27 @@ def test_blends_of_text_datasets_share_their_text_encoding(text_setup, tmp_path)
                   tiny_text_encoder(tmp_path / "clip", "clip"), "--tokens", TOKENS))
     with pytest.raises(BlendError, match="share their text_encoding"):
         open_data(f"{reference}:1,{other}:1")
+
+
+def test_latent_datasets_get_embeddings_beside_their_latents(text_setup, tmp_path):
+    from edm2.data.dataset import latent_fname
+    from edm2.data.dataset_writer import labels_json
+
+    root, encoder_dir, reference, _ = text_setup
+    latents = tmp_path / "latents"
+    names = [latent_fname(i) for i in range(len(CAPTIONS))]
+    rng = np.random.default_rng(0)
+    for name in names:
+        (latents / name).parent.mkdir(parents=True, exist_ok=True)
+        np.save(latents / name, rng.standard_normal((8, 2, 2)).astype(np.float32))
+    record = json.loads(labels_json({name: i % 3 for i, name in enumerate(names)}, encoding={
+        "encoding": "stability-vae"}))
+    (latents / "dataset.json").write_text(json.dumps(dict(record, captions=[list(e) for e in zip(names, CAPTIONS)])))
+    dest = tmp_path / "latents-text.zip"
+    assert_ok(run("encode-text", "--source", latents, "--dest", dest, "--text-encoder", encoder_dir,
+                  "--tokens", TOKENS, "--batch", BATCH))
+    dataset, cached = ImageFolderDataset(dest), ImageFolderDataset(reference)
+    assert dataset.encoding == "stability-vae" and dataset.fnames == names
+    for i in range(len(CAPTIONS)):
+        image, condition = dataset[i]
+        assert np.array_equal(image, np.load(latents / names[i])) and np.array_equal(condition, cached[i][1])

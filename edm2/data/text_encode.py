@@ -24,7 +24,7 @@ from edm2.data.dataset_json import LABELS_FILE, read_record
 from edm2.data.dataset_writer import is_zip_path, npy_bytes, write_failure, write_zip_member
 from edm2.data.text_data import TEXT_EMPTY_FILE, text_fname
 from edm2.data.vae_datasets import ENCODE_MANIFEST, EncodeWorkError, block_batches, start_work, work_dir
-from edm2.runtime import distributed, files
+from edm2.runtime import bounded_json, distributed, files
 from edm2.text_encoders import TextEncoder, stored_embeddings
 
 BLOCKS = "blocks"
@@ -64,9 +64,9 @@ def read_blocks(work: Path, count: int, batch: int) -> tuple[list[int], int]:
     lengths, truncated = [], 0
     for k, indices in enumerate(block_batches(count, batch)):
         try:
-            done = json.loads(block_file(work, k).read_text())
-            block_lengths, block_truncated = done["lengths"], int(done["truncated"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            done = bounded_json.read(block_file(work, k))
+            block_lengths, block_truncated = list(done["lengths"]), int(done["truncated"])
+        except (OSError, bounded_json.JSONFileError, KeyError, TypeError, ValueError) as e:
             raise EncodeWorkError(f"{block_file(work, k)}: unreadable ({e}); delete {work} and rerun") from None
         if len(block_lengths) != len(indices):
             raise EncodeWorkError(f"{block_file(work, k)}: holds {len(block_lengths)} lengths, not {len(indices)}; "
