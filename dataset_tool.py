@@ -29,6 +29,8 @@ from edm2.data.dataset_writer import dataset_writer, png_bytes
 from edm2.data.shards import is_shard_dataset
 from edm2.data.tar_convert import convert_tar_images
 from edm2.data.tar_source import is_tar_source
+from edm2.data.text_data import text_fname
+from edm2.data.text_encode import encode_text_dataset
 from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, caption_of, captioned_params, draw_toy,
                                   kept_colours, parse_hold_out, toy_params)
 from edm2.data.transforms import TRANSFORMS, TransformError, make_transform
@@ -39,8 +41,10 @@ from edm2.procedures.image_grid import save_png
 from edm2.procedures.preview import class_counts, decoded_means, first_of_each_class, preview_grid, stored_pixels
 from edm2.runtime import distributed, files
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
+from edm2.text_encoders import MAX_TOKENS, TextEncoderError, TokenLengthError, load_text_encoder
 
 DEFAULT_ENCODE_BATCH = 8
+DEFAULT_TEXT_BATCH = 64
 MAX_TOY_RESOLUTION = 1024  # the toy shapes are for small models: 16 or 32 pixels
 MAX_PER_CLASS = 64  # preview: images per class, one row of them
 
@@ -102,6 +106,8 @@ def main() -> None:
         --dest=datasets/img512-sd.zip
     python dataset_tool.py decode --source=datasets/img512-sd.zip --dest=out/decoded.zip --max-images=64
     python dataset_tool.py convert --source=datasets/img512-sd.zip --dest=datasets/img512-sd.shards
+    torchrun --nproc_per_node=8 dataset_tool.py encode-text --source=datasets/coco512-sd.zip \\
+        --dest=datasets/coco512-sd-t5.zip --text-encoder=models/t5-v1_1-xxl
     """
 
 
@@ -357,6 +363,57 @@ def encode(source: Path, dest: Path, vae: str | None, batch: int, max_images: in
         encode_dataset(dataset, dest, encoder, count, batch, workers, manifest, report=click.echo)
         if distributed.is_main():
             click.echo(f"wrote {count} latents to {dest}")
+
+
+@main.command("encode-text")
+@click.option("--source", required=True, type=click.Path(exists=True, path_type=Path),
+              help="Dataset with captions (directory or ZIP of PNGs or latents).")
+@click.option("--dest", required=True, type=click.Path(path_type=Path), help="Output .zip or directory.")
+@click.option("--text-encoder", required=True, metavar="ID_OR_DIR", help="transformers T5 encoder or CLIP text model: "
+              "a folder saved by save_pretrained, or a hub ID (downloaded into transformers' cache).")
+@click.option("--tokens", type=Integer(1, MAX_TOKENS), help="Tokens per caption (longer ones are truncated)  "
+              "[default: 128 for T5, 77 for CLIP]")
+@click.option("--batch", default=DEFAULT_TEXT_BATCH, show_default=True, type=Integer(1, MAX_BATCH),
+              help="Captions per encoder call (per process).")
+def encode_text(source: Path, dest: Path, text_encoder: str, tokens: int | None, batch: int) -> None:
+    """Cache each caption's text embeddings (float16 NNNNN/txtIIIIIIII.npy: pooled row, then the tokens) in a copy
+    of the dataset, with the encoder's identity, the token lengths and the empty caption's embeddings.
+
+    Under torchrun the captions are split across processes. Progress is kept in DEST.partial/ (one
+    file per caption, one per finished batch); running the same command again continues from there.
+    The result does not depend on interruptions or the number of processes.
+
+    \b
+    torchrun --nproc_per_node=8 dataset_tool.py encode-text --source=datasets/coco512-sd.zip \\
+        --dest=datasets/coco512-sd-t5.zip --text-encoder=models/t5-v1_1-xxl
+    """
+    if is_shards(dest):
+        raise click.BadParameter("encode-text writes a folder or ZIP dataset; shard datasets hold no text "
+                                 "embeddings yet", param_hint="'--dest'")
+    if is_shard_dataset(source) or is_tar_source(source):
+        raise click.BadParameter(f"{source} is shards; encode-text reads a folder or ZIP dataset (dataset_tool.py "
+                                 f"convert makes one)", param_hint="'--source'")
+    with distributed.session(), claimed_dest(dest, "encode-text"):
+        dataset = open_dataset(source, "")
+        if not dataset.has_captions:
+            raise click.BadParameter(f"{source} has no captions (its dataset.json records none)",
+                                     param_hint="'--source'")
+        try:
+            for name in dataset.fnames:
+                text_fname(name)
+            encoder = load_text_encoder(text_encoder, tokens, distributed.device())
+        except TokenLengthError as e:
+            raise click.BadParameter(str(e), param_hint="'--tokens'") from None
+        except TextEncoderError as e:
+            raise click.BadParameter(str(e), param_hint="'--text-encoder'") from None
+        except DatasetError as e:
+            raise click.BadParameter(f"{source}: {e}", param_hint="'--source'") from None
+        truncated = encode_text_dataset(dataset, source, dest, encoder, batch, report=click.echo)
+        if distributed.is_main():
+            if truncated:
+                click.echo(f"{truncated} of {len(dataset)} captions were longer than {encoder.tokens} tokens and were "
+                           f"truncated to their first {encoder.tokens} (--tokens)")
+            click.echo(f"wrote {len(dataset)} caption embeddings ({encoder.tokens} tokens of {encoder.dim}) to {dest}")
 
 
 @main.command()

@@ -140,6 +140,9 @@ class BlendDataset(ImageData):
             if source.label_dim != first.label_dim:
                 raise BlendError(f"{name} has {source.label_dim} classes, {names[0]} {first.label_dim}; a blend's "
                                  f"sources share their classes")
+            if source.has_text != first.has_text or (first.has_text and source.text_record != first.text_record):
+                raise BlendError(f"{name} and {names[0]} hold text embeddings of different encoders or shapes, or "
+                                 f"one holds none; a blend's sources share their text_encoding")
         self.sources, self.weights, self.names = sources, list(weights), names
         self.sizes = [len(s) for s in sources]
         self.offsets = np.cumsum([0] + self.sizes)
@@ -177,6 +180,20 @@ class BlendDataset(ImageData):
             return super().get_caption(idx)
         source, j = self.source_of(idx)
         return source.get_caption(j)
+
+    @property
+    def has_text(self) -> bool:
+        """Whether the sources hold cached text embeddings (all or none do)."""
+        return self.sources[0].has_text
+
+    @property
+    def text_record(self) -> dict:
+        """The sources' one "text_encoding" record."""
+        return self.sources[0].text_record
+
+    def empty_condition(self) -> np.ndarray:
+        """The empty caption's condition, the same encoder's in every source."""
+        return self.sources[0].empty_condition()
 
     def describe(self) -> str:
         """The line a run prints of a blend: how many datasets, and each one's share."""

@@ -19,7 +19,8 @@ import torch
 
 from edm2.data.captions import CaptionError, read_dataset_captions
 from edm2.data.dataset_files import IMAGE_ERRORS, DatasetError, FileTree, npy_header, open_image
-from edm2.data.dataset_json import LABELS_FILE, read_dataset_json, read_encoding
+from edm2.data.dataset_json import LABELS_FILE, read_dataset_json, read_record
+from edm2.data.text_data import TextEmbeddings, is_text_file
 from edm2.errors import shown
 
 IMAGE_SUFFIXES = (".png", ".npy")
@@ -92,6 +93,7 @@ class ImageData(torch.utils.data.Dataset):
     encoding_settings: dict
     record_file = LABELS_FILE
     classes: dict[str, int] | None = None  # class names ({name: class}) where the dataset records them
+    has_text: bool = False  # cached text embeddings (edm2.data.text_data), whose conditions are then the labels
 
     @property
     def num_channels(self) -> int:
@@ -130,13 +132,18 @@ class ImageFolderDataset(ImageData):
 
     classes is dataset.json's {class name: class} (CLASSES_KEY), None when it records none or labels are not used.
 
+    Captions (get_caption) and cached text embeddings (edm2.data.text_data) are read where dataset.json records
+    them; with embeddings and use_text, an item's label is its caption's condition [1 + L, D + 1]
+    (edm2.text_condition), not a one-hot class.
+
     With any_format (for metrics, not training), every image format PIL reads counts as images (JPEG, WebP, ...,
     beside .npy), and grayscale images are decoded as RGB too.
     """
 
     def __init__(self, path: str | os.PathLike, resolution: int | None = None, use_labels: bool = True,
-                 max_size: int | None = None, any_format: bool = False):
+                 max_size: int | None = None, any_format: bool = False, use_text: bool = True):
         self.path = Path(path)
+        self._use_text = use_text
         self._files = FileTree(path)
         self._any_format = any_format
         self.image_shape: list[int] | None = None  # CHW, set by the first image
@@ -147,9 +154,10 @@ class ImageFolderDataset(ImageData):
             raise DatasetError(f"{e}{convert_hint(self.path)}" if self._raw else str(e)) from None
 
     def _open(self, resolution: int | None, use_labels: bool, max_size: int | None) -> None:
-        suffixes = [suffix(name) for name in self._files.names]
+        names = [name for name in self._files.names if not is_text_file(name)]  # embeddings are no images
+        suffixes = [suffix(name) for name in names]
         readable = {*PIL.Image.registered_extensions(), ".npy"} if self._any_format else set(IMAGE_SUFFIXES)
-        self._all_fnames = [name for name, kind in zip(self._files.names, suffixes) if kind in readable]
+        self._all_fnames = [name for name, kind in zip(names, suffixes) if kind in readable]
         kinds = set(suffixes)
         others = sorted(kinds & set(PIL.Image.registered_extensions()) - readable)
         if not self._all_fnames:
@@ -162,7 +170,9 @@ class ImageFolderDataset(ImageData):
         if ".npy" in kinds and pictures:
             raise DatasetError(f"{self.path}: mixes {', '.join(pictures)} and .npy images; a dataset holds one kind")
         all_labels, self.classes = read_dataset_json(self._files, self._all_fnames) if use_labels else (None, None)
-        self.encoding, self.encoding_settings = read_encoding(self._files)
+        record = read_record(self._files)
+        self.encoding, self.encoding_settings = record.get("encoding"), record.get("encoding_settings", {})
+        self._text = TextEmbeddings(self._files, record, self._all_fnames) if "text_encoding" in record else None
 
         # Like the release: a max_size subset is a fixed random choice (seed 0), kept in file order.
         self._raw_idx = np.arange(len(self._all_fnames), dtype=np.int64)
@@ -258,7 +268,31 @@ class ImageFolderDataset(ImageData):
         return int(self._raw_idx.size)
 
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._load(self._raw_idx[idx]), self.get_label(idx)
+        label = self.get_condition(idx) if self.has_text and self._use_text else self.get_label(idx)
+        return self._load(self._raw_idx[idx]), label
+
+    @property
+    def has_text(self) -> bool:
+        """Whether the dataset holds cached text embeddings (dataset_tool.py encode-text)."""
+        return self._text is not None
+
+    @property
+    def text_record(self) -> dict:
+        """dataset.json's "text_encoding" record: the encoder's identity, tokens L, dim D and the pooling."""
+        return self._cached_text().record
+
+    def get_condition(self, idx: int) -> np.ndarray:
+        """float32 [1 + L, D + 1] text condition of item idx (edm2.text_condition)."""
+        return self._cached_text().condition(int(self._raw_idx[idx]))
+
+    def empty_condition(self) -> np.ndarray:
+        """float32 [1 + L, D + 1] condition of the empty caption (text dropout, unconditional guidance)."""
+        return self._cached_text().empty_condition()
+
+    def _cached_text(self) -> TextEmbeddings:
+        if self._text is None:
+            raise DatasetError(f"{self.path}: holds no text embeddings; dataset_tool.py encode-text makes them")
+        return self._text
 
     def get_label(self, idx: int) -> np.ndarray:
         """One-hot float32 label of item idx; a zero-length array when the dataset has no labels."""

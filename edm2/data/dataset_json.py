@@ -69,17 +69,21 @@ def parse_classes(stored: object, path: str | os.PathLike) -> dict[str, int] | N
     return classes
 
 
-def read_encoding(files: FileTree) -> tuple[object, object]:
-    """(encoding, encoding_settings) that dataset.json records (edm2.encoders.ENCODINGS names them); (None, {}) for
-    a dataset written by the release or an earlier version, which records none."""
+def read_record(files: FileTree) -> dict:
+    """dataset.json as an object; {} without one or for JSON that is no object (read_dataset_json refuses it)."""
     if LABELS_FILE not in files.names:
-        return None, {}
+        return {}
     try:
         record = bounded_json.parse(files.read(LABELS_FILE, limit=bounded_json.MAX_BYTES), LABELS_FILE)
     except (OSError, zipfile.BadZipFile, bounded_json.JSONFileError) as e:
         raise DatasetError(f"{files.path}: cannot read {LABELS_FILE} ({e})") from None
-    if not isinstance(record, dict):
-        return None, {}
+    return record if isinstance(record, dict) else {}
+
+
+def read_encoding(files: FileTree) -> tuple[object, object]:
+    """(encoding, encoding_settings) that dataset.json records (edm2.encoders.ENCODINGS names them); (None, {}) for
+    a dataset written by the release or an earlier version, which records none."""
+    record = read_record(files)
     return record.get("encoding"), record.get("encoding_settings", {})
 
 

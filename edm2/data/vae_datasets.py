@@ -74,8 +74,9 @@ def _write_manifest(work: Path, manifest: dict) -> None:
         tmp.write_text(json.dumps(manifest, indent=2))
 
 
-def prepare_work_dir(work: Path, manifest: dict) -> None:
-    """Create the progress folder of an encode, or check that an existing one belongs to this encode."""
+def prepare_work_dir(work: Path, manifest: dict, progress: str = _LATENT_GLOB) -> None:
+    """Create the progress folder of an encode, or check that an existing one belongs to this encode (one whose
+    finished files, the glob progress, are none yet may start afresh)."""
     if not work.exists():
         _write_manifest(work, manifest)
         return
@@ -86,7 +87,7 @@ def prepare_work_dir(work: Path, manifest: dict) -> None:
     except (OSError, bounded_json.JSONFileError, AttributeError) as e:  # AttributeError: JSON that is not an object
         raise EncodeWorkError(f"{work} exists but is not an unfinished encode ({type(e).__name__}: {one_line(e)}); "
                               f"delete it or choose another destination") from None
-    if changed and not any(work.glob(_LATENT_GLOB)):
+    if changed and not any(work.glob(progress)):
         _write_manifest(work, manifest)  # nothing encoded yet: start afresh
     elif changed:
         raise EncodeWorkError(f"{work} holds an unfinished encode with other settings ({'; '.join(changed)}); "
@@ -137,6 +138,24 @@ def finish_encode(work: Path, dest: Path, dataset: ImageFolderDataset, count: in
     os.replace(work, dest)
 
 
+def start_work(work: Path, manifest: dict, pending: Callable[[], list[int]], progress: str = _LATENT_GLOB) -> list[int]:
+    """On every rank, the blocks still to encode (pending(), asked on rank 0 once it has prepared the progress
+    folder work for manifest, progress its finished files: prepare_work_dir); EncodeWorkError on every rank for a
+    folder that is not this encode's."""
+    problem, blocks = None, []
+    if distributed.is_main():
+        try:
+            prepare_work_dir(work, manifest, progress)
+            files.remove_stale_temporaries(work, recursive=True)
+            blocks = pending()
+        except EncodeWorkError as e:
+            problem = str(e)
+    problem, blocks = distributed.broadcast_object((problem, blocks))
+    if problem:
+        raise EncodeWorkError(problem)
+    return blocks
+
+
 def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, count: int, batch: int,
                    workers: int, manifest: dict, report: Callable[[str], None] = distributed.print0) -> None:
     """Encode the first count images of dataset into dest on every rank (encoder.encode_pixels); rank 0 prepares and
@@ -145,17 +164,7 @@ def encode_dataset(dataset: ImageFolderDataset, dest: Path, encoder: Encoder, co
     manifest holds the settings a rerun must share to continue this encode's progress folder.
     """
     work = work_dir(dest)
-    problem, pending = None, []
-    if distributed.is_main():
-        try:
-            prepare_work_dir(work, manifest)
-            files.remove_stale_temporaries(work, recursive=True)
-            pending = pending_blocks(work, count, batch)
-        except EncodeWorkError as e:
-            problem = str(e)
-    problem, pending = distributed.broadcast_object((problem, pending))
-    if problem:
-        raise EncodeWorkError(problem)
+    pending = start_work(work, manifest, lambda: pending_blocks(work, count, batch))
     # This rank's share of the pending blocks; every image is always encoded in the same company.
     batches = block_batches(count, batch, pending[distributed.get_rank()::distributed.get_world_size()])
     done = count - sum(map(len, block_batches(count, batch, pending)))
