@@ -11,7 +11,7 @@ import torch
 
 from edm2.eval import clip_score
 from edm2.eval.detectors import DetectorError
-from tests.clip_helpers import pin_tiny_clip, tiny_clip
+from tests.clip_helpers import pin_tiny_clip, tiny_clip, tiny_clip_release
 
 PROMPTS = ["a red circle on the left", "a blue square on the right", "green", "the left square", "a circle",
            "red red red"]
@@ -158,3 +158,17 @@ def test_offline_the_default_folder_in_the_cache_is_used(clip_folder, tmp_path, 
     pin_tiny_clip(monkeypatch, clip_folder)
     detector = clip_score.ClipScore()
     assert detector(random_images(1, 28, 28), ["a circle"]).shape == (1,)
+
+
+@pytest.mark.parametrize("name, content, fragment", [("model.safetensors", b"\x08" + b"\0" * 7 + b"{}", "not a safetensors"),
+                                                     ("vocab.json", b"[1, 2]", "not a vocabulary"),
+                                                     ("merges.txt", "a b c\n".encode(), "not a list of BPE merges")])
+def test_a_pinned_but_malformed_file_is_refused_in_one_line(clip_folder, tmp_path, monkeypatch, name, content,
+                                                            fragment):
+    # Behind the digest, as a second line of defence: a pinned file that is not what it should be is named.
+    for other in clip_score.VIT_L14.files():
+        (tmp_path / other).write_bytes(content if other == name else (clip_folder / other).read_bytes())
+    monkeypatch.setattr(clip_score, "VIT_L14", tiny_clip_release(tmp_path))
+    with pytest.raises(DetectorError, match=fragment) as info:
+        clip_score.ClipScore(tmp_path)
+    assert "\n" not in str(info.value) and name in str(info.value)

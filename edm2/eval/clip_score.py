@@ -138,16 +138,18 @@ class ClipScore:
     @staticmethod
     def _model(transformers, release: ClipRelease, weights: bytes, name: str) -> torch.nn.Module:
         """CLIPModel of the pinned architecture holding every tensor of the verified weights (parsed from memory)."""
+        import safetensors
         import safetensors.torch
 
         try:
             state = safetensors.torch.load(weights)
-        except Exception as e:  # safetensors raises its own SafetensorError for any malformed header
+        except safetensors.SafetensorError as e:
             raise DetectorError(f"{name} is not a safetensors file: {one_line(e)}") from None
         # Older exports carry position_ids, a buffer transformers now rebuilds itself.
         state = {key: value for key, value in state.items() if not key.endswith("embeddings.position_ids")}
         config = transformers.CLIPConfig(**release.architecture)
-        verbosity = transformers.logging.get_verbosity()
+        # Quiet while loading (no per-tensor progress bar on every rank), then as the caller had it.
+        verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         try:
@@ -157,7 +159,8 @@ class ClipScore:
             raise DetectorError(f"{name} does not fit the CLIP architecture: {one_line(e)}") from None
         finally:
             transformers.logging.set_verbosity(verbosity)
-            transformers.logging.enable_progress_bar()
+            if bars:
+                transformers.logging.enable_progress_bar()
         # transformers would fill missing tensors with random ones: a score from them would be meaningless.
         wrong = [*info.get("missing_keys", []), *info.get("unexpected_keys", []),
                  *(str(m[0]) for m in info.get("mismatched_keys", []))]
