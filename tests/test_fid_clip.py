@@ -1,6 +1,7 @@
 """The FID-CLIP curve: prompts of seeds, each point against an independent computation, and calculate_metrics.py
 fid-clip end to end with stand-in detectors and a stand-in generator (its JSON is its plot's points); bad input."""
 
+import dataclasses
 import json
 import math
 
@@ -229,3 +230,10 @@ def test_a_class_conditional_network_is_refused_naming_net(standins):
     assert_refused(standins["root"], lambda: run_fid_clip(standins, "--dest", standins["root"] / "c.json",
                                                           "--gnet", "self", net="class.safetensors"),
                    "--net", "not a text-to-image network")
+
+
+def test_clip_files_that_are_not_pinned_are_refused_naming_clip(standins, standin_generator, monkeypatch):
+    monkeypatch.setattr(clip_score, "VIT_L14", dataclasses.replace(
+        clip_score.VIT_L14, vocab=dataclasses.replace(clip_score.VIT_L14.vocab, sha256="")))
+    assert_refused(standins["root"], lambda: run_fid_clip(standins, "--dest", standins["root"] / "c.json",
+                                                          "--gnet", "self"), "--clip", "not pinned")
