@@ -19,13 +19,16 @@ from cli.solver import schedule_option, solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_SEED_OPTION, Guidance, Integer, SigmaInterval
 from edm2.encoders import Encoder, EncoderError
-from edm2.eval import scores
-from edm2.eval.detectors import DetectorError, load_detector
+from edm2.eval import clip_score, scores
+from edm2.eval.detectors import PUBLISHED, DetectorError, load_detector
+from edm2.eval.fid_clip import Generate, PromptsError, fid_clip_curve, prompt_source, read_prompts
 from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 from edm2.eval.sweep import Measure, run_sweep
 from edm2.formats.snapshot import SnapshotError, load_generator
 from edm2.networks import Precond
+from edm2.plots import save_png
+from edm2.plots.fid_clip import fid_clip_figure
 from edm2.procedures.generation import MAX_SEED, generate_images
 from edm2.procedures.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.runtime import distributed, files, locks
@@ -47,6 +50,11 @@ def parse_metrics(ctx: click.Context, param: click.Parameter, value: str) -> lis
     return names
 
 
+inception_option = click.option(
+    "--inception", help="A copy of the published Inception-v3 TorchScript file (FID), verified by its SHA-256  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
+    metavar="PATH|URL", default=None)
+
+
 def metric_options(batch_default: int) -> Callable:
     """Options every command shares: which metrics, detector weights, batch size."""
     def decorate(fn: Callable) -> Callable:
@@ -57,8 +65,7 @@ def metric_options(batch_default: int) -> Callable:
                          default="fid,fd_dinov2", show_default=True),
             click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT",
                          type=Integer(1, MAX_BATCH), default=batch_default, show_default=True),
-            click.option("--inception", help="A copy of the published Inception-v3 TorchScript file (FID), verified by its SHA-256  [default: $EDM2_CACHE_DIR/detectors/inception-2015-12-05.pt, downloaded once]",
-                         metavar="PATH|URL", default=None),
+            inception_option,
             click.option("--dinov2", help="A copy of the published DINOv2 ViT-L/14 weights (FD_DINOv2), verified by their SHA-256  [default: $EDM2_CACHE_DIR/detectors/dinov2_vitl14_pretrain.pth, downloaded once]",
                          metavar="PATH|URL", default=None),
         ]
@@ -332,6 +339,99 @@ def sweep(indir: Path, stds: list[float], kimgs: tuple[int, ...] | None, metrics
                   plan.save if main_rank else None, report=click.echo, guidances=guidance, recorded=measure.recorded)
         if main_rank:
             sweep_cli.finish(plan, metrics, guidance)
+
+NEMO_GUIDANCE = "1,1.5,2,3,4,5,6"  # the strengths of NeMo's FID-CLIP curves
+
+
+def load_clip(clip_path: str | None, device: torch.device) -> clip_score.ClipScore:
+    """The CLIP score's detector on this rank's device; bad or missing files name --clip."""
+    try:
+        return distributed.main_rank_first(functools.partial(clip_score.ClipScore, clip_path, device))
+    except (DetectorError, files.DownloadError) as e:
+        raise click.BadParameter(str(e), param_hint="--clip") from None
+
+
+def text_generator(net_path: str, gnet_path: str | None, device: torch.device, sampler: dict) -> Generate:
+    """The generator (seeds, prompts, guidance) -> uint8 images of the text-to-image network at net_path, guided by
+    gnet_path ('self': its unconditional branch); a network that takes class labels is refused, naming --net."""
+    _, _, metadata = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
+    if "text_encoding" not in metadata:
+        raise click.BadParameter(f"{net_path} records no text encoder: it is not a text-to-image network, and the "
+                                 "FID-CLIP curve generates images for prompts", param_hint="--net")
+    raise click.BadParameter(f"{net_path}: this version has no sampler for text-to-image networks",
+                             param_hint="--net")
+
+
+def report_point(point: dict) -> None:
+    """One line per point of the FID-CLIP curve as it is done (rank 0)."""
+    if distributed.is_main():
+        click.echo(f"guidance {point['guidance']:g}: fid {point['fid']:.4f}  clip_score {point['clip_score']:.4f}  "
+                   f"({point['num_images']} images)")
+
+
+@main.command(name="fid-clip")
+@click.option("--net", "net_path", help="Text-to-image network: our snapshot", metavar="PATH|URL", required=True)
+@click.option("--gnet", "gnet_path", help="Guiding network for --guidance, or 'self': the network's own "
+              "unconditional prediction (trained with --text-dropout)", metavar="PATH|URL|self", default=None)
+@click.option("--guidance", help="Guidance strengths, one point of the curve each", type=evaluation.GuidanceList(),
+              default=NEMO_GUIDANCE, show_default=True)
+@click.option("--prompts", "prompts_path", help="Prompts, one a line; the image of seed s has prompt number "
+              "s mod (number of prompts)", metavar="TXT", required=True)
+@click.option("--ref", "ref_path", help="Reference statistics (FID)", metavar="NPZ|PKL|URL", required=True)
+@click.option("--dest", "dest_path", help="The curve's JSON file to write; its plot is written beside it (.png)",
+              metavar="JSON", required=True)
+@click.option("--num", "num_images", help="Images per guidance strength", metavar="INT",
+              type=Integer(2, MAX_IMAGES), default=30000, show_default=True)
+@click.option("--seed", help="Seed of the first image (images use seeds seed .. seed+num-1)", metavar="INT",
+              type=Integer(0, MAX_SEED_OPTION), default=0, show_default=True)
+@click.option("--batch", "batch_size", help="Images per batch and GPU", metavar="INT", type=Integer(1, MAX_BATCH),
+              default=32, show_default=True)
+@inception_option
+@click.option("--clip", "clip_path", help="A folder with the published CLIP ViT-L/14 files (model.safetensors, "
+              "vocab.json, merges.txt), each verified by its SHA-256  [default: "
+              "$EDM2_CACHE_DIR/detectors/clip-vit-large-patch14/, downloaded once]", metavar="DIR", default=None)
+@solver_option
+@schedule_option
+@threads_option
+def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompts_path: str, ref_path: str,
+             dest_path: str, num_images: int, seed: int, batch_size: int, inception: str | None,
+             clip_path: str | None, solver: str, schedule: str) -> None:
+    """The FID-CLIP curve of a text-to-image network: FID and CLIP score at each guidance strength, as a JSON file
+    and a plot beside it (NeMo's protocol: the default strengths, 30k COCO-2014 prompts, CLIP ViT-L/14)."""
+    dest = Path(dest_path)
+    if dest.suffix != ".json":
+        raise click.BadParameter(f"{dest_path}: use a .json name (the plot is written beside it as .png)",
+                                 param_hint="--dest")
+    evaluation.check_output_file(dest, "--dest", "the curve's JSON file")
+    try:
+        prompts = read_prompts(prompts_path)
+    except PromptsError as e:
+        raise click.BadParameter(str(e), param_hint="--prompts") from None
+    check_generation_options(gnet_path, max(guidance), None, seed, num_images)
+    with distributed.session(), locks.hold_destination(dest, "calculate_metrics.py fid-clip"):
+        reference = load_reference(ref_path, ["fid"])
+        device = distributed.device()
+        sampler = dict(solver=solver, schedule=schedule)
+        generate = text_generator(net_path, gnet_path, device, sampler)
+        detectors = load_detectors(["fid"], {"fid": inception}, device)
+        check_dimensions(reference, ref_path, detectors)
+        clip = load_clip(clip_path, device)
+        seeds = range(seed, seed + num_images)
+        points = fid_clip_curve(guidance, prompt_source(generate, prompts, seeds, batch_size), detectors["fid"],
+                                clip, reference, device, report=report_point)
+        if distributed.is_main():
+            settings = dict(net=net_path, gnet=gnet_path, prompts=prompts_path, num_prompts=len(prompts),
+                            prompt_of_seed="prompts[seed % len(prompts)]", seeds=f"{seeds.start}-{seeds.stop - 1}",
+                            ref=ref_path, sampler=sampler,
+                            detectors=dict(fid=dict(url=PUBLISHED["fid"].url, sha256=PUBLISHED["fid"].sha256),
+                                           clip_score={name: dict(url=f.url, sha256=f.sha256) for name, f in
+                                                       clip_score.VIT_L14.files().items()}))
+            record = dict(points=points, settings=settings)
+            evaluation.write_results(dest, record)
+            save_png(fid_clip_figure(points), dest.with_suffix(".png"))
+            click.echo(f"Saved {dest} and {dest.with_suffix('.png')}")
+            click.echo(json.dumps(record))
+
 
 main.add_command(tensor_sweep.command)
 if __name__ == "__main__":

@@ -65,10 +65,10 @@ def default_weights_path(url: str) -> Path:
     return files.cache_dir() / "detectors" / os.path.basename(url)
 
 
-def _default_weights(url: str) -> Path:
-    """The published file of a detector: found in the cache, else downloaded there; a failed download says where
-    to put the file by hand."""
-    dest = default_weights_path(url)
+def _default_weights(url: str, dest: Path | None = None) -> Path:
+    """The published file of a detector: found at dest (default: default_weights_path(url)), else downloaded
+    there; a failed download says where to put the file by hand."""
+    dest = default_weights_path(url) if dest is None else dest
     if dest.is_file():
         return dest
     earlier = files.download_cache_path(url)  # where versions before the detectors/ folder downloaded it
@@ -81,11 +81,11 @@ def _default_weights(url: str) -> Path:
                             "(or give the path of the file)") from None
 
 
-def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[Path, str]:
+def _local_weights(path_or_url: str | os.PathLike | None, url: str, default: Path | None = None) -> tuple[Path, str]:
     """(local path, name for messages) of detector weights: the given file or URL (downloaded once into the
-    cache; named as given), or with None the published file at `url` (see default_weights_path; named by its
-    local path); raises DetectorError if absent."""
-    path = _default_weights(url) if path_or_url is None else files.cached_path(path_or_url)
+    cache; named as given), or with None the published file at `url` (kept at `default`, else see
+    default_weights_path; named by its local path); raises DetectorError if absent."""
+    path = _default_weights(url, default) if path_or_url is None else files.cached_path(path_or_url)
     name = str(path if path_or_url is None else path_or_url)
     if not path.is_file():
         raise DetectorError(f"detector weights not found: {name}")
@@ -95,8 +95,18 @@ def _local_weights(path_or_url: str | os.PathLike | None, url: str) -> tuple[Pat
 def published_bytes(metric: str, path_or_url: str | os.PathLike | None = None) -> tuple[bytes, str]:
     """(bytes, name for messages) of a metric's published detector file, found as _local_weights finds it and
     verified by its SHA-256 (PUBLISHED) before anything parses it; any other file raises DetectorError."""
-    published = PUBLISHED[metric]
-    path, name = _local_weights(path_or_url, published.url)
+    return verified_bytes(PUBLISHED[metric], path_or_url)
+
+
+def verified_bytes(published: PublishedFile, path_or_url: str | os.PathLike | None = None,
+                   default: Path | None = None) -> tuple[bytes, str]:
+    """(bytes, name for messages) of a published file, the given copy or (None) the one kept at `default` or
+    downloaded there, verified by its SHA-256 before anything parses it; any other file raises DetectorError, and
+    so does every file while the published digest is unknown (sha256 empty)."""
+    if not published.sha256:
+        raise DetectorError(f"the SHA-256 of the published {published.what} ({published.url}) is not pinned in "
+                            "this version, so no copy of it can be verified; it is refused")
+    path, name = _local_weights(path_or_url, published.url, default)
     try:
         return pinned_files.read_pinned(path, published.sha256), name
     except OSError as e:
