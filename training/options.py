@@ -296,18 +296,20 @@ def _check_recipe(opts: TrainingOptions) -> None:
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
     _require(opts.init is None or isinstance(opts.init, str) and opts.init != "", "init", opts.init, "a path")
-    check_method(opts.method, opts.teacher, opts.init)
+    check_method(opts.method, opts.teacher)
+    _require(opts.teacher is None or opts.init == opts.teacher, "init", opts.init,
+             f"--teacher's {opts.teacher!r}: a student starts from its teacher's weights")
 
 
-def check_method(method: str, teacher: str | None, init: str | None) -> None:
+def check_method(method: str, teacher: str | None, init: str | None = None) -> None:
     """Raise OptionsError unless the method and its teacher go together: scd distils a teacher, edm2 takes none, and
-    a student starts from its teacher's weights (init, where given, is the teacher)."""
+    a student starts from its teacher's weights, so an --init given with it is refused."""
     if method == "scd" and teacher is None:
         raise OptionsError("--method=scd distils a teacher: give --teacher=SNAPSHOT")
     if method == DEFAULT_METHOD and teacher is not None:
         raise OptionsError("--teacher is for --method=sct or scd; --method=edm2 trains a diffusion model (--init starts "
                            "it from a snapshot's weights)")
-    if teacher is not None and init not in (None, teacher):
+    if teacher is not None and init is not None:
         raise OptionsError("--init with --teacher: the student starts from the teacher's weights; leave --init out")
 
 
