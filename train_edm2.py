@@ -24,7 +24,7 @@ from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
 from edm2.runtime import distributed, files
 from edm2 import families
-from training.architecture import read_init
+from training.architecture import init_path, read_init
 from training.run.dry_run import blend_shares, parameter_count, start_or_resume, timed_speed
 from training.options import (
     BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, check_method,
@@ -209,7 +209,8 @@ def main(config: dict | None, arch: str | None, channels: int | None, dry_run: b
     local_launch.follow_launcher()
     check_before_the_data(fields, cond, dry_run, time_steps)
     try:
-        check_method(fields["method"] or get_preset(preset).method, fields["teacher"], init)
+        teacher = fields["teacher"] and init_path(fields["teacher"])  # as a run's options record it, and --init
+        check_method(fields["method"] or get_preset(preset).method, teacher, init and init_path(init))
     except OptionsError as e:
         raise click.UsageError(str(e)) from None
     data = data or get_preset(preset).data

@@ -4,6 +4,7 @@ edm2.consistency.algorithm1_loss on the same draws; its statistics; and the bad 
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from edm2.layers import force_weight_normalization
 from edm2.trigflow import adaptive_logvar, consistency_model, edm_denoiser
-from training.run import checkpoint
+from training.run import checkpoint, dashboard
 from tests.helpers import assert_one_error_line, assert_refused, randomized, snapshot_contents, tiny_precond
 
 # Two steps of 16 images with a snapshot, a training state and a status line after each; no sample grid.
@@ -212,7 +213,7 @@ def misfits(tmp_path_factory, runs):
     (["--preset=scd-toy-tiny"], ["--method=scd distils a teacher: give --teacher=SNAPSHOT"]),
     (["--method=scd"], ["--method=scd distils a teacher"]),
     (["--teacher={teacher}"], ["--teacher is for --method=sct or scd"]),
-    (["--preset=sct-toy-tiny", "--teacher={teacher}", "--init={teacher}"], ["--init with --teacher"]),
+    (["--preset=sct-toy-tiny", "--teacher={teacher}", "--init={wide}"], ["--init with --teacher"]),
     (["--preset=scd-toy-tiny", "--teacher={res16}"],
      ["--teacher", "res16.safetensors is a 16x16 network with 3 channels; the data gives 8x8 with 3"]),
     (["--preset=scd-toy-tiny", "--teacher={gray}"], ["--teacher", "gray.safetensors is a 8x8 network with 1 channels"]),
@@ -227,3 +228,26 @@ def test_bad_input_is_one_line_before_any_work(args, fragments, train_data, teac
     paths = dict(misfits, teacher=teacher)
     args = [arg.format(**paths) for arg in args]
     assert_refused(tmp_path, lambda: train(train_data, tmp_path / "run", "--preset=toy-tiny", *args), *fragments)
+
+
+def test_the_dashboard_draws_the_tangent_and_gradient_norms_and_u_per_t_bin(runs, tmp_path):
+    outdir = tmp_path / "sct"
+    shutil.copytree(runs / "sct", outdir)
+    (outdir / "plots").mkdir(exist_ok=True)
+    assert [row["nimg"] for row in dashboard.consistency_rows(outdir)] == [16, 32]
+    assert dashboard.write_consistency(outdir).stat().st_size > 0
+    written, _ = dashboard.redraw(outdir)
+    assert outdir / "plots" / "consistency.png" in written
+    # A diffusion run's rows have none of these columns: no consistency.png.
+    (outdir / "stats.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "g_norm"}) + "\n"
+                                                for row in rows(outdir)))
+    assert dashboard.consistency_rows(outdir) == []
+
+
+def test_a_consistency_runs_options_rerun_it_with_config(runs, train_data):
+    # training_options.json names the teacher as --teacher and as --init (the student's start): not a contradiction.
+    result = CliRunner().invoke(train_edm2.main, [f"--config={runs / 'scd' / 'training_options.json'}",
+                                                  f"--data={train_data}", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    options = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert options["method"] == "scd" and options["teacher"] == options["init"]

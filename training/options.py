@@ -303,13 +303,14 @@ def _check_recipe(opts: TrainingOptions) -> None:
 
 def check_method(method: str, teacher: str | None, init: str | None = None) -> None:
     """Raise OptionsError unless the method and its teacher go together: scd distils a teacher, edm2 takes none, and
-    a student starts from its teacher's weights, so an --init given with it is refused."""
+    a student starts from its teacher's weights, so an --init other than the teacher (a run's own options name it
+    as both) is refused."""
     if method == "scd" and teacher is None:
         raise OptionsError("--method=scd distils a teacher: give --teacher=SNAPSHOT")
     if method == DEFAULT_METHOD and teacher is not None:
         raise OptionsError("--teacher is for --method=sct or scd; --method=edm2 trains a diffusion model (--init starts "
                            "it from a snapshot's weights)")
-    if teacher is not None and init is not None:
+    if teacher is not None and init not in (None, teacher):
         raise OptionsError("--init with --teacher: the student starts from the teacher's weights; leave --init out")
 
 
