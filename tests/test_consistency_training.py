@@ -249,5 +249,5 @@ def test_a_consistency_runs_options_rerun_it_with_config(runs, train_data):
     result = CliRunner().invoke(train_edm2.main, [f"--config={runs / 'scd' / 'training_options.json'}",
                                                   f"--data={train_data}", "--dry-run"])
     assert result.exit_code == 0, result.output
-    options = json.loads(result.output[: result.output.rindex("}") + 1])
+    options = json.loads(result.output[result.output.index("{\n"): result.output.rindex("}") + 1])
     assert options["method"] == "scd" and options["teacher"] == options["init"]
