@@ -20,7 +20,11 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network, save_network
 from edm2.layers import force_weight_normalization
 from edm2.trigflow import adaptive_logvar, consistency_model, edm_denoiser
+from training.presets import PRESETS
 from training.run import checkpoint, dashboard
+from training.run.benchmark import synthetic_step
+from training.state import ADAM_BETAS
+from training.step import training_step
 from tests.helpers import assert_one_error_line, assert_refused, randomized, snapshot_contents, tiny_precond
 
 # Two steps of 16 images with a snapshot, a training state and a status line after each; no sample grid.
@@ -251,3 +255,31 @@ def test_a_consistency_runs_options_rerun_it_with_config(runs, train_data):
     assert result.exit_code == 0, result.output
     options = json.loads(result.output[result.output.index("{\n"): result.output.rindex("}") + 1])
     assert options["method"] == "scd" and options["teacher"] == options["init"]
+
+
+def test_the_step_sets_the_images_seen_before_the_loss_and_notes_the_gradient_norm():
+    step = synthetic_step("sct-toy-tiny", 4, torch.device("cpu"), resolution=8)
+    assert isinstance(step.loss_fn, ConsistencyLoss) and step.loss_fn.tangent_warmup_nimg == 512
+    seen = []
+    original = step.loss_fn.__class__.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ConsistencyLoss, "__call__", lambda self, *args: seen.append(self.nimg) or original(self, *args))
+        start = step.state.cur_nimg
+        training_step(step)
+        training_step(step)
+    # r = min(1, images seen / 512) of each step's images seen before it, which a training state records.
+    assert seen == [start, start + 4]
+    totals = step.loss_fn.take_stats().tolist()
+    assert totals[consistency_loss.GRAD_COUNT] == 2 and totals[consistency_loss.GRAD_SUM] > 0
+
+
+@pytest.mark.parametrize("size", ["xxs", "s", "xxl"])
+def test_the_img512_presets_take_the_papers_hyperparameters_from_their_teachers(size):
+    teacher = PRESETS[f"edm2-img512-{size}"]
+    for method in ("sct", "scd"):
+        preset = PRESETS[f"{method}-img512-{size}"]
+        assert preset.method == method and preset.lr == pytest.approx(teacher.lr * 0.01, rel=1e-15)
+        assert (preset.adam_eps, preset.P_mean, preset.P_std, preset.batch) == (1e-11, -0.8, 1.6, 2048)
+        assert (preset.channels, preset.network) == (teacher.channels, teacher.network)
+        assert preset.tangent_warmup_Mimg == 10000 * 2048 / 1e6
+    assert ADAM_BETAS == (0.9, 0.99)
