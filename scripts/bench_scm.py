@@ -40,7 +40,8 @@ def main(preset: str, batch_gpu: int, steps: int, reps: int, warmup: int) -> Non
     teacher_step = synthetic_step(preset, batch_gpu, device, compile=False)
     with tempfile.TemporaryDirectory() as folder:
         teacher = str(Path(folder) / "teacher.safetensors")
-        save_network(teacher, with_unit_gains(teacher_step.state.net).eval(), {"encoder": teacher_step.encoder.config()})
+        save_network(teacher, with_unit_gains(teacher_step.state.net).eval(),
+                     {"encoder": teacher_step.encoder.config()})
         student_step = synthetic_step(f"scd-{preset}", batch_gpu, device, compile=False, teacher=teacher, init=teacher)
     teacher_step.state.net.train()
     seconds = {}

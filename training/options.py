@@ -308,8 +308,8 @@ def check_method(method: str, teacher: str | None, init: str | None = None) -> N
     if method == "scd" and teacher is None:
         raise OptionsError("--method=scd distils a teacher: give --teacher=SNAPSHOT")
     if method == DEFAULT_METHOD and teacher is not None:
-        raise OptionsError("--teacher is for --method=sct or scd; --method=edm2 trains a diffusion model (--init starts "
-                           "it from a snapshot's weights)")
+        raise OptionsError("--teacher is for --method=sct or scd; --method=edm2 trains a diffusion model (--init "
+                           "starts it from a snapshot's weights)")
     if teacher is not None and init not in (None, teacher):
         raise OptionsError("--init with --teacher: the student starts from the teacher's weights; leave --init out")
 
