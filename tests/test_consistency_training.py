@@ -5,6 +5,7 @@ edm2.consistency.algorithm1_loss on the same draws; its statistics; and the bad 
 import json
 import math
 import shutil
+import signal
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ from training.run import checkpoint, dashboard
 from training.run.benchmark import synthetic_step
 from training.state import ADAM_BETAS
 from training.step import training_step
-from tests.helpers import assert_one_error_line, assert_refused, randomized, snapshot_contents, tiny_precond
+from tests.helpers import (assert_one_error_line, assert_refused, randomized, snapshot_contents, start_training,
+                           tiny_precond, wait_for)
 
 # Two steps of 16 images with a snapshot, a training state and a status line after each; no sample grid.
 SHORT = ["--workers=0", "--batch=16", "--duration=32", "--snapshot=16", "--checkpoint=16", "--status=16", "--grid=0"]
@@ -113,19 +115,27 @@ def test_its_snapshots_reconstruct_post_hoc_and_load(method, runs):
 VARYING = ("images_per_s", "sec_per_kimg", "max_memory_gb", "elapsed_s", "timestamp", "tflops", "mfu")
 
 
-def test_a_stopped_sct_run_resumes_bit_identically(train_data, tmp_path):
+def test_a_killed_sct_run_resumes_bit_identically(train_data, tmp_path):
     # Dropout on: the masks of the jvp and of the pass with a graph come from the round's seed, on resume too; the
-    # tangent warmup r goes on from the images the state has seen.
-    args = ["--preset=sct-toy-tiny", "--dropout=0.1"]
-    assert train(train_data, tmp_path / "resumed", *args, "--duration=16").exit_code == 0
-    result = train(train_data, tmp_path / "resumed", *args)
-    assert result.exit_code == 0 and "Resuming from training-state-0000000-16.pt at 16 images" in result.output
+    # tangent warmup r (512 images) goes on from the images the training state has seen.
+    args = ["--preset=sct-toy-tiny", "--dropout=0.1", "--duration=128", "--checkpoint=16", "--snapshot=64"]
+    killed = tmp_path / "killed"
+    proc = start_training(train_data, killed, *SHORT, *args)
+    wait_for(lambda: (killed / "training-state-0000000-16.pt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    newest = checkpoint.list_states(killed)[0]
+    nimg = checkpoint.load_state(newest)["cur_nimg"]
+    assert nimg < 128  # killed mid-run, usually before the next training state
+    result = train(train_data, killed, *args)
+    assert result.exit_code == 0 and f"Resuming from {newest.name} at {nimg} images" in result.output
     assert train(train_data, tmp_path / "whole", *args).exit_code == 0
-    pattern, ignore = "network-snapshot-0000000-32-*.safetensors", ("run_dir", "workers", "duration")
+    pattern, ignore = "network-snapshot-0000000-128-*.safetensors", ("run_dir", "workers")
     whole = snapshot_contents(tmp_path / "whole", pattern, ignore)
-    assert len(whole) == 2 and snapshot_contents(tmp_path / "resumed", pattern, ignore) == whole
-    steady = [[{k: v for k, v in row.items() if k not in VARYING} for row in rows(tmp_path / name)]
-              for name in ("resumed", "whole")]
+    assert len(whole) == 2 and snapshot_contents(killed, pattern, ignore) == whole
+    steady = [[{k: v for k, v in row.items() if k not in VARYING} for row in rows(folder) if row["nimg"] > nimg]
+              for folder in (killed, tmp_path / "whole")]
     assert steady[0] == steady[1] and all("g_norm" in row for row in steady[0])
 
 
