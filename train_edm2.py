@@ -13,7 +13,7 @@ from cli.command import Command
 from cli.config import config_option
 from cli.evaluation import check_features
 from cli.network_options import given_hyperparameters, hyperparameter_names, hyperparameter_options
-from cli.run_setup import choose_encoder, open_dataset, run_network, unrecorded_encoding
+from cli.run_setup import choose_encoder, open_dataset, run_network, teacher_options, unrecorded_encoding
 from cli.speed import THREADS, threads_note, threads_option
 from cli.training_options import field_options
 from cli.types import bound_type
@@ -24,11 +24,11 @@ from edm2.eval.scores import DETECTOR_OF
 from edm2.eval.stats_files import StatsError, load_stats
 from edm2.runtime import distributed, files
 from edm2 import families
-from training.architecture import read_init
+from training.architecture import init_path, read_init
 from training.run.dry_run import blend_shares, parameter_count, start_or_resume, timed_speed
 from training.options import (
-    BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, default_grid,
-    rounds_per_step,
+    BOUNDS, DATA_FIELDS, RECIPE_FIELDS, OptionsError, TrainingOptions, check_derived, check_label_dropout, check_method,
+    default_grid, rounds_per_step,
 )
 from training.run.loop import train
 from training.run.preflight import dataset_description, init_notes
@@ -208,11 +208,21 @@ def main(config: dict | None, arch: str | None, channels: int | None, dry_run: b
     """
     local_launch.follow_launcher()
     check_before_the_data(fields, cond, dry_run, time_steps)
+    try:
+        teacher = fields["teacher"] and init_path(fields["teacher"])  # as a run's options record it, and --init
+        check_method(fields["method"] or get_preset(preset).method, teacher, init and init_path(init))
+    except OptionsError as e:
+        raise click.UsageError(str(e)) from None
     data = data or get_preset(preset).data
     dataset = open_dataset(data, cond)
     encoder = choose_encoder(dataset)
     given = given_hyperparameters(fields)
-    encoder, network = run_network(preset, arch, init, dataset, encoder, given, channels)
+    if fields["teacher"] is not None:  # the student starts from the teacher's weights, as a network of its own
+        encoder, network = teacher_options(fields["teacher"], arch, dataset, encoder, dict(given, channels=channels),
+                                           preset)
+        init = network["init"]
+    else:
+        encoder, network = run_network(preset, arch, init, dataset, encoder, given, channels)
     values = {**fields, "data": data, "cond": cond, "channels": channels, **network}  # --init's network wins
     opts = build_options(preset, dataset, encoder, **values, threads=click.get_current_context().meta.get(THREADS))
     try:

@@ -3,6 +3,8 @@ of --arch and its family's options or of the --init snapshot, each refused in on
 
 from __future__ import annotations
 
+import os
+
 import click
 from click.core import ParameterSource
 
@@ -11,9 +13,10 @@ from edm2.data.dataset import DatasetError, ImageData
 from edm2.data.sources import open_data
 from edm2.encoders import LATENTS, PIXELS, RELEASE_ENCODINGS, Encoder, EncoderSettingsError, encoder_for_dataset
 from edm2.errors import SnapshotError, one_line
+from edm2.formats.snapshot import read_metadata
 from edm2.runtime import files
 from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
-                                   differs_from_preset, network_options, read_init)
+                                   differs_from_preset, effective, init_path, network_options, read_init)
 from training.presets import get_preset
 
 
@@ -90,10 +93,10 @@ def arch_network(preset: str, arch: str, dataset: ImageData, img_channels: int, 
 
 
 def init_options(init: str, arch: str | None, dataset: ImageData, encoder: Encoder, given: dict,
-                 preset: str | None = None) -> tuple[Encoder, dict]:
+                 preset: str | None = None, option: str = "--init") -> tuple[Encoder, dict]:
     """The snapshot's encoder, and its architecture as run options (channels, network, init); a snapshot that
-    cannot load, or does not fit the data or the options given, is refused naming --init, one of another family
-    than an --arch given naming --arch.
+    cannot load, or does not fit the data or the options given, is refused naming option (--init, or --teacher),
+    one of another family than an --arch given naming --arch.
 
     Data labeled with some of the network's classes trains it with its labels as they are: the dataset's one-hot
     labels widen to the network's classes."""
@@ -102,7 +105,7 @@ def init_options(init: str, arch: str | None, dataset: ImageData, encoder: Encod
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
                    label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset)
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
-        raise click.BadParameter(one_line(e), param_hint="--init") from None
+        raise click.BadParameter(one_line(e), param_hint=option) from None
     theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)
     if arch not in (None, theirs):
         raise click.BadParameter(f"{init} is a network of family {theirs!r}; leave --arch out to take it",
@@ -120,3 +123,31 @@ def run_network(preset: str, arch: str | None, init: str | None, dataset: ImageD
         img_channels = encoder.out_channels(dataset.num_channels)
         return encoder, dict(network=arch_network(preset, arch, dataset, img_channels, channels, given))
     return init_options(init, arch, dataset, encoder, dict(given, channels=channels), preset)
+
+
+def teacher_options(teacher: str, arch: str | None, dataset: ImageData, encoder: Encoder, given: dict,
+                    preset: str) -> tuple[Encoder, dict]:
+    """init_options of a consistency model's --teacher, whose weights and network the student starts from; refused
+    naming --teacher where it is a consistency model itself, or where the preset trains another network."""
+    path = init_path(teacher)
+    try:
+        consistency = None if path.endswith(".pkl") else read_metadata(files.cached_path(path)).get("consistency")
+    except (SnapshotError, files.DownloadError) as e:
+        raise click.BadParameter(one_line(e), param_hint="--teacher") from None
+    if consistency is not None:
+        raise click.BadParameter(f"{os.path.basename(path)} is a consistency model itself (its metadata records "
+                                 f"method {consistency.get('method')!r}); a teacher is a diffusion model",
+                                 param_hint="--teacher")
+    encoder, network = init_options(teacher, arch, dataset, encoder, given, preset, option="--teacher")
+    recipe = get_preset(preset)
+    kwargs = read_init(path).network_kwargs
+    theirs = dict(channels=effective(kwargs, "model_channels"),
+                  **{name: effective(kwargs, name) for name in recipe.hyperparameters})
+    ours = dict(channels=recipe.channels, **{name: effective(recipe.hyperparameters, name)
+                                             for name in recipe.hyperparameters})
+    differing = [name for name in ours if ours[name] != theirs[name]]
+    if differing:
+        details = ", ".join(f"{name} {ours[name]} against {theirs[name]}" for name in differing)
+        raise click.BadParameter(f"--preset={preset} trains another network than {os.path.basename(path)} "
+                                 f"({details}); choose the preset of the teacher's network", param_hint="--teacher")
+    return encoder, dict(network, teacher=network["init"])

@@ -118,10 +118,12 @@ def consistency_objective(F: torch.Tensor, F_minus: torch.Tensor, g: torch.Tenso
 def algorithm1_loss(model: Model, logvar: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor,
                     z: torch.Tensor, t: torch.Tensor, tangent: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
                     r: float, sigma_data: float, seed: int, c: float = TANGENT_CONSTANT,
-                    prior: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    prior: bool = True, grad_model: Model | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-element loss, per-sample ||g|| before normalization) of Algorithm 1 at x_t = noised(x0, z, t): the JVP
     without a graph, then F with one, both after reseeding torch's generators with seed so that dropout draws the
-    same masks in both passes. tangent is dx_t/dt, or a function of x_t giving it (the teacher, for sCD)."""
+    same masks in both passes. tangent is dx_t/dt, or a function of x_t giving it (the teacher, for sCD).
+    grad_model: the same model for the pass with a graph (e.g. through a DistributedDataParallel wrapper, which
+    forward-mode AD cannot go through); model by default."""
     x_t = noised(x0, z, t)
     if callable(tangent):
         with torch.no_grad():
@@ -135,6 +137,6 @@ def algorithm1_loss(model: Model, logvar: Callable[[torch.Tensor], torch.Tensor]
     norm = g.flatten(1).square().mean(1).sqrt()
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        F = model(x_t / sigma_data, t).to(x0.dtype)
+        F = (grad_model or model)(x_t / sigma_data, t).to(x0.dtype)
     loss = consistency_objective(F, F_minus, normalize_tangent(g, c), logvar(t).to(x0.dtype), t, sigma_data, prior)
     return loss, norm

@@ -23,7 +23,7 @@ from edm2.procedures.generation import MAX_SEED
 from edm2.runtime.limits import MAX_BATCH, MAX_DEFAULT_PROCESSES, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
 from training.architecture import check_network_fits_data, differs_from_preset
-from training.presets import PRESETS, get_preset
+from training.presets import DEFAULT_METHOD, PRESETS, TRAINING_METHODS, get_preset
 from training.sections import (FROM_PRESET, NAMES, NETWORK, PAIR, PATHS, RECIPE, REPEATED, REPORTING, SECTIONS,
                                SIGMA_RELS, SPEED, SWITCH, Count, Flag, GridShape, Images, Real, bounds, flag_name,
                                option, out_of_bounds, section_fields)
@@ -40,7 +40,8 @@ DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,
 
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
 ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE,
-                         "uncertainty": DEFAULT_UNCERTAINTY}
+                         "uncertainty": DEFAULT_UNCERTAINTY, "method": DEFAULT_METHOD, "teacher": None,
+                         "tangent_warmup_Mimg": 0.0, "adam_eps": None}
 
 # Eq. 16 draws ln(sigma) = P_mean + P_std * z. torch's normal draws come from uniforms of at most 53 bits, so
 # |z| <= sqrt(-2 ln 2**-53) ~ 8.57 (Box-Muller); within |ln(sigma)| <= 40, sigma**2 and the (sigma * sigma_data)**2
@@ -132,6 +133,19 @@ class TrainingOptions:
     uncertainty: str = option(RECIPE, default=DEFAULT_UNCERTAINTY, flag=Flag(
         "u(sigma) (edm2.loss.UNCERTAINTIES): learned (Eq. 21) absorbs any --loss-weighting; off trains lambda L",
         choices=UNCERTAINTIES))
+    # What is trained: a diffusion model (the paper's), or a consistency model (edm2.consistency_loss) trained from
+    # scratch (sct, or from --teacher's weights) or distilled from --teacher (scd), which the student starts from.
+    method: str = option(RECIPE, default=DEFAULT_METHOD, flag=Flag(
+        "Training method: edm2 (the paper's diffusion loss), sct (consistency training) or scd (consistency "
+        "distillation of --teacher); snapshots record it", choices=TRAINING_METHODS, default=FROM_PRESET))
+    teacher: str | None = option(RECIPE, default=None, flag=Flag(
+        "With --method=sct or scd: the diffusion snapshot (ours, a post-hoc reconstruction or a release pickle) whose "
+        "weights and network the student starts from, and whose ODE scd distils", metavar="SNAPSHOT|PKL|URL"))
+    tangent_warmup_Mimg: float = option(RECIPE, Real(0), default=0.0, flag=Flag(
+        "Consistency tangent warmup in millions of images (r = min(1, images / warmup)), 0 = none",
+        name="tangent-warmup", default=FROM_PRESET))
+    adam_eps: float | None = option(RECIPE, Real(0, low_open=True), optional=True, default=None, flag=Flag(
+        "Adam's epsilon", default="the preset's, else the release's 1e-8"))
     workers: int = option(SPEED, Count(0, MAX_WORKERS), default=2, flag=Flag("Data loader processes per GPU"))
     # Whether a resume may go on where the data is not what its training state records (training.data_record).
     allow_data_change: bool = option(REPORTING, default=False, flag=Flag(
@@ -282,6 +296,22 @@ def _check_recipe(opts: TrainingOptions) -> None:
     _require(isinstance(opts.ema_stds, tuple) and len(opts.ema_stds) > 0 and all(map(ema_std.admits, opts.ema_stds)),
              "ema_stds", opts.ema_stds, f"one or more sigma_rel in (0, {MAX_STD:.4f})")
     _require(opts.init is None or isinstance(opts.init, str) and opts.init != "", "init", opts.init, "a path")
+    check_method(opts.method, opts.teacher)
+    _require(opts.teacher is None or opts.init == opts.teacher, "init", opts.init,
+             f"--teacher's {opts.teacher!r}: a student starts from its teacher's weights")
+
+
+def check_method(method: str, teacher: str | None, init: str | None = None) -> None:
+    """Raise OptionsError unless the method and its teacher go together: scd distils a teacher, edm2 takes none, and
+    a student starts from its teacher's weights, so an --init other than the teacher (a run's own options name it
+    as both) is refused."""
+    if method == "scd" and teacher is None:
+        raise OptionsError("--method=scd distils a teacher: give --teacher=SNAPSHOT")
+    if method == DEFAULT_METHOD and teacher is not None:
+        raise OptionsError("--teacher is for --method=sct or scd; --method=edm2 trains a diffusion model (--init "
+                           "starts it from a snapshot's weights)")
+    if teacher is not None and init not in (None, teacher):
+        raise OptionsError("--init with --teacher: the student starts from the teacher's weights; leave --init out")
 
 
 def check_noise_levels(P_mean: float, P_std: float) -> None:

@@ -9,6 +9,10 @@ from edm2 import families
 from edm2.errors import EDM2Error
 
 Ki, Mi = 1 << 10, 1 << 20
+# train_edm2.py --method: the paper's diffusion training, and consistency training and distillation (sCM, Lu and
+# Song, ICLR 2025; edm2.consistency_loss).
+DEFAULT_METHOD = "edm2"
+TRAINING_METHODS = (DEFAULT_METHOD, "sct", "scd")
 
 
 class PresetError(EDM2Error):
@@ -34,6 +38,9 @@ class Preset:
     snapshot: int = 8 * Mi
     checkpoint: int = 128 * Mi
     family: str = families.DEFAULT_FAMILY  # the network family (edm2.families)
+    method: str = DEFAULT_METHOD  # one of TRAINING_METHODS
+    tangent_warmup_Mimg: float = 0.0  # a consistency model's tangent warmup (sCM's Algorithm 1)
+    adam_eps: float | None = None  # None: the release's (training.state.ADAM_EPS)
     # Some of the family's hyperparameters (NetworkFamily.hyperparameters), where the recipe differs from its defaults.
     hyperparameters: dict = dataclasses.field(default_factory=dict)
 
@@ -117,6 +124,30 @@ for _config, (_lr, _decay) in LADDER_RATES.items():
         family=f"config-{_config.lower()}")
 PRESETS["config-g-img512"] = PRESETS["edm2-img512-s"]
 PRESETS["config-g-toy"] = PRESETS["toy-small"]
+
+# Continuous-time consistency models (sCM, Lu and Song, ICLR 2025) of each EDM2 ImageNet-512 size, the student
+# starting from its teacher's weights (train_edm2.py --teacher): the paper's Adam rate (the teacher's x 0.01), betas
+# (0.9, 0.99, the release's), eps 1e-11, proposal P = (-0.8, 1.6) and batch 2048, and its tangent warmup over the first
+# 10k iterations. The duration is ours (the paper gives none per size); decay and ramp-up are the teacher's.
+SCM_LR_SCALE, SCM_ADAM_EPS, SCM_P_MEAN, SCM_P_STD = 0.01, 1e-11, -0.8, 1.6
+SCM_WARMUP_ITERATIONS = 10000
+SCM_DURATION = 128 * Mi
+for _size in ("xxs", "xs", "s", "m", "l", "xl", "xxl"):
+    _teacher = PRESETS[f"edm2-img512-{_size}"]
+    for _method in ("sct", "scd"):
+        PRESETS[f"{_method}-img512-{_size}"] = dataclasses.replace(
+            _teacher, duration=SCM_DURATION, lr=_teacher.lr * SCM_LR_SCALE, P_mean=SCM_P_MEAN, P_std=SCM_P_STD,
+            adam_eps=SCM_ADAM_EPS, method=_method,
+            tangent_warmup_Mimg=SCM_WARMUP_ITERATIONS * _teacher.batch / 1e6)
+# The toy students of toy-tiny and toy-small teachers (or toy sCT from scratch): the teacher's recipe at a tenth of
+# its rate, with the tangent warmup over the first quarter of the run.
+SCM_TOY_LR_SCALE = 0.1
+for _name in ("toy-tiny", "toy-small"):
+    _teacher = PRESETS[_name]
+    for _method in ("sct", "scd"):
+        PRESETS[f"{_method}-{_name}"] = dataclasses.replace(
+            _teacher, lr=_teacher.lr * SCM_TOY_LR_SCALE, adam_eps=SCM_ADAM_EPS, method=_method,
+            tangent_warmup_Mimg=_teacher.duration / 4 / 1e6)
 
 
 def get_preset(name: str) -> Preset:

@@ -84,11 +84,12 @@ def training_flops(opts: TrainingOptions, img_channels: int) -> float:
         return training_flops_per_image(init_network(opts, img_channels))
 
 
-def adam(params, device: torch.device) -> torch.optim.Adam:
-    """Adam with the release's betas and eps at learning rate 0 (the loop sets it every step); one fused kernel
-    per step on CUDA, foreach (one operation per update over all tensors) elsewhere."""
+def adam(params, device: torch.device, eps: float | None = None) -> torch.optim.Adam:
+    """Adam with the release's betas and eps (or this eps) at learning rate 0 (the loop sets it every step); one fused
+    kernel per step on CUDA, foreach (one operation per update over all tensors) elsewhere."""
     implementation = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
-    return torch.optim.Adam(params, lr=0, betas=ADAM_BETAS, eps=ADAM_EPS, **implementation)
+    return torch.optim.Adam(params, lr=0, betas=ADAM_BETAS, eps=ADAM_EPS if eps is None else eps,
+                            **implementation)
 
 
 @dataclasses.dataclass
@@ -125,7 +126,8 @@ class TrainingState:
             to_channels_last(net)
         net.cpu_16bit = opts.cpu_16bit
         net.network.checkpoint_blocks = opts.checkpoint_activations
-        return cls(net, adam(net.parameters(), device), power_function_ema(net, opts.ema_stds, opts.ema_shard))
+        return cls(net, adam(net.parameters(), device, opts.adam_eps),
+                   power_function_ema(net, opts.ema_stds, opts.ema_shard))
 
     def load(self, saved: dict) -> None:
         """Continue from a training state read (and checked to fit) by training/run/checkpoint.py."""

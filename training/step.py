@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.optim.adam import adam as functional_adam
 
+from edm2.consistency_loss import ConsistencyLoss, TrigFlowView
+from edm2.formats.snapshot import load_network
 from edm2.layers import force_weight_normalization
 from edm2.loss import EDM2Loss
 from edm2.runtime.speed import compile_loss
 from training.data_order import label_dropout_seed, round_seed
 from training.lr_schedule import learning_rate_schedule
 from training.options import TrainingOptions
+from training.presets import DEFAULT_METHOD
 from training.state import TrainingState
 
 if TYPE_CHECKING:
@@ -38,7 +42,8 @@ class TrainingStep:
     """The parts every step of a run shares; the state changes in place."""
 
     state: TrainingState
-    loss_fn: EDM2Loss | Callable[..., torch.Tensor]  # EDM2Loss or edm2.runtime.speed.compile_loss(EDM2Loss)
+    # EDM2Loss, edm2.runtime.speed.compile_loss(EDM2Loss), or a consistency model's ConsistencyLoss
+    loss_fn: EDM2Loss | ConsistencyLoss | Callable[..., torch.Tensor]
     encoder: Encoder
     batches: Iterator  # (images, labels) of batch_gpu images each, `rounds` per step
     opts: TrainingOptions  # batch, lr, decay, rampup_Mimg, ls, seed, label_dropout
@@ -59,11 +64,15 @@ class TrainingStep:
                    update=training_update(opts, device))
 
 
-def data_parallel(net: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module | None:
-    """net wrapped in DistributedDataParallel, which averages its gradients over the ranks, for TrainingStep.model;
-    None for one process."""
+def data_parallel(net: torch.nn.Module, world_size: int, device: torch.device,
+                  method: str = DEFAULT_METHOD) -> torch.nn.Module | None:
+    """net wrapped in DistributedDataParallel, which averages its gradients over the ranks, for TrainingStep.model
+    (a consistency model's as its TrigFlow model, the pass ConsistencyLoss takes gradients through); None for one
+    process."""
     if world_size == 1:
         return None
+    if method != DEFAULT_METHOD:
+        net = TrigFlowView(net)
     return torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -73,8 +82,21 @@ def recipe_loss(opts: TrainingOptions, sigma_data: float) -> EDM2Loss:
     return EDM2Loss(opts.P_mean, opts.P_std, sigma_data, opts.loss_weighting, opts.noise_dist, opts.uncertainty)
 
 
-def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | Callable:
-    """recipe_loss, compiled with the network when the run compiles."""
+def recipe_consistency(opts: TrainingOptions, sigma_data: float, teacher: torch.nn.Module | None = None) -> \
+        ConsistencyLoss:
+    """The consistency loss of a --method=sct or scd run (teacher: the network scd distils), which its snapshots
+    record (ConsistencyLoss.record, the teacher by its file name)."""
+    return ConsistencyLoss(opts.method, opts.P_mean, opts.P_std, sigma_data, round(opts.tangent_warmup_Mimg * 1e6),
+                           teacher=teacher, teacher_name=opts.teacher and os.path.basename(opts.teacher))
+
+
+def training_loss(opts: TrainingOptions, sigma_data: float, device: torch.device) -> EDM2Loss | ConsistencyLoss | \
+        Callable:
+    """recipe_loss, compiled with the network when the run compiles; for a consistency model its ConsistencyLoss
+    (eager: forward-mode AD), with the scd teacher loaded on device."""
+    if opts.method != DEFAULT_METHOD:
+        teacher = load_network(opts.teacher)[0] if opts.method == "scd" else None
+        return recipe_consistency(opts, sigma_data, teacher).to(device)
     loss_fn = recipe_loss(opts, sigma_data)
     return compile_loss(loss_fn, device) if opts.compiles(device) else loss_fn
 
@@ -89,11 +111,16 @@ def training_step(step: TrainingStep) -> torch.Tensor:
     """Advance step.state by one batch of opts.batch images; returns the sum of the rounds' mean losses."""
     state, opts = step.state, step.opts
     lr = learning_rate_schedule(state.cur_nimg, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg)  # Eq. 67
+    consistency = step.loss_fn if isinstance(step.loss_fn, ConsistencyLoss) else None
+    if consistency is not None:
+        consistency.set_images(state.cur_nimg)  # the tangent warmup's r, from the images seen (a resume goes on)
     loss = accumulate_gradients(                                                                    # Eq. 21
         step.model or state.net, step.loss_fn, step.encoder, step.batches, scale=opts.ls, device=step.device,
         seeds=[round_seed(opts.seed, step.rank, state.cur_nimg, r) for r in range(step.rounds)],
         label_dropout=opts.label_dropout,
     )
+    if consistency is not None:
+        consistency.note_gradients(state.net)
     step.update(state.net, state.optimizer, lr)                                                     # Adam
     state.cur_nimg += opts.batch
     state.ema.update(state.cur_nimg, opts.batch)                                                    # Eq. 119/127

@@ -168,3 +168,33 @@ def magnitudes_figure(data: dict) -> matplotlib.figure.Figure:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="lower left")
     return figure
+
+
+def consistency_figure(rows: list[dict]) -> matplotlib.figure.Figure:
+    """A consistency model's training (train_edm2.py --method=sct|scd) from its stats rows ({kimg, g_norm,
+    grad_norm, logvar_t: {t: u}}): the tangent's norm ||g|| before normalization and the gradient norm against kimg,
+    where sCM's blow-ups show first, and the adaptive weight's u(t) per t-bin, one curve per row, older ones lighter."""
+    figure = plots.new_figure(11, 3.2, layout=None)
+    axes = figure.subplots(1, 3)
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.88, bottom=0.16, wspace=0.3)
+    kimg = [row["kimg"] for row in rows]
+    for ax, key, title in ((axes[0], "g_norm", "tangent ||g|| (RMS, before normalization)"),
+                           (axes[1], "grad_norm", "gradient norm")):
+        ax.plot(kimg, [row[key] for row in rows], color="C0", linewidth=1)
+        ax.set(xlabel="kimg", yscale="log")
+        ax.yaxis.set_major_formatter(PLAIN)
+        ax.set_title(title, y=TITLE_Y)
+        ax.grid(alpha=0.3)
+    ax = axes[2]
+    for index, row in enumerate(rows):
+        points = sorted((float(t), u) for t, u in row["logvar_t"].items())
+        shade = 1 - (index + 1) / len(rows)
+        ax.plot([t for t, _ in points], [u for _, u in points], "o-", markersize=2, linewidth=1,
+                color=matplotlib.colors.to_rgb("C1") if shade == 0 else str(0.4 + 0.5 * shade),
+                label=f"kimg {row['kimg']:g}" if index == len(rows) - 1 else None)
+    ax.set(xlabel="t (TrigFlow)", ylabel="u(t)")
+    ax.set_title("adaptive weight u(t) per t-bin", y=TITLE_Y)
+    if rows:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return figure

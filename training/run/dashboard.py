@@ -12,6 +12,8 @@ Files, each written atomically:
   plots/training.png     the dashboard (edm2.plots.run.dashboard_figure)
   plots/magnitudes.json  per snapshot, the RMS of each block's output and of each layer's raw weight
   plots/magnitudes.png   drawn at the last snapshot (its many lines take about a second) and by redraw()
+  plots/consistency.png  a consistency model's (--method=sct|scd): stats.jsonl's tangent norm ||g||, gradient norm
+                         and u(t) per t-bin, at every snapshot and by redraw()
 The fixed batch is PROBE_IMAGES dataset images evenly spaced through the dataset with the draws of seeds
 0..PROBE_IMAGES-1 (edm2.eval.validation.ValidationSamples): the same at every snapshot and on every resume. They are
 training images, as EDM2 trains on the whole dataset; what is fixed is the batch and its draws. The network is
@@ -32,6 +34,7 @@ from edm2.eval.magnitudes import block_output_rms, weight_rms
 from edm2.eval.validation import OWN, ValidationSamples, loss_per_sigma, sigma_grid
 from edm2.loss import DEFAULT_NOISE, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTING
 from edm2.runtime import bounded_json, files
+from training.presets import DEFAULT_METHOD
 from training.run.run_dir import STATS_FILE
 from training.step import recipe_loss
 
@@ -39,6 +42,8 @@ PLOTS_DIR = "plots"
 TRAINING_JSON, TRAINING_PNG = "training.json", "training.png"
 MAGNITUDES_JSON, MAGNITUDES_PNG = "magnitudes.json", "magnitudes.png"
 METRICS_PNG = "metrics.png"  # train_edm2.py --metrics, from stats.jsonl's metric rows
+CONSISTENCY_PNG = "consistency.png"  # train_edm2.py --method=sct|scd, from stats.jsonl's consistency columns
+CONSISTENCY_KEYS = ("kimg", "g_norm", "grad_norm")
 PROBE_IMAGES = 8
 ROW_KEYS = ("noise_levels", "resumes", "rows")  # the record files' lists that grow as the run goes on
 DASHBOARD_DPI = 80  # 880x520 pixels: legible, and quick to save at every snapshot
@@ -138,6 +143,23 @@ def write_metrics(run_dir: Path) -> Path:
     return path
 
 
+def consistency_rows(run_dir: Path) -> list[dict]:
+    """stats.jsonl's rows of a consistency model's training: those with ||g||, the gradient norm and u(t) per t-bin
+    (edm2.consistency_loss.stats_row)."""
+    return [row for row in stats_rows(run_dir, CONSISTENCY_KEYS, required=False)
+            if isinstance(row.get("logvar_t"), dict) and all(map(_is_number, row["logvar_t"].values()))]
+
+
+def write_consistency(run_dir: Path) -> Path:
+    """consistency.png: ||g||, the gradient norm and u(t) per t-bin from stats.jsonl (edm2.plots.run)."""
+    from edm2 import plots
+    from edm2.plots.run import consistency_figure
+    path = run_dir / PLOTS_DIR / CONSISTENCY_PNG
+    plots.save_png(_figure(consistency_figure, consistency_rows(run_dir), run_dir / STATS_FILE), path,
+                   dpi=DASHBOARD_DPI)
+    return path
+
+
 def write_magnitudes(run_dir: Path, magnitudes: dict) -> Path:
     """magnitudes.png drawn from the records (edm2.plots.run.magnitudes_figure)."""
     from edm2 import plots
@@ -165,6 +187,11 @@ def redraw(run_dir: str | os.PathLike) -> tuple[list[Path], list[str]]:
         outputs.append((MAGNITUDES_PNG, _figure(magnitudes_figure, magnitudes, folder / MAGNITUDES_JSON), 100))
     else:
         notes.append(f"{folder / MAGNITUDES_JSON} does not exist: no magnitudes to draw")
+    consistency = consistency_rows(run_dir)
+    if consistency:
+        from edm2.plots.run import consistency_figure
+        outputs.append((CONSISTENCY_PNG, _figure(consistency_figure, consistency, run_dir / STATS_FILE),
+                        DASHBOARD_DPI))
     files.remove_stale_temporaries(folder)
     save_json(folder / TRAINING_JSON, training)
     for name, figure, dpi in outputs:
@@ -178,6 +205,7 @@ class Dashboard:
     def __init__(self, run_dir: Path, opts, dataset, encoder, net: torch.nn.Module, device: torch.device,
                  cur_nimg: int):
         self.run_dir, self.duration = run_dir, opts.duration
+        self.consistency = opts.method != DEFAULT_METHOD  # a consistency model: consistency.png too
         # The run's own loss, as its snapshots record it, or the fixed validation loss of --validation-loss.
         samples = ValidationSamples(dataset, encoder, net, PROBE_IMAGES, recipe_loss(opts, net.sigma_data),
                                     name=opts.validation_loss)
@@ -231,6 +259,8 @@ class Dashboard:
             records[key] = [r for r in records[key] if r["nimg"] < nimg] + [dict(nimg=nimg, kimg=nimg / 1000, **row)]
         save_json(self.run_dir / PLOTS_DIR / MAGNITUDES_JSON, self.magnitudes)
         write_dashboard(self.run_dir, self.training)
+        if self.consistency:
+            write_consistency(self.run_dir)
         if nimg >= self.duration:
             write_magnitudes(self.run_dir, self.magnitudes)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from edm2.consistency_loss import ConsistencyLoss
 from edm2.networks import count_parameters
 from edm2.runtime import distributed
 from edm2.runtime.sharded_ema import ShardedPowerFunctionEMA
@@ -82,7 +83,8 @@ def train(opts: TrainingOptions, dataset: ImageData, encoder: Encoder,
         elif _loop(step, Outputs(opts, run, checkpoints, step.state, step.device,
                                  _dashboard(run, opts, dataset, encoder, step),
                                  **_reporters(run, opts, encoder, step, stack),
-                                 metrics=_metrics(opts, dataset, encoder, step.device)), stop):
+                                 metrics=_metrics(opts, dataset, encoder, step.device),
+                                 consistency=_consistency(step)), stop):
             distributed.print0(f"Stopped at {step.state.cur_nimg} images; rerun the same command to resume.")
             write_stop_marker(step.state.cur_nimg)
         else:
@@ -137,7 +139,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
         for line in disk_report(opts, state.net, state.cur_nimg, run.path):
             if line:
                 print(line, flush=True)
-    model = data_parallel(state.net, world_size, device)
+    model = data_parallel(state.net, world_size, device, opts.method)
     batches = stack.enter_context(run_batches(dataset, opts.seed, state.cur_nimg, batch_gpu, opts.workers, device,
                                               state.data_order))
     return TrainingStep.of_run(state, opts, encoder, batches, device=device, rounds=rounds, model=model, rank=rank)
@@ -219,6 +221,11 @@ def _utilization(opts: TrainingOptions, step: TrainingStep) -> tuple[float, floa
     print(f"MFU counts {flops / 1e9:.4g} GFLOP per training image (3 x 2 x the network's multiply-accumulates) "
           f"against {'no peak' if peak is None else f'{peak:.4g} TFLOP/s per process'}: {source}", flush=True)
     return flops, peak
+
+
+def _consistency(step: TrainingStep) -> ConsistencyLoss | None:
+    """A consistency model's loss, whose statistics the stats rows report; None for a diffusion model."""
+    return step.loss_fn if isinstance(step.loss_fn, ConsistencyLoss) else None
 
 
 def _metrics(opts: TrainingOptions, dataset: ImageData, encoder: Encoder,

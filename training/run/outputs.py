@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from edm2.consistency_loss import ConsistencyLoss, stats_row
 from edm2.runtime import distributed
 from edm2.runtime.speed import compile_cache
 from edm2.runtime.utilization import utilization
@@ -78,8 +79,9 @@ class Outputs:
     def __init__(self, opts: TrainingOptions, run: RunDirectory | None, checkpoints: Checkpoints, state: TrainingState,
                  device: torch.device, dashboard: Dashboard | None = None, trackers: Trackers | None = None,
                  grid: SampleGrid | None = None, metrics: RunMetrics | None = None,
-                 speed: tuple[float, float | None] | None = None):
+                 speed: tuple[float, float | None] | None = None, consistency: ConsistencyLoss | None = None):
         self.opts, self.run, self.checkpoints, self.state = opts, run, checkpoints, state
+        self.consistency = consistency  # a consistency model's loss, whose tangent and gradient norms rows report
         self.speed = speed  # (useful FLOPs per image, one process's peak TFLOP/s) for the MFU columns
         self.device, self.dashboard = device, dashboard
         self.trackers, self.grid, self.metrics = trackers, grid, metrics
@@ -132,6 +134,12 @@ class Outputs:
         partial: the line ends an interval early (a stop, or the duration), which the line says."""
         stats = distributed.all_reduce_sum(self.loss_stats.clone()).tolist()
         self.loss_stats.zero_()
+        extra = {}
+        if self.consistency is not None:  # summed over ranks: every rank stops alike
+            extra = stats_row(distributed.all_reduce_sum(self.consistency.take_stats()).tolist())
+            if not math.isfinite(extra["g_norm"]):
+                self.stop_nonfinite(f"the consistency tangent's norm ||g|| since the last status line is "
+                                    f"{extra['g_norm']}")
         if not math.isfinite(stats[0]):  # the same sum on every rank: they all stop here
             self.stop_nonfinite(f"the training loss since the last status line is {stats[0]}")
         cur, opts, now = self.state.cur_nimg, self.opts, time.monotonic()
@@ -144,7 +152,7 @@ class Outputs:
             kimg=cur / 1000, nimg=cur, loss=stats[0] / max(stats[1], 1),
             lr=learning_rate_schedule(cur - opts.batch, opts.batch, opts.lr, opts.decay, opts.rampup_Mimg),
             images_per_s=images_per_s, sec_per_kimg=1000 / max(images_per_s, 1e-9),
-            max_memory_gb=max_memory_gb(self.device), elapsed_s=self.state.elapsed_s, timestamp=time.time(),
+            max_memory_gb=max_memory_gb(self.device), elapsed_s=self.state.elapsed_s, timestamp=time.time(), **extra,
         )
         if self.speed is not None:
             flops_per_image, peak = self.speed

@@ -30,7 +30,8 @@ from edm2.runtime import bounded_json, files
 from edm2.runtime.locks import DestinationLock
 from training.run import trackers
 from training.options import TrainingOptions
-from training.step import recipe_loss
+from training.presets import DEFAULT_METHOD
+from training.step import recipe_consistency, recipe_loss
 
 LOG_FILE, STATS_FILE, OPTIONS_FILE = "log.txt", "stats.jsonl", "training_options.json"
 SNAPSHOT_PREFIX = "network-snapshot"
@@ -209,6 +210,8 @@ class RunDirectory:
                 nimg=cur_nimg, ema_std=std, encoder=opts.encoder, dataset=opts.dataset, preset=opts.preset,
                 loss=recipe_loss(opts, ema_net.sigma_data).record(), training_options=opts.to_json(), run_id=self.run_id,
             )
+            if opts.method != DEFAULT_METHOD:  # a consistency model (edm2.consistency_loss), not a diffusion model
+                metadata["consistency"] = recipe_consistency(opts, ema_net.sigma_data).record()
             save_network(snapshot_path(self.path, cur_nimg, std), ema_net, metadata)
         self.has_results = True
 
