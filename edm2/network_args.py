@@ -222,7 +222,8 @@ def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> 
 def check_text(args: Mapping[str, object], per_head: int) -> None:
     """Raise ArchitectureError unless the U-Net's text arguments (args holds all UNet arguments, check_unet passed)
     describe text conditioning it can build: features and tokens in range, no class labels beside them, and whole
-    attention heads (at least one) at every text attention resolution."""
+    attention heads at every text attention resolution (a level narrower than one head has none, as for
+    self-attention)."""
     text_dim = integer("text_dim", args["text_dim"], 0, MAX_TEXT_DIM)
     integer("text_tokens", args["text_tokens"], 1 if text_dim else 0, MAX_TEXT_TOKENS if text_dim else 0)
     attention = _UNET_BOUNDS["text_attention"].check("text_attention", args["text_attention"])
@@ -238,9 +239,9 @@ def check_text(args: Mapping[str, object], per_head: int) -> None:
     sizes = level_resolutions(args["img_resolution"], len(args["channel_mult"]))
     for level, res in enumerate(sizes):
         width = args["model_channels"] * args["channel_mult"][level]
-        if res in attention and (width < per_head or not whole_heads(width, per_head)):
-            raise ArchitectureError(f"text attention at {res}x{res} splits {width} channels into heads of "
-                                    f"channels_per_head={per_head}: they must make whole heads, at least one")
+        if res in attention and not whole_heads(width, per_head):
+            raise ArchitectureError(f"text attention at {res}x{res} splits {width} channels into {width // per_head} "
+                                    f"heads of channels_per_head={per_head}: they do not divide evenly")
 
 
 def level_resolutions(resolution: int, levels: int) -> list[int] | None:

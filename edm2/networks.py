@@ -184,14 +184,14 @@ class UNet(torch.nn.Module):
 
     def _text_attention(self, text_dim: int, resolutions: Sequence[int], kind: str,
                         block_kwargs: dict) -> torch.nn.ModuleDict:
-        """A TextAttention after every block (not the resampling ones) at the given resolutions, keyed
-        'enc_16x16_block0' etc."""
+        """A TextAttention after every block (not the resampling ones) at the given resolutions that is at least one
+        head wide, keyed 'enc_16x16_block0' etc."""
         per_head = block_kwargs.get("channels_per_head", _BLOCK_DEFAULTS["channels_per_head"])
         balance = block_kwargs.get("attn_balance", _BLOCK_DEFAULTS["attn_balance"])
         layers = torch.nn.ModuleDict()
         for side, blocks in (("enc", self.enc), ("dec", self.dec)):
             for name, block in blocks.items():
-                at = isinstance(block, Block) and block.resample_mode == "keep"
+                at = isinstance(block, Block) and block.resample_mode == "keep" and block.out_channels >= per_head
                 if at and int(name.split("x")[0]) in resolutions:
                     layers[f"{side}_{name}"] = TextAttention(block.out_channels, text_dim,
                                                              block.out_channels // per_head, kind, balance)

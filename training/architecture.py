@@ -75,6 +75,11 @@ def check_network_fits_data(resolution: int, channels: int, network: dict, expli
     if explicit and missing:
         raise NetworkMisfit(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
                             f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them {data}")
+    # Text attention is in the arguments only where the options gave it (training.text_conditioning).
+    text_missing = [res for res in network.get("text_attention", ()) if res not in sizes]
+    if text_missing:
+        raise NetworkMisfit(f"text attention at {text_missing[0]}x{text_missing[0]}, but the U-Net's levels are "
+                            f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --text-attention among them {data}")
     for level, res in attention_levels(sizes, attention):
         width = channels * mult[level]
         if not whole_heads(width, per_head) or (explicit and res in attention and width < per_head):

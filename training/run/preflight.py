@@ -12,6 +12,7 @@ from edm2.formats.snapshot import read_metadata
 from training.architecture import InitSnapshot, NetworkMisfit, check_init, hyperparameters_given, read_init
 from training.lr_schedule import learning_rate_schedule
 from training.options import OptionsError, TrainingOptions, rounds_per_step
+from training.text_conditioning import text_description
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset
@@ -23,7 +24,7 @@ def dataset_description(dataset: ImageFolderDataset) -> dict:
     records them (dataset_tool.py convert), so that a snapshot says which class is which."""
     classes = {} if dataset.classes is None or not dataset.label_dim else dict(classes=dataset.classes)
     return dict(resolution=dataset.resolution, num_channels=dataset.num_channels, label_dim=dataset.label_dim,
-                **classes)
+                **classes, **text_description(dataset))
 
 
 def init_notes(init: InitSnapshot, classes: dict[str, int] | None, opts: TrainingOptions) -> list[str]:
