@@ -138,7 +138,8 @@ def test_the_unets_hyperparameters_are_its_constructors_defaults_and_bounds():
     assert all(unet[name].default == fields[name].default for name in ("channel_mult", "num_blocks",
                                                                         "attn_resolutions", "text_attention_kind"))
     # A U-Net without text has no text attention; a text run's is the attention resolutions unless given.
-    assert unet["text_attention"].default == () and fields["text_attention"].default == fields["attn_resolutions"].default
+    assert unet["text_attention"].default == ()
+    assert fields["text_attention"].default == fields["attn_resolutions"].default
     assert block["channels_per_head"].default == fields["channels_per_head"].default == 64
     assert (fields["channel_mult"].default, fields["num_blocks"].default) == ((1, 2, 3, 4), 3)  # the release's
     for name, value in [("num_blocks", 65), ("channel_mult", [1] * 17), ("attn_resolutions", [0]),

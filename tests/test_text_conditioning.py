@@ -305,3 +305,9 @@ def test_a_training_step_on_text_conditions():
     after = state.net.state_dict()
     assert not torch.equal(before["unet.emb_text.weight"], after["unet.emb_text.weight"])
     assert torch.equal(before["unet.empty_text"], after["unet.empty_text"])  # a buffer: not trained
+
+
+def test_text_data_needs_the_unets_family():
+    text = dict(resolution=8, num_channels=3, label_dim=0, text_encoding=TextData(4).text_record)
+    with pytest.raises(OptionsError, match="the network family 'config-e' cannot take"):
+        TrainingOptions.from_preset("config-e-toy", text, {"class": "StandardRGBEncoder"})

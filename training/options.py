@@ -322,9 +322,14 @@ def _check_network(opts: TrainingOptions) -> None:
 
 
 def check_text_options(opts: TrainingOptions) -> None:
-    """Raise OptionsError for text options without data that has text embeddings, and for label dropout with it (a
-    text network takes no class labels; text dropout drops its captions)."""
+    """Raise OptionsError for text options without data that has text embeddings, and for text data with a network
+    family other than the U-Net's or with label dropout (a text network takes no class labels; text dropout drops its
+    captions)."""
     text = "text_encoding" in opts.dataset
+    family = opts.network.get("family", DEFAULT_FAMILY)
+    if text and family != DEFAULT_FAMILY:
+        raise OptionsError(f"the data has text embeddings, which the network family {family!r} cannot take: train "
+                           f"it with --arch={DEFAULT_FAMILY}")
     given = [name for name in TEXT_OPTIONS if name in opts.network]
     if given and not text:
         raise OptionsError(f"{option_name(given[0])} shapes the attention over a caption's tokens, but the data has no "
