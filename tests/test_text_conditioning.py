@@ -10,14 +10,18 @@ import pytest
 import torch
 
 from edm2.encoders import StandardRGBEncoder
+from edm2.formats.snapshot import load_network
 from edm2.layers import ArchitectureError, attention, mp_silu, mp_sum, normalize
 from edm2.networks import TextAttention, text_rows
 from edm2.text_condition import condition_shape, pack_condition, unpack_condition
 from tests.helpers import ATTENTION_ROUTES, randomized, take_attention_route, tiny_precond, toy_tiny_options
 from training.options import OptionsError, TrainingOptions
 from training.state import TrainingState
-from training.step import TrainingStep, drop_conditions, drop_labels, training_step
-from training.text_conditioning import put_empty_condition, text_description
+from training.data_order import label_dropout_seed
+from training.run.preflight import dataset_description
+from training.run.run_dir import RunDirectory
+from training.step import TrainingStep, accumulate_gradients, drop_conditions, drop_labels, training_step
+from training.text_conditioning import put_empty_condition
 
 KINDS = ["cross", "fused"]
 DIM, TOKENS = 12, 6
@@ -262,7 +266,7 @@ class TextData:
     """A stand-in for a dataset with text embeddings (the API of edm2.data's datasets with text): uint8 images and
     conditions as labels, the text_encoding record and the empty caption's condition."""
 
-    resolution, num_channels, label_dim = 8, 3, 0
+    resolution, num_channels, label_dim, classes = 8, 3, 0, None
     has_text = True
 
     def __init__(self, size: int):
@@ -282,9 +286,25 @@ class TextData:
         return conditions(1, lengths=[1], seed=5)[0].numpy()
 
 
-def test_a_training_step_on_text_conditions():
+def test_the_step_drops_the_rounds_conditions_for_the_empty_one():
+    net, empty = text_net(), conditions(1, lengths=[1], seed=9)[0]
+    cond, seen = conditions(32), []
+
+    def loss_fn(model, images, labels):
+        seen.append(labels)
+        return model(images, torch.ones(len(images)), labels).square()
+
+    batches = iter([(torch.randn(32, 3, 8, 8), cond)])
+    accumulate_gradients(net, loss_fn, StandardRGBEncoder(), batches, seeds=[7], scale=1.0, device=torch.device("cpu"),
+                         text_dropout=0.5, empty_text=empty)
+    want = drop_conditions(cond, empty, 0.5, label_dropout_seed(7))
+    assert torch.equal(seen[0], want) and not torch.equal(want, cond)
+
+
+def test_a_training_step_on_text_conditions(tmp_path):
     data = TextData(16)
-    description = dict(resolution=8, num_channels=3, label_dim=0, **text_description(data))
+    description = dataset_description(data)
+    assert description["text_encoding"] == data.text_record
     opts = TrainingOptions.from_preset("toy-tiny", description, StandardRGBEncoder().config(), batch=8, compile=False)
     state = TrainingState.create(opts, 3, torch.device("cpu"))
     put_empty_condition(state.net, data)
@@ -305,6 +325,11 @@ def test_a_training_step_on_text_conditions():
     after = state.net.state_dict()
     assert not torch.equal(before["unet.emb_text.weight"], after["unet.emb_text.weight"])
     assert torch.equal(before["unet.empty_text"], after["unet.empty_text"])  # a buffer: not trained
+    # The snapshot records the data's text_encoding record (for generation) and holds the empty caption's condition.
+    RunDirectory(tmp_path).save_snapshots([(state.net, 0.1)], 8, opts)
+    loaded, metadata = load_network(next(tmp_path.glob("*.safetensors")))
+    assert metadata["dataset"]["text_encoding"] == data.text_record
+    torch.testing.assert_close(loaded.unet.empty_text, state.net.unet.empty_text.half().float(), rtol=0, atol=0)
 
 
 def test_text_data_needs_the_unets_family():
