@@ -123,7 +123,7 @@ class ChoiceBound:
 
     def check(self, name: str, value: object) -> str:
         """value, unless it is not one of the choices: ArchitectureError naming the argument."""
-        if value not in self.choices or not isinstance(value, str):
+        if not isinstance(value, str) or value not in self.choices:
             raise _refuse(name, value, f"one of {', '.join(self.choices)}")
         return value
 

@@ -16,7 +16,8 @@ from edm2.networks import TextAttention, text_rows
 from edm2.text_condition import condition_shape, pack_condition, unpack_condition
 from tests.helpers import ATTENTION_ROUTES, randomized, take_attention_route, tiny_precond, toy_tiny_options
 from training.options import OptionsError, TrainingOptions
-from training.state import TrainingState
+from training.presets import PRESETS
+from training.state import TrainingState, init_network
 from training.data_order import label_dropout_seed
 from training.run.preflight import dataset_description
 from training.run.run_dir import RunDirectory
@@ -336,3 +337,18 @@ def test_text_data_needs_the_unets_family():
     text = dict(resolution=8, num_channels=3, label_dim=0, text_encoding=TextData(4).text_record)
     with pytest.raises(OptionsError, match="the network family 'config-e' cannot take"):
         TrainingOptions.from_preset("config-e-toy", text, {"class": "StandardRGBEncoder"})
+
+
+@pytest.mark.parametrize("preset", [name for name, p in PRESETS.items() if p.family == "edm2"])
+def test_every_presets_network_takes_text(preset):
+    # The preset's own data: latents of 64x64x4 (img512), 64x64 RGB images (img64), 16x16 RGB toys.
+    shape = dict(img512=(64, 4), img64=(64, 3)).get(preset.split("-")[1], (16, 3))
+    data = dict(resolution=shape[0], num_channels=shape[1], label_dim=1000, text_encoding=TextData(4).text_record)
+    opts = TrainingOptions.from_preset(preset, data, StandardRGBEncoder().config())
+    with torch.device("meta"):
+        net = init_network(opts, shape[1])
+    attention = opts.network.get("attn_resolutions", [16, 8])
+    assert net.label_dim == 0 and net.init_kwargs["text_attention"] == list(attention)
+    levels = {int(key.split("_")[1].split("x")[0]) for key in net.unet.text_attn}
+    mult = opts.network.get("channel_mult", [1, 2, 3, 4])
+    assert levels == {res for res in attention if res in [shape[0] >> i for i in range(len(mult))]}
