@@ -8,7 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
+import train_edm2
+
+from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_network
 from edm2.layers import ArchitectureError, attention, mp_silu, mp_sum, normalize
@@ -269,13 +273,13 @@ class TextData:
 
     resolution, num_channels, label_dim, classes = 8, 3, 0, None
     has_text = True
+    text_record = dict(encoder={"name": "tiny", "class": "T5EncoderModel", "sha256": "0" * 64}, tokens=TOKENS, dim=DIM,
+                       pooled="masked mean of the tokens")
 
     def __init__(self, size: int):
         g = torch.Generator().manual_seed(0)
         self.images = torch.randint(0, 256, (size, 3, 8, 8), generator=g, dtype=torch.uint8)
         self.conditions = conditions(size, seed=1).numpy()
-        self.text_record = dict(encoder=dict(name="tiny", class_="T5EncoderModel", sha256="0" * 64), tokens=TOKENS,
-                                dim=DIM, pooled="masked mean of the tokens")
 
     def __len__(self) -> int:
         return len(self.images)
@@ -352,3 +356,35 @@ def test_every_presets_network_takes_text(preset):
     levels = {int(key.split("_")[1].split("x")[0]) for key in net.unet.text_attn}
     mult = opts.network.get("channel_mult", [1, 2, 3, 4])
     assert levels == {res for res in attention if res in [shape[0] >> i for i in range(len(mult))]}
+
+
+class TextFolder(ImageFolderDataset):
+    """An image folder with the text API of a dataset with text embeddings (the stand-in's conditions and record):
+    what train_edm2.py opens when the data has text."""
+
+    has_text = True
+    text_record = TextData.text_record
+
+    def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        return super().__getitem__(idx)[0], TEXT_CONDITIONS[self._raw_idx[idx] % len(TEXT_CONDITIONS)]
+
+    def empty_condition(self) -> np.ndarray:
+        return TextData(1).empty_condition()
+
+
+TEXT_CONDITIONS = conditions(16, seed=3).numpy()
+
+
+def test_train_edm2_trains_a_text_network_on_data_with_text(train_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_edm2, "open_dataset", lambda data, cond: TextFolder(data))
+    result = CliRunner().invoke(train_edm2.main, [
+        "--preset=toy-tiny", f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--duration=128", "--batch=16",
+        "--snapshot=128", "--checkpoint=128", "--status=64", "--workers=0", "--no-compile", "--text-attention-kind=fused"])
+    assert result.exit_code == 0, result.output
+    snapshot = next((tmp_path / "run").glob("*.safetensors"))
+    net, metadata = load_network(snapshot)
+    assert metadata["dataset"]["text_encoding"] == TextData.text_record
+    assert metadata["training_options"]["text_dropout"] == 0.1
+    assert (net.label_dim, net.init_kwargs["text_dim"], net.init_kwargs["text_attention_kind"]) == (0, DIM, "fused")
+    torch.testing.assert_close(net.unet.empty_text, torch.from_numpy(TextData(1).empty_condition()).half().float(),
+                               rtol=0, atol=0)
