@@ -379,7 +379,8 @@ def test_train_edm2_trains_a_text_network_on_data_with_text(train_data, tmp_path
     monkeypatch.setattr(train_edm2, "open_dataset", lambda data, cond: TextFolder(data))
     result = CliRunner().invoke(train_edm2.main, [
         "--preset=toy-tiny", f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--duration=128", "--batch=16",
-        "--snapshot=128", "--checkpoint=128", "--status=64", "--workers=0", "--no-compile", "--text-attention-kind=fused"])
+        "--snapshot=128", "--checkpoint=128", "--status=64", "--workers=0", "--no-compile",
+        "--text-attention-kind=fused"])
     assert result.exit_code == 0, result.output
     snapshot = next((tmp_path / "run").glob("*.safetensors"))
     net, metadata = load_network(snapshot)
