@@ -8,7 +8,8 @@ The U-Net's layout (unet_layout, Figure 21) follows from its arguments: the G U-
 configurations B to E (edm2.architectures.ladder) build their own layers over it, with the release's state-dict names.
 
 A network family's hyperparameters (edm2.families) are a dataclass of `hyperparameter` fields: each its default,
-its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are UNetHyperparameters.
+its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are TextUNetHyperparameters
+(UNetHyperparameters, which the paper's configurations B to F share, and the text attention's).
 """
 
 from __future__ import annotations
