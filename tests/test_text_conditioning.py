@@ -18,7 +18,7 @@ from edm2.formats.snapshot import load_network
 from edm2.layers import ArchitectureError, attention, mp_silu, mp_sum, normalize
 from edm2.networks import TextAttention, text_rows
 from edm2.text_condition import condition_shape, pack_condition, unpack_condition
-from tests.helpers import ATTENTION_ROUTES, randomized, take_attention_route, tiny_precond, toy_tiny_options
+from tests.helpers import ATTENTION_ROUTES, assert_one_error_line, randomized, take_attention_route, tiny_precond, toy_tiny_options
 from training.options import OptionsError, TrainingOptions
 from training.presets import PRESETS
 from training.state import TrainingState, init_network
@@ -366,7 +366,8 @@ class TextFolder(ImageFolderDataset):
     text_record = TextData.text_record
 
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
-        return super().__getitem__(idx)[0], TEXT_CONDITIONS[self._raw_idx[idx] % len(TEXT_CONDITIONS)]
+        raw = self._raw_idx[idx]
+        return self._load(raw), TEXT_CONDITIONS[raw % len(TEXT_CONDITIONS)]
 
     def empty_condition(self) -> np.ndarray:
         return TextData(1).empty_condition()
@@ -377,10 +378,9 @@ TEXT_CONDITIONS = conditions(16, seed=3).numpy()
 
 def test_train_edm2_trains_a_text_network_on_data_with_text(train_data, tmp_path, monkeypatch):
     monkeypatch.setattr(train_edm2, "open_dataset", lambda data, cond: TextFolder(data))
-    result = CliRunner().invoke(train_edm2.main, [
-        "--preset=toy-tiny", f"--data={train_data}", f"--outdir={tmp_path / 'run'}", "--duration=128", "--batch=16",
-        "--snapshot=128", "--checkpoint=128", "--status=64", "--workers=0", "--no-compile",
-        "--text-attention-kind=fused"])
+    args = ["--preset=toy-tiny", f"--data={train_data}", "--duration=128", "--batch=16", "--snapshot=128",
+            "--checkpoint=128", "--status=64", "--workers=0", "--no-compile"]
+    result = CliRunner().invoke(train_edm2.main, [*args, f"--outdir={tmp_path / 'run'}", "--text-attention-kind=fused"])
     assert result.exit_code == 0, result.output
     snapshot = next((tmp_path / "run").glob("*.safetensors"))
     net, metadata = load_network(snapshot)
@@ -389,3 +389,11 @@ def test_train_edm2_trains_a_text_network_on_data_with_text(train_data, tmp_path
     assert (net.label_dim, net.init_kwargs["text_dim"], net.init_kwargs["text_attention_kind"]) == (0, DIM, "fused")
     torch.testing.assert_close(net.unet.empty_text, torch.from_numpy(TextData(1).empty_condition()).half().float(),
                                rtol=0, atol=0)
+    # A run from the text snapshot (--init) trains on; data without text embeddings is refused in one line.
+    again = [*args, f"--outdir={tmp_path / 'again'}", f"--init={snapshot}"]
+    result = CliRunner().invoke(train_edm2.main, again)
+    assert result.exit_code == 0, result.output
+    monkeypatch.undo()
+    assert_one_error_line(CliRunner().invoke(train_edm2.main, [*again[:-2], f"--outdir={tmp_path / 'plain'}",
+                                                                again[-1]]),
+                          f"takes text embeddings of {TOKENS} tokens of {DIM} features; the data has none")

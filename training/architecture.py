@@ -194,11 +194,13 @@ def network_family(network: dict) -> str:
 
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
-               given: dict, preset: str | None = None) -> None:
+               given: dict, preset: str | None = None, text: dict | None = None) -> None:
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
-    --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
-    options (given: channels and the family's hyperparameters as given on the command line, None where not given)."""
+    --cond=False; data holding some of the classes is fine), text embeddings (text: the data's text_encoding record,
+    None without) of other features or tokens than the network takes, a preset of another network family, or
+    architecture options (given: channels and the family's hyperparameters as given on the command line, None where
+    not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
     ours, theirs = get_preset(preset).family if preset else None, network_family(kwargs)
     if ours not in (None, theirs):
@@ -212,8 +214,13 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
         raise NetworkMisfit(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
                             f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with "
                             f"{channels}")
+    takes_text = (kwargs.get("text_dim", 0), kwargs.get("text_tokens", 0))
+    if takes_text != ((text["dim"], text["tokens"]) if text else (0, 0)):
+        has = f"{text['tokens']} tokens of {text['dim']} features" if text else "none"
+        wants = f"{takes_text[1]} tokens of {takes_text[0]} features" if takes_text[0] else "none"
+        raise NetworkMisfit(f"{name} takes text embeddings of {wants}; the data has {has}")
     classes = kwargs["label_dim"]
-    if bool(label_dim) != bool(classes) or label_dim > classes:
+    if text is None and (bool(label_dim) != bool(classes) or label_dim > classes):
         what = "an unconditional network: train it with --cond=False" if not classes else (
             f"a network of {classes} classes: train it with --cond=True on data labeled within 0-{classes - 1}")
         have = "--cond=False" if not label_dim else f"the data's labels go up to {label_dim - 1}"
