@@ -18,13 +18,14 @@ from edm2.formats.snapshot import load_network
 from edm2.layers import ArchitectureError, attention, mp_silu, mp_sum, normalize
 from edm2.networks import TextAttention, text_rows
 from edm2.text_condition import condition_shape, pack_condition, unpack_condition
-from tests.helpers import ATTENTION_ROUTES, assert_one_error_line, randomized, take_attention_route, tiny_precond, toy_tiny_options
+from tests.helpers import (ATTENTION_ROUTES, assert_one_error_line, randomized, take_attention_route, tiny_precond,
+                           toy_tiny_options)
+from training.data_order import label_dropout_seed
 from training.options import OptionsError, TrainingOptions
 from training.presets import PRESETS
-from training.state import TrainingState, init_network
-from training.data_order import label_dropout_seed
 from training.run.preflight import dataset_description
 from training.run.run_dir import RunDirectory
+from training.state import TrainingState, init_network
 from training.step import TrainingStep, accumulate_gradients, drop_conditions, drop_labels, training_step
 from training.text_conditioning import put_empty_condition
 
