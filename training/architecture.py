@@ -104,7 +104,9 @@ def network_options(preset: Preset, given: dict, arch: str = families.DEFAULT_FA
     option that the family does not take, or one outside its bound."""
     family = families.get(arch)
     fields = family.fields()
-    shared = families.get(preset.family).hyperparameters is family.hyperparameters
+    # The G U-Net's hyperparameters extend those of the paper's configurations (edm2.network_args) with text attention.
+    theirs = families.get(preset.family).hyperparameters
+    shared = issubclass(theirs, family.hyperparameters) or issubclass(family.hyperparameters, theirs)
     network = dict(preset.hyperparameters) if shared else {}
     for name, value in given.items():
         if value is not None and name not in fields:
