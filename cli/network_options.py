@@ -11,7 +11,7 @@ import click
 import edm2.architectures  # noqa: F401  (every family, so that each brings its options)
 from cli.types import Integer, IntList
 from edm2 import families
-from edm2.network_args import IntegerBound, IntegersBound
+from edm2.network_args import ChoiceBound, IntegerBound, IntegersBound
 
 
 def declared() -> dict[str, list[families.NetworkFamily]]:
@@ -33,6 +33,8 @@ def option_type(name: str, owners: list[families.NetworkFamily]) -> click.ParamT
     """The type of the option `name`: what every family that declares it admits (the families' own bounds refuse
     the rest, in training.architecture.network_options)."""
     bounds = [family.fields()[name].metadata["bound"] for family in owners]
+    if all(type(b) is ChoiceBound for b in bounds):
+        return click.Choice(sorted({choice for b in bounds for choice in b.choices}))
     low, high = min(b.low for b in bounds), max(b.high for b in bounds)
     if all(type(b) is IntegerBound for b in bounds):
         return Integer(low, high)

@@ -18,6 +18,7 @@ from edm2.runtime import files
 from training.architecture import (NetworkMisfit, check_family_fits_data, check_init, check_network_fits_data,
                                    differs_from_preset, effective, init_path, network_options, read_init)
 from training.presets import get_preset
+from training.text_conditioning import text_description
 
 
 def open_dataset(data: str, cond: bool) -> ImageData:
@@ -103,7 +104,8 @@ def init_options(init: str, arch: str | None, dataset: ImageData, encoder: Encod
     try:
         snapshot = read_init(init)
         check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels,
-                   label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset)
+                   label_dim=dataset.label_dim, encoder=encoder, given=given, preset=preset,
+                   text=text_description(dataset).get("text_encoding"))
     except (SnapshotError, files.DownloadError, NetworkMisfit) as e:
         raise click.BadParameter(one_line(e), param_hint=option) from None
     theirs = snapshot.network.get("family", families.DEFAULT_FAMILY)

@@ -20,7 +20,7 @@ A family's record:
 - hyperparameters: a dataclass whose fields are the constructor arguments that a run chooses, each made with
   edm2.network_args.hyperparameter(default, bound, help): train_edm2.py has an option of each field's name
   (`depth` -> `--depth`) with its bound and help, a preset gives some of them, and those of another family's
-  dataclass are refused for this one. The U-Net's are network_args.UNetHyperparameters.
+  dataclass are refused for this one. The U-Net's are network_args.TextUNetHyperparameters.
 - summary: one line for `train_edm2.py --help` and error messages.
 
 A new family is its own module that ends with `register(NetworkFamily(...))`, and one import line in

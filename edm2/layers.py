@@ -153,13 +153,41 @@ def self_attention(x: torch.Tensor, qkv: torch.nn.Module, proj: torch.nn.Module,
     return proj(attention(q, k, v).reshape(n, c, h, w))
 
 
+TEXT_ATTENTION_KINDS = ("cross", "fused")
+
+
+def text_attention(x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor, q_layer: torch.nn.Module,
+                   kv_layer: torch.nn.Module, proj: torch.nn.Module, num_heads: int, kind: str) -> torch.Tensor:
+    """Cosine multi-head attention of the image x [N,C,H,W] over text rows text [N,T,D] (mask [N,T] bool: False rows
+    take no part): 'cross' takes queries from the image (q_layer: C -> C) and keys and values from the text
+    (kv_layer: D -> 2C); 'fused' (NeMo's) takes queries, keys and values from the image (q_layer: C -> 3C) with the
+    text's keys and values appended. q, k, v are pixel-normalized per head as in the release's self-attention
+    (Eq. 30-34); the result, through proj (C -> C), has x's shape."""
+    n, c, h, w = x.shape
+    if kind not in TEXT_ATTENTION_KINDS:
+        raise ArchitectureError(f"unknown text attention kind {kind!r}: expected {' or '.join(TEXT_ATTENTION_KINDS)}")
+    # Padding rows are zeroed before the projection as well as masked: their values can never reach the output.
+    text = normalize(text, dim=2) * mask.unsqueeze(2).to(text.dtype)
+    kv = kv_layer(text.to(x.dtype)).reshape(n, -1, 2, num_heads, c // num_heads)
+    k_text, v_text = normalize(kv, dim=4).permute(2, 0, 3, 4, 1).unbind(0)  # each [N, heads, channels, T]
+    if kind == "cross":
+        q = normalize(q_layer(x).reshape(n, num_heads, -1, h * w), dim=2)
+        k, v, keep = k_text, v_text, mask
+    else:
+        q, k, v = normalize(q_layer(x).reshape(n, 3, num_heads, -1, h * w), dim=3).unbind(1)
+        k, v = torch.cat([k, k_text], dim=3), torch.cat([v, v_text], dim=3)
+        keep = torch.cat([torch.ones([n, h * w], dtype=torch.bool, device=mask.device), mask], dim=1)
+    return proj(attention(q, k, v, mask=keep).reshape(n, c, h, w))
+
+
 # The devices whose fused scaled-dot-product attention kernels run it (CUDA's also spare the score matrices' memory);
 # elsewhere the release's two products around a softmax run (see attention).
 FUSED_ATTENTION_DEVICES = ("cuda",)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q^T k / sqrt(N_c)) v per head (Eq. 10-11) of q, k, v [N, heads, channels, tokens], in that layout.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q^T k / sqrt(N_c)) v per head (Eq. 10-11) of q, k, v [N, heads, channels, tokens], in that layout;
+    with mask [N, key tokens] (bool), the keys where it is False take no part (weight exactly 0).
 
     On the CPU as the release writes it, two batched products around a softmax: the CPU's fused kernel is slower on
     these small heads (its backward 3x on a Xeon with AMX, bfloat16, 256 tokens of 16 channels), and the products
@@ -168,14 +196,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     and under tangents SDPA runs its math kernel, as the fused ones have none.
     """
     if has_torch_function((q, k, v)):
-        return handle_torch_function(attention, (q, k, v), q, k, v)
+        return handle_torch_function(attention, (q, k, v), q, k, v, mask=mask)
+    keep = None if mask is None else mask[:, None, None, :]  # [N, 1, 1, key tokens]: every head and query
     if q.device.type not in FUSED_ATTENTION_DEVICES:
-        weights = torch.einsum("nhcq,nhck->nhqk", q, k / math.sqrt(q.shape[2])).softmax(dim=3)
-        return torch.einsum("nhqk,nhck->nhcq", weights, v)
+        logits = torch.einsum("nhcq,nhck->nhqk", q, k / math.sqrt(q.shape[2]))
+        if keep is not None:
+            logits = logits.masked_fill(~keep, -math.inf)
+        return torch.einsum("nhqk,nhck->nhcq", logits.softmax(dim=3), v)
     tangents = any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
     with sdpa_kernel(SDPBackend.MATH) if tangents else contextlib.nullcontext():
-        # SDPA takes tokens as rows.
-        return F.scaled_dot_product_attention(*(t.transpose(2, 3) for t in (q, k, v))).transpose(2, 3)
+        # SDPA takes tokens as rows; its boolean mask is True where a key takes part.
+        return F.scaled_dot_product_attention(*(t.transpose(2, 3) for t in (q, k, v)),
+                                              attn_mask=keep).transpose(2, 3)
 
 
 def deinterleaved(rows: torch.Tensor, interleave: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ The U-Net's layout (unet_layout, Figure 21) follows from its arguments: the G U-
 configurations B to E (edm2.architectures.ladder) build their own layers over it, with the release's state-dict names.
 
 A network family's hyperparameters (edm2.families) are a dataclass of `hyperparameter` fields: each its default,
-its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are UNetHyperparameters.
+its bound and its help, from which train_edm2.py makes the family's options. The U-Net's are TextUNetHyperparameters
+(UNetHyperparameters, which the paper's configurations B to F share, and the text attention's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import reprlib
 from typing import Any, Iterator, Mapping, Sequence
 
-from edm2.layers import ArchitectureError
+from edm2.layers import TEXT_ATTENTION_KINDS, ArchitectureError
 
 MAX_CHANNELS = 4096  # model_channels, logvar_channels, channels_per_head, hidden_dim: EDM2-XXL has 448
 MAX_MULT = 64  # channel_mult and friends: the release's largest is 4
@@ -28,6 +29,8 @@ MAX_RESOLUTION = 8192  # img_resolution: the release's largest is 64 (latents of
 MAX_IMG_CHANNELS = 256  # latents have 4, RGB images 3
 MAX_LABELS = 1_000_000  # ImageNet has 1000 classes
 MAX_SCALE = 1000.0  # sigma_data and clip_act: the release uses 0.5 and 256
+MAX_TEXT_DIM = 16384  # a text encoder's features: T5-XXL has 4096, CLIP ViT-bigG 1280
+MAX_TEXT_TOKENS = 4096  # tokens of a caption: NeMo's Imagen takes 128, CLIP 77
 BLOCK_ARGS = ("channels_per_head", "dropout", "res_balance", "attn_balance", "clip_act")
 
 
@@ -113,7 +116,20 @@ class IntegersBound:
         return integers(name, value, self.low, self.high, self.min_len, self.max_len)
 
 
-Bound = IntegerBound | IntegersBound
+@dataclasses.dataclass(frozen=True)
+class ChoiceBound:
+    """The bound of a string argument: one of choices."""
+
+    choices: tuple[str, ...]
+
+    def check(self, name: str, value: object) -> str:
+        """value, unless it is not one of the choices: ArchitectureError naming the argument."""
+        if not isinstance(value, str) or value not in self.choices:
+            raise _refuse(name, value, f"one of {', '.join(self.choices)}")
+        return value
+
+
+Bound = IntegerBound | IntegersBound | ChoiceBound
 
 
 def hyperparameter(default: object, bound: Bound, help: str) -> Any:
@@ -151,7 +167,22 @@ class UNetHyperparameters:
     channels_per_head: int = hyperparameter(64, IntegerBound(1, MAX_CHANNELS), "Channels per attention head")
 
 
-_UNET_BOUNDS = {name: f.metadata["bound"] for name, f in hyperparameter_fields(UNetHyperparameters).items()}
+@dataclasses.dataclass(frozen=True)
+class TextUNetHyperparameters(UNetHyperparameters):
+    """The G U-Net's hyperparameters: the release's and, for a dataset with text, where it attends to the caption's
+    tokens (the paper's configurations B to F take UNetHyperparameters alone)."""
+
+    text_attention: tuple[int, ...] = hyperparameter(
+        (16, 8), IntegersBound(1, MAX_RESOLUTION, 0, MAX_LEVELS),
+        "Resolutions with attention over a caption's tokens (data with text embeddings), e.g. 16,8; none for the "
+        "pooled embedding alone; a preset's default is its --attn-resolutions")
+    text_attention_kind: str = hyperparameter(
+        "cross", ChoiceBound(TEXT_ATTENTION_KINDS),
+        "Attention over the text tokens: cross (queries from the image, keys and values from the text) or fused "
+        "(keys and values of the image and the text)")
+
+
+_UNET_BOUNDS = {name: f.metadata["bound"] for name, f in hyperparameter_fields(TextUNetHyperparameters).items()}
 
 
 def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> None:
@@ -186,6 +217,31 @@ def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> 
         width = channels * mult[level]
         if not whole_heads(width, per_head):
             raise ArchitectureError(f"attention at {res}x{res} splits {width} channels into {width // per_head} "
+                                    f"heads of channels_per_head={per_head}: they do not divide evenly")
+
+
+def check_text(args: Mapping[str, object], per_head: int) -> None:
+    """Raise ArchitectureError unless the U-Net's text arguments (args holds all UNet arguments, check_unet passed)
+    describe text conditioning it can build: features and tokens in range, no class labels beside them, and whole
+    attention heads at every text attention resolution (a level narrower than one head has none, as for
+    self-attention)."""
+    text_dim = integer("text_dim", args["text_dim"], 0, MAX_TEXT_DIM)
+    integer("text_tokens", args["text_tokens"], 1 if text_dim else 0, MAX_TEXT_TOKENS if text_dim else 0)
+    attention = _UNET_BOUNDS["text_attention"].check("text_attention", args["text_attention"])
+    _UNET_BOUNDS["text_attention_kind"].check("text_attention_kind", args["text_attention_kind"])
+    if not text_dim:
+        if attention:
+            raise ArchitectureError("text_attention needs text_dim: attention over text tokens for a network without "
+                                    "text")
+        return
+    if args["label_dim"]:
+        raise ArchitectureError(f"label_dim={shown(args['label_dim'])} with text_dim={text_dim}: a text network "
+                                "takes a caption's condition, not class labels (label_dim 0)")
+    sizes = level_resolutions(args["img_resolution"], len(args["channel_mult"]))
+    for level, res in enumerate(sizes):
+        width = args["model_channels"] * args["channel_mult"][level]
+        if res in attention and not whole_heads(width, per_head):
+            raise ArchitectureError(f"text attention at {res}x{res} splits {width} channels into {width // per_head} "
                                     f"heads of channels_per_head={per_head}: they do not divide evenly")
 
 

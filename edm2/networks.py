@@ -13,8 +13,9 @@ from torch.autograd import forward_ad
 
 from edm2 import families, network_args
 from edm2.layers import (ArchitectureError, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, resample,
-                         self_attention)
-from edm2.network_args import UNetHyperparameters, unet_layout
+                         self_attention, text_attention)
+from edm2.network_args import TextUNetHyperparameters, UNetHyperparameters, unet_layout
+from edm2.text_condition import condition_shape, unpack_condition
 
 
 class Block(torch.nn.Module):
@@ -90,12 +91,39 @@ class Block(torch.nn.Module):
         return self_attention(x, self.attn_qkv, self.attn_proj, self.num_heads, cosine=True)
 
 
+class TextAttention(torch.nn.Module):
+    """Attention of a block's output over a caption's rows (its pooled embedding and tokens), cross or fused
+    (edm2.layers.text_attention), added to the block's output by mp_sum (Eq. 88) as the blocks add self-attention."""
+
+    def __init__(self, channels: int, text_dim: int, num_heads: int, kind: str, balance: float):
+        super().__init__()
+        self.num_heads, self.kind, self.balance = num_heads, kind, balance
+        self.q = MPConv(channels, channels * (1 if kind == "cross" else 3), [1, 1])
+        self.kv = MPConv(text_dim, 2 * channels, [])
+        self.proj = MPConv(channels, channels, [1, 1])
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [N,C,H,W] attending to text rows [N,T,D] where mask [N,T] is True."""
+        y = text_attention(x, text, mask, self.q, self.kv, self.proj, self.num_heads, self.kind)
+        return mp_sum(x, y, t=self.balance)
+
+
+def text_rows(condition: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a text attention reads from conditions [N, 1+L, D+1]: the pooled embedding and the tokens [N, 1+L, D],
+    and their mask [N, 1+L] (the pooled row always on, so that an empty caption still has a key)."""
+    pooled, tokens, mask = unpack_condition(condition)
+    rows = torch.cat([pooled.unsqueeze(1), tokens], dim=1)
+    return rows, torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
+
+
 # The Block arguments that a U-Net passes through (block_kwargs), with their defaults.
 _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for name in network_args.BLOCK_ARGS}
 
 
 class UNet(torch.nn.Module):
-    """The magnitude-preserving U-Net of config G (Figure 22)."""
+    """The magnitude-preserving U-Net of config G (Figure 22); with text_dim, a text network conditioned on a caption's
+    condition (edm2.text_condition) by its pooled embedding and, at text_attention's resolutions, attention over its
+    tokens (docs/text-network.md)."""
 
     # CONFIG G's block, noise features (Eq. 75) and the embedding's and skips' fixed-function layers (Eq. 81, 88,
     # 103); CONFIG F (edm2.architectures.config_f) has its own block and the plain ones.
@@ -118,9 +146,14 @@ class UNet(torch.nn.Module):
         attn_resolutions: Sequence[int] = UNetHyperparameters.attn_resolutions,
         label_balance: float = 0.5,
         concat_balance: float = 0.5,
+        text_dim: int = 0,
+        text_tokens: int = 0,
+        text_attention: Sequence[int] = (),
+        text_attention_kind: str = TextUNetHyperparameters.text_attention_kind,
         **block_kwargs,
     ):
         network_args.check_unet(locals(), {**_BLOCK_DEFAULTS, **block_kwargs})  # before anything is built
+        network_args.check_text(locals(), block_kwargs.get("channels_per_head", _BLOCK_DEFAULTS["channels_per_head"]))
         super().__init__()
         cblock = [model_channels * m for m in channel_mult]
         cnoise = model_channels * channel_mult_noise if channel_mult_noise is not None else cblock[0]
@@ -134,6 +167,12 @@ class UNet(torch.nn.Module):
         self.emb_fourier = self.fourier_type(cnoise)
         self.emb_noise = MPConv(cnoise, cemb, [])
         self.emb_label = MPConv(label_dim, cemb, []) if label_dim else None
+        self.text_dim = text_dim
+        # A caption's pooled embedding enters as a label does (Eq. 88's mp_sum with label_balance).
+        self.emb_text = MPConv(text_dim, cemb, []) if text_dim else None
+        if text_dim:
+            # The empty caption's condition: the unconditional branch of guidance and what text dropout trains.
+            self.register_buffer("empty_text", torch.zeros(condition_shape(text_tokens, text_dim)))
 
         self.enc, self.dec = torch.nn.ModuleDict(), torch.nn.ModuleDict()
         # The input has the constant-1 channel too.
@@ -142,6 +181,23 @@ class UNet(torch.nn.Module):
                 else self.block_type(slot.in_channels, slot.out_channels, cemb, slot.side, slot.resample_mode,
                                      attention=slot.attention, **block_kwargs)
         self.out_conv = MPConv(cblock[0], img_channels, [3, 3])  # the decoder ends at the first level's width
+        self.text_attn = self._text_attention(text_dim, text_attention, text_attention_kind, block_kwargs) \
+            if text_dim else None
+
+    def _text_attention(self, text_dim: int, resolutions: Sequence[int], kind: str,
+                        block_kwargs: dict) -> torch.nn.ModuleDict:
+        """A TextAttention after every block (not the resampling ones) at the given resolutions that is at least one
+        head wide, keyed 'enc_16x16_block0' etc."""
+        per_head = block_kwargs.get("channels_per_head", _BLOCK_DEFAULTS["channels_per_head"])
+        balance = block_kwargs.get("attn_balance", _BLOCK_DEFAULTS["attn_balance"])
+        layers = torch.nn.ModuleDict()
+        for side, blocks in (("enc", self.enc), ("dec", self.dec)):
+            for name, block in blocks.items():
+                at = isinstance(block, Block) and block.resample_mode == "keep" and block.out_channels >= per_head
+                if at and int(name.split("x")[0]) in resolutions:
+                    layers[f"{side}_{name}"] = TextAttention(block.out_channels, text_dim,
+                                                             block.out_channels // per_head, kind, balance)
+        return layers
 
     def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
         """The blocks' conditioning from c_noise and the labels (Eq. 75, 88, 81), in the dtype of noise_labels."""
@@ -150,21 +206,32 @@ class UNet(torch.nn.Module):
             # Scaling one-hot labels by sqrt(label_dim) gives them unit magnitude.
             labels = class_labels * math.sqrt(class_labels.shape[1])
             emb = self.add(emb, self.emb_label(labels), t=self.label_balance)
+        if self.emb_text is not None:
+            # The pooled embedding at unit RMS, whatever the text encoder's scale, as the one-hot labels are.
+            pooled = normalize(unpack_condition(class_labels)[0], dim=1).to(emb.dtype)
+            emb = self.add(emb, self.emb_text(pooled), t=self.label_balance)
         return self.silu(emb)
 
     def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
         """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
         emb = self.embedding(noise_labels, class_labels)
+        text = text_rows(class_labels.expand(x.shape[0], -1, -1)) if self.text_attn else None
         x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         skips = []
         for name, block in self.enc.items():
-            x = block(x) if name.endswith("_conv") else self._block(block, x, emb)
+            x = block(x) if name.endswith("_conv") else self._text(f"enc_{name}", self._block(block, x, emb), text)
             skips.append(x)
         for name, block in self.dec.items():
             if "block" in name:
                 x = self.cat(x, skips.pop(), t=self.concat_balance)
-            x = self._block(block, x, emb)
+            x = self._text(f"dec_{name}", self._block(block, x, emb), text)
         return self.out_conv(x, gain=self.out_gain)
+
+    def _text(self, key: str, x: torch.Tensor, text: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x after the text attention that follows the block `key`, if it has one."""
+        if text is None or key not in self.text_attn:
+            return x
+        return self.text_attn[key](x, *text)
 
     def _block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """block(x, emb), its activations checkpointed when checkpoint_blocks is on and a gradient is recorded (but
@@ -246,8 +313,13 @@ class Precond(torch.nn.Module):
         return torch.promote_types(self.logvar_linear.weight.dtype, torch.float32)
 
     def prepare_labels(self, class_labels: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        """The labels as F takes them: None without labels, all-zero (unconditional) when none are given."""
+        """The labels as F takes them: None without labels, all-zero (unconditional) when none are given; for a text
+        network conditions [N, 1+L, D+1], the empty caption's when none are given."""
         base = self.base_dtype()
+        empty = getattr(self.network, "empty_text", None)
+        if empty is not None:
+            condition = empty if class_labels is None else class_labels
+            return condition.to(device, base).reshape(-1, *empty.shape)
         if self.label_dim == 0:
             return None
         if class_labels is None:
@@ -302,7 +374,7 @@ def unet_blocks(unet: UNet) -> list[tuple[str, torch.nn.Module]]:
 
 
 UNET = families.register(families.NetworkFamily(
-    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks, hyperparameters=UNetHyperparameters,
+    name=families.DEFAULT_FAMILY, constructor=UNet, blocks=unet_blocks, hyperparameters=TextUNetHyperparameters,
     summary="the magnitude-preserving U-Net of config G (the release's)"))
 
 

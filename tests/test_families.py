@@ -132,13 +132,18 @@ def test_a_familys_hyperparameters_become_options_with_their_bounds_and_help(wid
 
 def test_the_unets_hyperparameters_are_its_constructors_defaults_and_bounds():
     fields = UNET.fields()
-    assert list(fields) == ["channel_mult", "num_blocks", "attn_resolutions", "channels_per_head"]
+    assert list(fields) == ["channel_mult", "num_blocks", "attn_resolutions", "channels_per_head", "text_attention",
+                            "text_attention_kind"]
     unet, block = inspect.signature(UNet).parameters, inspect.signature(Block).parameters
     assert all(unet[name].default == fields[name].default for name in ("channel_mult", "num_blocks",
-                                                                        "attn_resolutions"))
+                                                                        "attn_resolutions", "text_attention_kind"))
+    # A U-Net without text has no text attention; a text run's is the attention resolutions unless given.
+    assert unet["text_attention"].default == ()
+    assert fields["text_attention"].default == fields["attn_resolutions"].default
     assert block["channels_per_head"].default == fields["channels_per_head"].default == 64
     assert (fields["channel_mult"].default, fields["num_blocks"].default) == ((1, 2, 3, 4), 3)  # the release's
-    for name, value in [("num_blocks", 65), ("channel_mult", [1] * 17), ("attn_resolutions", [0])]:
+    for name, value in [("num_blocks", 65), ("channel_mult", [1] * 17), ("attn_resolutions", [0]),
+                        ("text_attention_kind", "sideways")]:
         with pytest.raises(families.ArchitectureError, match=f"^{re.escape(name)}"):
             UNET.check({name: value})
         with pytest.raises(families.ArchitectureError, match=f"^{re.escape(name)}"):

@@ -488,6 +488,8 @@ BAD_OPTIONS = [
     (["--label-dropout=-0.1"], "--label-dropout", "-0.1 is not in the range 0<=x<1"),
     (["--label-dropout=nan"], "--label-dropout", "not a finite number"),
     (["--label-dropout=0.1", "--cond=False"], "--label-dropout", "needs a class-conditional run (--cond=True)"),
+    (["--text-dropout=1"], "--text-dropout", "1.0 is not in the range 0<=x<1"),
+    (["--text-attention-kind=sideways"], "--text-attention-kind", "'sideways' is not one of 'cross', 'fused'"),
     (["--decay=nan"], "--decay", "not a finite number"),
     (["--decay=inf"], "--decay", "not a finite number"),
     (["--decay=-1"], "--decay", "-1.0 is not in the range x>=0"),
@@ -540,6 +542,11 @@ BAD_ARCHITECTURES = [
     (["--attn-resolutions=8", "--channels=8"], "attention at 8x8 splits --channels=8 x 1 = 8 channels into heads "
                                                "of 16"),
     (["--channels=35"], "attention at 4x4 splits --channels=35 x 2 = 70 channels into heads of 16"),
+    (["--text-attention=16"], "text attention at 16x16, but the U-Net's levels are 8x8, 4x4: choose --text-attention "
+                              "among them"),
+    (["--text-attention=4"], "--text-attention shapes the attention over a caption's tokens, but the data has no text "
+                             "embeddings"),
+    (["--text-attention-kind=fused"], "--text-attention-kind shapes the attention over a caption's tokens"),
 ]
 
 

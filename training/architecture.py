@@ -75,6 +75,11 @@ def check_network_fits_data(resolution: int, channels: int, network: dict, expli
     if explicit and missing:
         raise NetworkMisfit(f"attention at {missing[0]}x{missing[0]}, but the U-Net's levels are "
                             f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --attn-resolutions among them {data}")
+    # Text attention is in the arguments only where the options gave it (training.text_conditioning).
+    text_missing = [res for res in network.get("text_attention", ()) if res not in sizes]
+    if text_missing:
+        raise NetworkMisfit(f"text attention at {text_missing[0]}x{text_missing[0]}, but the U-Net's levels are "
+                            f"{', '.join(f'{n}x{n}' for n in sizes)}: choose --text-attention among them {data}")
     for level, res in attention_levels(sizes, attention):
         width = channels * mult[level]
         if not whole_heads(width, per_head) or (explicit and res in attention and width < per_head):
@@ -99,7 +104,9 @@ def network_options(preset: Preset, given: dict, arch: str = families.DEFAULT_FA
     option that the family does not take, or one outside its bound."""
     family = families.get(arch)
     fields = family.fields()
-    shared = families.get(preset.family).hyperparameters is family.hyperparameters
+    # The G U-Net's hyperparameters extend those of the paper's configurations (edm2.network_args) with text attention.
+    theirs = families.get(preset.family).hyperparameters
+    shared = issubclass(theirs, family.hyperparameters) or issubclass(family.hyperparameters, theirs)
     network = dict(preset.hyperparameters) if shared else {}
     for name, value in given.items():
         if value is not None and name not in fields:
@@ -189,11 +196,13 @@ def network_family(network: dict) -> str:
 
 
 def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_dim: int, encoder: Encoder,
-               given: dict, preset: str | None = None) -> None:
+               given: dict, preset: str | None = None, text: dict | None = None) -> None:
     """Raise NetworkMisfit naming what contradicts the --init snapshot: data of another resolution, channel count
     or encoder, labels beyond the network's classes (label_dim: the data's highest label plus one, 0 for
-    --cond=False; data holding some of the classes is fine), a preset of another network family, or architecture
-    options (given: channels and the family's hyperparameters as given on the command line, None where not given)."""
+    --cond=False; data holding some of the classes is fine), text embeddings (text: the data's text_encoding record,
+    None without) of other features or tokens than the network takes, a preset of another network family, or
+    architecture options (given: channels and the family's hyperparameters as given on the command line, None where
+    not given)."""
     kwargs, name = init.network_kwargs, os.path.basename(init.path)
     ours, theirs = get_preset(preset).family if preset else None, network_family(kwargs)
     if ours not in (None, theirs):
@@ -207,8 +216,13 @@ def check_init(init: InitSnapshot, *, resolution: int, num_channels: int, label_
         raise NetworkMisfit(f"{name} is a {kwargs['img_resolution']}x{kwargs['img_resolution']} network with "
                             f"{kwargs['img_channels']} channels; the data gives {resolution}x{resolution} with "
                             f"{channels}")
+    takes_text = (kwargs.get("text_dim", 0), kwargs.get("text_tokens", 0))
+    if takes_text != ((text["dim"], text["tokens"]) if text else (0, 0)):
+        has = f"{text['tokens']} tokens of {text['dim']} features" if text else "none"
+        wants = f"{takes_text[1]} tokens of {takes_text[0]} features" if takes_text[0] else "none"
+        raise NetworkMisfit(f"{name} takes text embeddings of {wants}; the data has {has}")
     classes = kwargs["label_dim"]
-    if bool(label_dim) != bool(classes) or label_dim > classes:
+    if text is None and (bool(label_dim) != bool(classes) or label_dim > classes):
         what = "an unconditional network: train it with --cond=False" if not classes else (
             f"a network of {classes} classes: train it with --cond=True on data labeled within 0-{classes - 1}")
         have = "--cond=False" if not label_dim else f"the data's labels go up to {label_dim - 1}"

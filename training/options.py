@@ -22,11 +22,12 @@ from edm2.phema import MAX_STD
 from edm2.procedures.generation import MAX_SEED
 from edm2.runtime.limits import MAX_BATCH, MAX_DEFAULT_PROCESSES, MAX_IMAGES, MAX_PROCESSES, MAX_THREADS, MAX_WORKERS
 from edm2.runtime.speed import PRECISIONS, channels_last_by_default, compile_by_default
-from training.architecture import check_network_fits_data, differs_from_preset
+from training.architecture import check_network_fits_data, differs_from_preset, option_name
 from training.presets import DEFAULT_METHOD, PRESETS, TRAINING_METHODS, get_preset
 from training.sections import (FROM_PRESET, NAMES, NETWORK, PAIR, PATHS, RECIPE, REPEATED, REPORTING, SECTIONS,
                                SIGMA_RELS, SPEED, SWITCH, Count, Flag, GridShape, Images, Real, bounds, flag_name,
                                option, out_of_bounds, section_fields)
+from training.text_conditioning import TEXT_OPTIONS
 
 TRACKERS = ("tensorboard", "wandb")  # train_edm2.py --logger (training/run/trackers.py)
 TRAINING_METRICS = (*METRICS, "loss")  # train_edm2.py --metrics: those of calculate_metrics.py, and the validation loss
@@ -39,9 +40,10 @@ MAX_KEPT_STATES = 10**6  # training states to keep: far beyond any run's count o
 DEFAULT_METRICS_NUM = 2000  # images per metric while training (k-diffusion's 2,000; the paper's 50,000 come after)
 
 # Hyperparameters added after runs were made: the value a run whose options lack them trained with.
-ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "loss_weighting": DEFAULT_WEIGHTING, "noise_dist": DEFAULT_NOISE,
-                         "uncertainty": DEFAULT_UNCERTAINTY, "method": DEFAULT_METHOD, "teacher": None,
-                         "tangent_warmup_Mimg": 0.0, "adam_eps": None}
+# A run written before text dropout trained no text network: the default text dropout is what it had.
+ADDED_HYPERPARAMETERS = {"label_dropout": 0.0, "text_dropout": 0.1, "loss_weighting": DEFAULT_WEIGHTING,
+                         "noise_dist": DEFAULT_NOISE, "uncertainty": DEFAULT_UNCERTAINTY, "method": DEFAULT_METHOD,
+                         "teacher": None, "tangent_warmup_Mimg": 0.0, "adam_eps": None}
 
 # Eq. 16 draws ln(sigma) = P_mean + P_std * z. torch's normal draws come from uniforms of at most 53 bits, so
 # |z| <= sqrt(-2 ln 2**-53) ~ 8.57 (Box-Muller); within |ln(sigma)| <= 40, sigma**2 and the (sigma * sigma_data)**2
@@ -125,6 +127,9 @@ class TrainingOptions:
     label_dropout: float = option(RECIPE, Real(0, 1, high_open=True), default=0.0, flag=Flag(
         "Probability of training an image with the all-zero label, so that the network can guide itself "
         "(generate.py --gnet=self); needs --cond=True"))
+    text_dropout: float = option(RECIPE, Real(0, 1, high_open=True), default=0.1, flag=Flag(
+        "Probability of training an image with the empty caption's text embedding, so that a text network can guide "
+        "itself (data with text embeddings only)"))
     loss_weighting: str = option(RECIPE, default=DEFAULT_WEIGHTING, flag=Flag(
         "Loss weighting lambda(sigma) (edm2.loss.WEIGHTINGS; edm2: Eq. 15); snapshots record it", choices=WEIGHTINGS))
     noise_dist: str = option(RECIPE, default=DEFAULT_NOISE, flag=Flag(
@@ -343,6 +348,25 @@ def _check_network(opts: TrainingOptions) -> None:
     if opts.init is None and family == DEFAULT_FAMILY:
         check_network_fits_data(resolution, opts.channels, opts.network,
                                 explicit=differs_from_preset(opts.network, get_preset(opts.preset).network))
+    check_text_options(opts)
+
+
+def check_text_options(opts: TrainingOptions) -> None:
+    """Raise OptionsError for text options without data that has text embeddings, and for text data with a network
+    family other than the U-Net's or with label dropout (a text network takes no class labels; text dropout drops its
+    captions)."""
+    text = "text_encoding" in opts.dataset
+    family = opts.network.get("family", DEFAULT_FAMILY)
+    if text and family != DEFAULT_FAMILY:
+        raise OptionsError(f"the data has text embeddings, which the network family {family!r} cannot take: train "
+                           f"it with --arch={DEFAULT_FAMILY}")
+    given = [name for name in TEXT_OPTIONS if name in opts.network]
+    if given and not text:
+        raise OptionsError(f"{option_name(given[0])} shapes the attention over a caption's tokens, but the data has no "
+                           "text embeddings (dataset_tool.py encode-text)")
+    if text and opts.label_dropout:
+        raise OptionsError("--label-dropout drops class labels, which a text network does not take; --text-dropout "
+                           "drops its captions")
 
 
 def _check_speed(opts: TrainingOptions) -> None:

@@ -16,6 +16,7 @@ from edm2.runtime.utilization import training_flops_per_image
 from training.architecture import init_weights
 from training.data_order import ORDER
 from training.options import TrainingOptions
+from training.text_conditioning import text_network
 
 ADAM_BETAS = (0.9, 0.99)
 ADAM_EPS = 1e-8
@@ -66,15 +67,17 @@ def state_nonfinite(net: dict, optimizer: dict, emas: Iterable[tuple[float, dict
 
 
 def init_network(opts: TrainingOptions, img_channels: int) -> Precond:
-    """A freshly initialized Precond as the options describe it, for img_channels network input channels."""
+    """A freshly initialized Precond as the options describe it, for img_channels network input channels: on data
+    with text embeddings a text network (no class labels), conditioned on them."""
+    text = text_network(opts.dataset, opts.network)
     return Precond(
         img_resolution=opts.dataset["resolution"],
         img_channels=img_channels,
-        label_dim=opts.dataset["label_dim"] if opts.cond else 0,
+        label_dim=opts.dataset["label_dim"] if opts.cond and not text else 0,
         model_channels=opts.channels,
         dropout=opts.dropout,
         **precision_flags(opts.precision),
-        **opts.network,
+        **{**opts.network, **text},
     )
 
 

@@ -117,7 +117,8 @@ def training_step(step: TrainingStep) -> torch.Tensor:
     loss = accumulate_gradients(                                                                    # Eq. 21
         step.model or state.net, step.loss_fn, step.encoder, step.batches, scale=opts.ls, device=step.device,
         seeds=[round_seed(opts.seed, step.rank, state.cur_nimg, r) for r in range(step.rounds)],
-        label_dropout=opts.label_dropout,
+        label_dropout=opts.label_dropout, text_dropout=opts.text_dropout,
+        empty_text=getattr(state.net.network, "empty_text", None),
     )
     if consistency is not None:
         consistency.note_gradients(state.net)
@@ -129,11 +130,13 @@ def training_step(step: TrainingStep) -> torch.Tensor:
 
 def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], encoder: Encoder,
                          batches: Iterator, *, seeds: list[int], scale: float, device: torch.device,
-                         label_dropout: float = 0.0) -> torch.Tensor:
+                         label_dropout: float = 0.0, text_dropout: float = 0.0,
+                         empty_text: torch.Tensor | None = None) -> torch.Tensor:
     """Backpropagate one batch per seed (the round's random draws), each forward pass after the forced weight
     normalization (Eq. 66) of every layer, all-reducing gradients after the last under DistributedDataParallel;
     returns the sum of the rounds' mean losses. Each image's label becomes the all-zero label with probability
-    label_dropout (classifier-free guidance)."""
+    label_dropout (classifier-free guidance); for a text network (empty_text, the empty caption's condition) each
+    image's condition becomes the empty caption's with probability text_dropout."""
     rounds = len(seeds)
     loss_sum = torch.zeros([], device=device)
     for round_idx, seed in enumerate(seeds):
@@ -143,7 +146,9 @@ def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Te
             torch.manual_seed(seed)
             images = encoder.encode_latents(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True) if labels.shape[1] else None
-            if label_dropout and labels is not None:
+            if empty_text is not None and text_dropout:
+                labels = drop_conditions(labels, empty_text, text_dropout, label_dropout_seed(seed))
+            elif label_dropout and labels is not None:
                 labels = drop_labels(labels, label_dropout, label_dropout_seed(seed))
             force_weight_normalization(model)
             loss = loss_fn(model, images, labels)
@@ -153,11 +158,23 @@ def accumulate_gradients(model: torch.nn.Module, loss_fn: Callable[..., torch.Te
     return loss_sum
 
 
+def dropped_rows(count: int, p: float, seed: int) -> torch.Tensor:
+    """Which of count rows [count] (bool) are dropped, each with probability p, drawn on the CPU from seed: the same
+    rows on any device."""
+    return torch.rand([count], generator=torch.Generator().manual_seed(seed)) < p
+
+
 def drop_labels(labels: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """labels [N, C] with each row zeroed with probability p, drawn on the CPU from seed: the same rows on any
-    device."""
-    keep = torch.rand([labels.shape[0]], generator=torch.Generator().manual_seed(seed)) >= p
+    """labels [N, C] with each row zeroed with probability p (dropped_rows)."""
+    keep = ~dropped_rows(labels.shape[0], p, seed)
     return labels * keep.to(labels.device, labels.dtype).unsqueeze(1)
+
+
+def drop_conditions(conditions: torch.Tensor, empty: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Text conditions [N, 1+L, D+1] with each replaced by the empty caption's condition empty [1+L, D+1] with
+    probability p (dropped_rows: the rows drop_labels would zero)."""
+    drop = dropped_rows(conditions.shape[0], p, seed).to(conditions.device)
+    return torch.where(drop[:, None, None], empty.to(conditions.device, conditions.dtype), conditions)
 
 
 def optimizer_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:

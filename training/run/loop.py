@@ -48,6 +48,7 @@ from training.run.run_dir import LOG_FILE, RunDirectory
 from training.run.sample_grid import SampleGrid, grid_classes
 from training.run.signals import StopFlag, write_stop_marker
 from training.state import TrainingState, training_flops
+from training.text_conditioning import put_empty_condition
 from training.step import TrainingStep, data_parallel, training_step
 from training.run.trackers import Trackers
 
@@ -122,6 +123,7 @@ def _resume(opts: TrainingOptions, dataset: ImageData, encoder: Encoder, run: Ru
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     state = TrainingState.create(opts, encoder.out_channels(opts.dataset["num_channels"]), device)
+    put_empty_condition(state.net, dataset)  # a resumed state's own comes with it
     path = checkpoints.resume(state, opts)
     distributed.on_main_rank(lambda: _check_data(state, path, dataset, opts))
     if run:

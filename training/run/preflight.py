@@ -12,6 +12,7 @@ from edm2.formats.snapshot import read_metadata
 from training.architecture import InitSnapshot, NetworkMisfit, check_init, hyperparameters_given, read_init
 from training.lr_schedule import learning_rate_schedule
 from training.options import OptionsError, TrainingOptions, rounds_per_step
+from training.text_conditioning import text_description
 
 if TYPE_CHECKING:
     from edm2.data.dataset import ImageFolderDataset
@@ -23,7 +24,7 @@ def dataset_description(dataset: ImageFolderDataset) -> dict:
     records them (dataset_tool.py convert), so that a snapshot says which class is which."""
     classes = {} if dataset.classes is None or not dataset.label_dim else dict(classes=dataset.classes)
     return dict(resolution=dataset.resolution, num_channels=dataset.num_channels, label_dim=dataset.label_dim,
-                **classes)
+                **classes, **text_description(dataset))
 
 
 def init_notes(init: InitSnapshot, classes: dict[str, int] | None, opts: TrainingOptions) -> list[str]:
@@ -93,13 +94,13 @@ def check_run(opts: TrainingOptions, dataset: ImageFolderDataset, encoder: Encod
     snapshot = read_init(opts.init)
     given = dict(channels=opts.channels, **hyperparameters_given(opts.network))
     check_init(snapshot, resolution=dataset.resolution, num_channels=dataset.num_channels, label_dim=dataset.label_dim,
-               encoder=encoder, given=given, preset=opts.preset)
+               encoder=encoder, given=given, preset=opts.preset, text=opts.dataset.get("text_encoding"))
     name, classes = os.path.basename(snapshot.path), snapshot.network_kwargs["label_dim"]
     network = opts.to_json()["network"]
     if network != snapshot.network:
         raise NetworkMisfit(f"network={network} is not the U-Net of {name} ({snapshot.network}); take the "
                             "snapshot's (training.architecture.read_init)")
     # Labels of some of the network's classes train it as they are, one-hot over all its classes.
-    if dataset.label_dim not in (0, classes):
+    if dataset.label_dim not in (0, classes) and "text_encoding" not in opts.dataset:
         raise NetworkMisfit(f"{name} is a network of {classes} classes, but the data's labels are one-hot over "
                             f"{dataset.label_dim}: set the dataset's label_dim to {classes}, as train_edm2.py does")
