@@ -8,10 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import count_flops
 import generate
 from edm2.consistency_sampler import consistency_sample
 from edm2.encoders import StandardRGBEncoder
-from edm2.eval.flops import count_flops
+from edm2.eval.flops import count_flops as count_flops_of
 from edm2.formats import snapshot
 from edm2.procedures.generation import generate_images, seeded_inputs
 from tests.helpers import assert_ok, assert_refused, randomized, read_pngs, tiny_precond
@@ -72,7 +73,7 @@ def test_the_dry_run_counts_a_consistency_models_evaluations(nets, tmp_path, nam
     assert_ok(result)
     assert not (tmp_path / "out").exists()
     assert f"Evaluations  {evaluations} per image, {10 * evaluations} for 10 images" in result.output
-    per_evaluation = count_flops(snapshot.load_network(nets[name])[0]).total
+    per_evaluation = count_flops_of(snapshot.load_network(nets[name])[0]).total
     assert f"Gflops       {evaluations * per_evaluation / 1e9:.4g} per image" in result.output
 
 
@@ -91,3 +92,14 @@ def test_the_dry_run_counts_a_consistency_models_evaluations(nets, tmp_path, nam
 def test_options_a_consistency_model_does_not_take_are_one_line(nets, tmp_path, name, args, fragments, dry_run):
     assert_refused(tmp_path, lambda: run_cli(["--net", nets[name], "--outdir", tmp_path / "out", "--seeds=0-1",
                                               *args, *dry_run]), *fragments)
+
+
+def test_count_flops_prices_a_consistency_models_image_in_one_and_two_steps(nets):
+    result = CliRunner().invoke(count_flops.main, [str(nets["cm"])])
+    assert_ok(result)
+    per_evaluation = count_flops_of(snapshot.load_network(nets["cm"])[0]).total
+    assert (f"{per_evaluation / 1e9:.2f} Gflops in 1 step, {2 * per_evaluation / 1e9:.2f} in 2 (a consistency model"
+            in result.output)
+    diffusion = CliRunner().invoke(count_flops.main, [str(nets["diffusion"])])
+    assert_ok(diffusion)
+    assert "Per image" not in diffusion.output
