@@ -32,7 +32,7 @@ from edm2.procedures.image_grid import save_png, tile
 from edm2.procedures.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH
-from edm2.sampler import SELF, SamplerError, check_settings, edm_sampler
+from edm2.sampler import SELF, SamplerError, check_settings
 
 T = TypeVar("T")
 
@@ -94,8 +94,9 @@ def load_for_option(option: str, load: Callable[[], T]) -> T:
 
 
 def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance_interval, t_mid: float | None,
-                  sampler_kwargs: dict) -> tuple[Callable, dict, int, str]:
-    """(sampler, its keyword arguments, network evaluations per image, a line saying how it samples) for the network
+                  sampler_kwargs: dict) -> tuple[Callable | None, dict, int, str]:
+    """(sampler (None: the EDM sampler), its keyword arguments, network evaluations per image, a line saying how it
+    samples) for the network
     whose snapshot's metadata is given; the options that do not fit it refused, one line each, before any sampling."""
     steps = sampler_kwargs["num_steps"]
     if not is_consistency_model(metadata):
@@ -104,7 +105,7 @@ def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance_interval,
                                      param_hint="--t-mid")
         kwargs = dict(sampler_kwargs, num_steps=steps or DIFFUSION_STEPS, guidance_interval=guidance_interval)
         about = f"{kwargs['solver']} solver, {kwargs['num_steps']} steps of the {kwargs['schedule']} schedule"
-        return edm_sampler, kwargs, sampling_evaluations(metadata, kwargs["num_steps"], kwargs["solver"]), about
+        return None, kwargs, sampling_evaluations(metadata, kwargs["num_steps"], kwargs["solver"]), about
     if gnet_path is not None or guidance_interval is not None:
         option = "--gnet" if gnet_path is not None else "--guidance-interval"
         raise click.BadParameter("a consistency model samples without a guiding network", param_hint=option)

@@ -48,7 +48,8 @@ def check_cm_settings(steps: int, t_mid: float, t_max: float) -> None:
     if not (isinstance(t_max, (int, float)) and 0 < t_max < math.pi / 2):
         raise SamplerError(f"t_max={t_max}: expected a time in (0, pi/2)")
     if not (isinstance(t_mid, (int, float)) and 0 < t_mid < t_max):
-        raise SamplerError(f"t_mid={t_mid:g}: expected a time in (0, t_max) = (0, {t_max:.6g})")
+        value = f"{t_mid:g}" if isinstance(t_mid, (int, float)) else repr(t_mid)
+        raise SamplerError(f"t_mid={value}: expected a time in (0, t_max) = (0, {t_max:.6g})")
 
 
 def cm_times(steps: int, t_max: float, t_mid: float, sigma_data: float) -> list[float]:

@@ -210,6 +210,8 @@ def test_the_n_step_times_are_the_edm_schedule_below_t_mid_mapped_by_arctan():
     (0, 1.1, "steps=0: a consistency model needs at least one step"),
     (2, 0.0, "t_mid=0: expected a time in (0, t_max)"),
     (2, 1.6, "t_mid=1.6: expected a time in (0, t_max)"),
+    (2, float("nan"), "t_mid=nan: expected a time in (0, t_max)"),
+    (2, "1.1", "t_mid='1.1': expected a time in (0, t_max)"),
 ])
 def test_bad_sampler_settings_are_one_line(steps, t_mid, message):
     with pytest.raises(SamplerError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:

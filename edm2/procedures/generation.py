@@ -234,7 +234,7 @@ def generate_images(
     guidance: float = 1.0,
     batch_size: int = 32,
     device: torch.device | str | None = None,
-    sampler: Callable[..., torch.Tensor] = edm_sampler,
+    sampler: Callable[..., torch.Tensor] | None = None,
     **sampler_kwargs,
 ) -> Iterator[tuple[list[int], torch.Tensor, list[int] | None]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
@@ -242,8 +242,8 @@ def generate_images(
 
     `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. A sequence of classes
     as class_idx samples every seed in each class, class by class, the batches filled across classes (each image
-    depends on its seed and class alone). sampler_kwargs go to the sampler: edm_sampler (num_steps, sigma_min, ...,
-    guidance_interval), or edm2.consistency_sampler.consistency_sample for a consistency model (steps, t_mid,
+    depends on its seed and class alone). sampler_kwargs go to the sampler: edm_sampler when None (num_steps, sigma_min,
+    ..., guidance_interval), or edm2.consistency_sampler.consistency_sample for a consistency model (steps, t_mid,
     sigma_max; no gnet or guidance). gnet=SELF guides net by its own unconditional prediction (check_self_guidance tells whether
     it has one).
     """
@@ -272,14 +272,14 @@ def generate_images(
 
 
 def sample_batch(net: torch.nn.Module, encoder, seeds: Sequence[int], class_idx: int | Sequence[int] | None,
-                 device: torch.device, sampler: Callable[..., torch.Tensor] = edm_sampler,
+                 device: torch.device, sampler: Callable[..., torch.Tensor] | None = None,
                  **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
     """(uint8 NCHW images decoded by `encoder`, the class of every image or None) for one batch of seeds, on this
-    process alone; sampler_kwargs go to the sampler (edm_sampler's gnet, guidance, num_steps, ...)."""
+    process alone; sampler_kwargs go to the sampler (edm_sampler when None: gnet, guidance, num_steps, ...)."""
     noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx,
                                               device)
     with torch.no_grad():
-        latents = sampler(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
+        latents = (sampler or edm_sampler)(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
         images = encoder.decode(latents)
     return images, None if labels is None else labels.argmax(dim=1).tolist()
 
