@@ -104,8 +104,13 @@ def rms(x):
     return x.square().mean().sqrt().item()
 
 
-def test_the_students_jvp_in_training_mode_equals_finite_differences_in_float32():
-    net = network(torch.float32, train=True, dropout=0.3)
+# The release's network, and an sCM student's: TrigFlow time embedding, double-norm modulation, guidance embedding.
+STUDENTS = {"release": {}, "scm": dict(time_embedding="trigflow", modulation="double-norm", guidance_embedding=True)}
+
+
+@pytest.mark.parametrize("switches", STUDENTS.values(), ids=STUDENTS.keys())
+def test_the_students_jvp_in_training_mode_equals_finite_differences_in_float32(switches):
+    net = network(torch.float32, train=True, dropout=0.3, **switches)
     F_minus, derivative, F_expected, expected = jvp_check(net, torch.float32)
     # float32 round-off (2^-24 relative) over a network of some tens of operations: 1e-5 of the values' scale.
     scale = rms(expected)
@@ -128,20 +133,28 @@ def test_the_rearranged_jvp_in_bf16_equals_finite_differences():
     assert rms(jvp_check(net, torch.float32)[1] - derivative) > 1e-4 * rms(expected)
 
 
-def test_the_rearranged_tangent_stays_of_order_one_as_t_goes_to_zero():
-    # EDM's time embedding ln(sigma_d tan t) / 4 changes like 1 / (4 t) near t = 0: the plain dF/dt grows like 1 / t.
-    net = network(torch.float64)
+def tangents_near_zero(net, times=(1e-2, 1e-3, 1e-4)):
+    """RMS of the rearranged tangent cos t sin t dF/dt and of the plain dF/dt, at each time (float64)."""
     x0, z, _ = draw()
     scaled, plain = [], []
-    for t0 in (1e-2, 1e-3, 1e-4):
+    for t0 in times:
         t = torch.full([2], t0, dtype=torch.float64)
         _, derivative = rearranged_jvp(consistency_model(net, LABELS), noised(x0, z, t), t, sct_tangent(x0, z, t),
                                        SIGMA_DATA)
         scaled.append(rms(derivative))
         plain.append(rms(derivative / (math.cos(t0) * math.sin(t0))))
+    return scaled, plain
+
+
+def test_the_rearranged_tangent_stays_of_order_one_as_t_goes_to_zero():
+    # EDM's time embedding ln(sigma_d tan t) / 4 changes like 1 / (4 t) near t = 0: the plain dF/dt grows like 1 / t.
+    scaled, plain = tangents_near_zero(network(torch.float64))
     assert max(scaled) < 1.5 * min(scaled) and max(scaled) < 100
     for a, b in zip(plain, plain[1:]):
         assert 7 < b / a < 13  # t ten times smaller, dF/dt ten times larger
+    # With TrigFlow's time embedding c_noise = t, dF/dt itself stays bounded there.
+    _, plain = tangents_near_zero(network(torch.float64, time_embedding="trigflow"))
+    assert max(plain) < 1.5 * min(plain)
 
 
 @pytest.mark.parametrize("r", [0.0, 1.0])
