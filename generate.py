@@ -25,7 +25,7 @@ from edm2.errors import EDM2Error, one_line, shown
 from edm2.consistency_sampler import T_MID, check_cm_settings, cm_times, consistency_sample, default_t_max, \
     is_consistency_model
 from edm2.eval.flops import count_flops, sampling_evaluations
-from edm2.formats.snapshot import load_generator, load_network
+from edm2.formats.snapshot import load_generator, load_network, read_metadata
 from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, generate_images,
                                         load_guide, read_generated_labels, save_generated_labels)
 from edm2.procedures.image_grid import save_png, tile
@@ -59,9 +59,21 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
         gnet = gnet or chosen.gnet
         guidance = chosen.guidance if guidance is None else guidance
     guidance = 1.0 if guidance is None else guidance
-    if guidance != 1 and gnet is None:
+    # A consistency model's --guidance is the scale its guidance embedding takes (sampling_plan): no --gnet needed.
+    if guidance != 1 and gnet is None and not local_consistency_model(net):
         raise click.UsageError(f"--guidance={guidance:g} needs a guiding network: give --gnet or a --preset that has one")
     return net, gnet, guidance
+
+
+def local_consistency_model(net_path: str | None) -> bool:
+    """Whether net_path is a local snapshot of a consistency model (its metadata alone read); False for anything else,
+    whose loading reports its own errors."""
+    if net_path is None or not net_path.endswith(".safetensors") or not Path(net_path).is_file():
+        return False
+    try:
+        return is_consistency_model(read_metadata(net_path))
+    except EDM2Error:
+        return False
 
 
 def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[float, float] | None,
@@ -93,8 +105,8 @@ def load_for_option(option: str, load: Callable[[], T]) -> T:
         raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
-def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance_interval, t_mid: float | None,
-                  sampler_kwargs: dict) -> tuple[Callable | None, dict, int, str]:
+def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance: float, guidance_interval,
+                  t_mid: float | None, sampler_kwargs: dict) -> tuple[Callable | None, dict, int, str]:
     """(sampler (None: the EDM sampler), its keyword arguments, network evaluations per image, a line saying how it
     samples) for the network
     whose snapshot's metadata is given; the options that do not fit it refused, one line each, before any sampling."""
@@ -109,6 +121,9 @@ def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance_interval,
     if gnet_path is not None or guidance_interval is not None:
         option = "--gnet" if gnet_path is not None else "--guidance-interval"
         raise click.BadParameter("a consistency model samples without a guiding network", param_hint=option)
+    if guidance != 1 and not getattr(net.network, "guidance_embedding", False):
+        raise click.BadParameter(f"{guidance:g}: this consistency model has no guidance embedding (it was not "
+                                 "distilled from a guided teacher), so it takes no guidance scale", param_hint="--guidance")
     for option, (name, default) in DIFFUSION_ONLY.items():
         if sampler_kwargs[name] != default:
             raise click.BadParameter("the EDM sampler's option: a consistency model samples with its own steps "
@@ -120,8 +135,10 @@ def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance_interval,
     except SamplerError as e:
         raise click.ClickException(str(e).replace("t_mid=", "--t-mid=").replace("steps=", "--steps=")) from None
     times = ", ".join(f"{t:.4g}" for t in cm_times(steps, t_max, t_mid, net.sigma_data))
-    kwargs = dict(steps=steps, t_mid=t_mid, sigma_max=sampler_kwargs["sigma_max"])
-    return consistency_sample, kwargs, steps, f"consistency model, {steps} step(s) at TrigFlow times t = {times}"
+    kwargs = dict(steps=steps, t_mid=t_mid, sigma_max=sampler_kwargs["sigma_max"],
+                  **({} if guidance == 1 else dict(guidance_scale=guidance)))
+    scale = "" if guidance == 1 else f", guidance scale {guidance:g} embedded"
+    return consistency_sample, kwargs, steps, f"consistency model, {steps} step(s) at TrigFlow times t = {times}{scale}"
 
 
 def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None,
@@ -132,7 +149,8 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
     net, encoder, metadata = load_for_option("--net", functools.partial(load_generator, net_path))
     planned = plan(net, metadata)
     load_for_option("--net", functools.partial(encoder.init, distributed.device()))
-    gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guidance != 1 else None
+    guided = guidance != 1 and gnet_path is not None  # a consistency model's scale needs no guiding network
+    gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guided else None
     highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None
     if highest is not None and highest >= net.label_dim:
         raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
@@ -275,8 +293,8 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
     check_before_work(outdir, guidance, guidance_interval,
                       dict(sampler_kwargs, num_steps=sampler_kwargs["num_steps"] or DIFFUSION_STEPS))
-    plan = functools.partial(sampling_plan, gnet_path=gnet_path, guidance_interval=guidance_interval, t_mid=t_mid,
-                             sampler_kwargs=sampler_kwargs)
+    plan = functools.partial(sampling_plan, gnet_path=gnet_path, guidance=guidance,
+                             guidance_interval=guidance_interval, t_mid=t_mid, sampler_kwargs=sampler_kwargs)
     if dry_run:
         network, metadata = load_for_option("--net", functools.partial(load_network, net_path))
         print_dry_run(net_path, network, *plan(network, metadata)[2:], images=len(seeds) * len(classes or [None]))
@@ -302,7 +320,8 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         generated, labels = {}, {}
         # Several classes share batches: every seed in each class, the batches filled across classes.
         batches = generate_images(net, encoder, seeds, class_idx=classes if len(rows) > 1 else rows[0], gnet=gnet,
-                                  guidance=guidance, batch_size=batch_size, device=distributed.device(),
+                                  guidance=guidance if gnet is not None else 1, batch_size=batch_size,
+                                  device=distributed.device(),
                                   sampler=sampler, **sampler_kwargs)
         save_images(batches, outdir, subdirs, rows, labels, generated if grid else None)
         if net.label_dim:

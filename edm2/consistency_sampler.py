@@ -72,7 +72,7 @@ def consistency_sample(
     sigma_max: float = SIGMA_MAX,
     randn_like: Callable[[torch.Tensor], torch.Tensor] = torch.randn_like,
     sigma_data: float | None = None,
-    guidance: float | None = None,
+    guidance_scale: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Samples of the consistency model net from unit noise [N,C,H,W] in `steps` steps (the module's docstring).
@@ -80,14 +80,15 @@ def consistency_sample(
     net is a Precond or any EDM denoiser D(x, sigma, labels) (then give sigma_data unless it has the attribute);
     t_max defaults to arctan(sigma_max / sigma_d). randn_like draws the fresh noise of every step after the first
     (edm2.procedures.generation.SeededRandom.randn_like: per image, so that an image depends on its seed alone).
-    guidance is the scale w of a network with a guidance embedding. No gradients are recorded.
+    guidance_scale is the scale w that a network with a guidance embedding takes (Precond.forward's guidance; a
+    student of a guided teacher). No gradients are recorded.
     """
     sigma_data = getattr(net, "sigma_data", None) if sigma_data is None else sigma_data
     if not isinstance(sigma_data, (int, float)) or not sigma_data > 0:
         raise SamplerError(f"sigma_data={sigma_data}: give the denoiser's positive sigma_data")
     t_max = default_t_max(sigma_max, sigma_data) if t_max is None else t_max
     times = cm_times(steps, t_max, t_mid, sigma_data)
-    extra = {} if guidance is None else {"guidance": guidance}
+    extra = {} if guidance_scale is None else {"guidance": guidance_scale}
     count = noise.shape[0]
     with weights_normalized_once(net):
         x = sigma_data * noise.to(dtype)

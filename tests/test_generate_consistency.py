@@ -27,9 +27,10 @@ def nets(tmp_path_factory):
     """Snapshots of a consistency model and of a diffusion model (tiny, randomized, conditional)."""
     root = tmp_path_factory.mktemp("cm")
     paths = {}
-    for name, extra in (("cm", {"consistency": RECORD}), ("diffusion", {})):
+    for name, extra, switches in (("cm", {"consistency": RECORD}, {}), ("diffusion", {}, {}),
+                                  ("guided", {"consistency": dict(RECORD, method="scd")}, {"guidance_embedding": True})):
         torch.manual_seed(0)
-        net = randomized(tiny_precond(8, 3, 5, time_embedding="trigflow")).eval()
+        net = randomized(tiny_precond(8, 3, 5, time_embedding="trigflow", **switches)).eval()
         paths[name] = root / f"{name}.safetensors"
         snapshot.save_network(paths[name], net, {"encoder": StandardRGBEncoder().config(), **extra})
     return paths
@@ -87,6 +88,8 @@ def test_the_dry_run_counts_a_consistency_models_evaluations(nets, tmp_path, nam
     ("cm", ["--S_churn=1"], ["--S_churn", "a consistency model samples with its own steps"]),
     ("cm", ["--gnet=self"], ["--gnet", "a consistency model samples without a guiding network"]),
     ("cm", ["--guidance-interval=0.3,5", "--guidance=2", "--gnet=self"], ["--gnet"]),
+    ("cm", ["--guidance=2"], ["--guidance", "this consistency model has no guidance embedding"]),
+    ("diffusion", ["--guidance=2"], ["--guidance=2 needs a guiding network"]),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])
 def test_options_a_consistency_model_does_not_take_are_one_line(nets, tmp_path, name, args, fragments, dry_run):
@@ -103,3 +106,19 @@ def test_count_flops_prices_a_consistency_models_image_in_one_and_two_steps(nets
     diffusion = CliRunner().invoke(count_flops.main, [str(nets["diffusion"])])
     assert_ok(diffusion)
     assert "Per image" not in diffusion.output
+
+
+def test_a_guided_students_guidance_is_the_scale_its_embedding_takes(nets, tmp_path):
+    images = {}
+    for w in ("1", "2.5"):
+        result = run_cli(["--net", nets["guided"], "--outdir", tmp_path / w, "--seeds=0-1", f"--guidance={w}"])
+        assert_ok(result)
+        images[w] = read_pngs(tmp_path / w)
+    assert "guidance scale 2.5 embedded" in result.output
+    net = snapshot.load_network(nets["guided"])[0]
+    noise, labels, randn_like = seeded_inputs(range(2), 3, 8, 5)
+    expected = StandardRGBEncoder().decode(consistency_sample(net, noise, labels, randn_like=randn_like,
+                                                              guidance_scale=2.5))
+    for i in range(2):
+        assert np.array_equal(images["2.5"][f"{i:06d}.png"], expected[i].permute(1, 2, 0).numpy())
+    assert not np.array_equal(images["1"]["000000.png"], images["2.5"]["000000.png"])
