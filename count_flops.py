@@ -14,6 +14,7 @@ import click
 import torch
 
 from cli.command import Command
+from edm2.consistency_sampler import is_consistency_model
 from edm2.eval import flops
 from edm2.formats.snapshot import load_network
 from edm2.networks import Precond
@@ -47,22 +48,24 @@ def published_network(url: str) -> Precond:
     return preset_network(match["preset"], cond=match["uncond"] is None)
 
 
-def networks_of(net: str) -> list[tuple[str, Precond]]:
-    """(description, network) of each network NET names: one, or a generation preset's main and guiding networks."""
+def networks_of(net: str) -> list[tuple[str, Precond, dict]]:
+    """(description, network, its snapshot's metadata or {}) of each network NET names: one, or a generation preset's
+    main and guiding networks."""
     if net in presets.PRESETS:
-        return [(f"{net} (training preset, built without weights)", preset_network(net))]
+        return [(f"{net} (training preset, built without weights)", preset_network(net), {})]
     if net in presets_generate.PRESETS:
         preset = presets_generate.PRESETS[net]
         urls = [("main network", preset.net)] + ([("guiding network", preset.gnet)] if preset.gnet else [])
-        return [(f"{net} {role} {url} (built without weights)", published_network(url)) for role, url in urls]
+        return [(f"{net} {role} {url} (built without weights)", published_network(url), {}) for role, url in urls]
     if "://" not in net and not os.path.exists(net):
         raise click.BadParameter(f"{net!r} is no file, URL or preset name (a name of train_edm2.py --preset or "
                                  "generate.py --preset, e.g. edm2-img512-s)", param_hint="NET")
-    return [(net, load_network(net)[0])]
+    return [(net, *load_network(net))]
 
 
-def report(description: str, net: Precond, verbose: bool) -> None:
-    """Print the parameters, flops (and on CUDA the memory) of one network; with verbose, per part and op."""
+def report(description: str, net: Precond, verbose: bool, metadata: dict) -> None:
+    """Print the parameters, flops (and on CUDA the memory) of one network, and for a consistency model (its
+    snapshot's metadata tells) those of an image in 1 and 2 steps; with verbose, per part and op."""
     count = flops.count_flops(net)
     by_op = count.by_op()
     macs = sum(by_op[op] for op in flops.MAC_OPS)
@@ -70,6 +73,10 @@ def report(description: str, net: Precond, verbose: bool) -> None:
     print(f"{'Parameters':<12}{count.parameters / 1e6:.2f} M ({count.parameters:,})")
     print(f"{'Gflops':<12}{count.total / 1e9:.2f} per evaluation of one sample ({count.total:,} flops, "
           f"{macs / count.total:.1%} in convolutions and matrix products)")
+    if is_consistency_model(metadata):
+        one, two = (flops.sampling_evaluations(metadata, steps, "heun") * count.total for steps in (1, 2))
+        print(f"{'Per image':<12}{one / 1e9:.2f} Gflops in 1 step, {two / 1e9:.2f} in 2 (a consistency model: one "
+              "evaluation per step)")
     if torch.cuda.is_available():
         device = torch.device("cuda")
         net = net.to_empty(device=device) if next(net.parameters()).is_meta else net.to(device)
@@ -106,8 +113,8 @@ def main(net: str, verbose: bool) -> None:
     a training preset (edm2-img512-s) or a generation preset (edm2-img512-s-autog-fid: its main and guiding
     networks), both counted without downloading any weights.
     """
-    for description, network in networks_of(net):
-        report(description, network, verbose)
+    for description, network, metadata in networks_of(net):
+        report(description, network, verbose, metadata)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Generate images with the EDM sampler from our snapshots or the release's published EDM2 models."""
+"""Generate images with the EDM sampler from our snapshots or the release's published EDM2 models, or with a consistency
+model's own 1-, 2- or N-step sampler from a consistency model's snapshot."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from cli.solver import schedule_option, solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import Guidance, Integer, Number, SeedList, SigmaInterval
 from edm2.data.dataset_files import MAX_IMAGE_PIXELS
-from edm2.errors import EDM2Error, one_line
-from edm2.formats.snapshot import load_generator
+from edm2.errors import EDM2Error, one_line, shown
+from edm2.consistency_sampler import T_MID, check_cm_settings, cm_times, consistency_sample, default_t_max, \
+    is_consistency_model
+from edm2.eval.flops import count_flops, sampling_evaluations
+from edm2.formats.snapshot import load_generator, load_network, read_metadata
 from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, generate_images,
                                         load_guide, read_generated_labels, save_generated_labels)
 from edm2.procedures.image_grid import save_png, tile
@@ -36,6 +40,11 @@ T = TypeVar("T")
 MAX_STEPS = 10**4
 # The sampler's settings whose options have their names: its errors (NAME=VALUE) name them as --NAME=VALUE.
 SAMPLER_OPTIONS = ("sigma_min", "sigma_max", "rho", "guidance", "S_churn", "S_min", "S_max", "S_noise", "schedule")
+DIFFUSION_STEPS, CONSISTENCY_STEPS = 32, 2  # --steps by default: the paper's 32, sCM's 2
+# The EDM sampler's options that a consistency model's sampler has no use for, with their defaults (option: setting).
+DIFFUSION_ONLY = {"--solver": ("solver", "heun"), "--schedule": ("schedule", "edm"), "--sigma_min": ("sigma_min", 0.002),
+                  "--rho": ("rho", 7), "--S_churn": ("S_churn", 0), "--S_min": ("S_min", 0),
+                  "--S_max": ("S_max", float("inf")), "--S_noise": ("S_noise", 1)}
 
 
 def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guidance: float | None):
@@ -50,9 +59,21 @@ def resolve_networks(preset: str | None, net: str | None, gnet: str | None, guid
         gnet = gnet or chosen.gnet
         guidance = chosen.guidance if guidance is None else guidance
     guidance = 1.0 if guidance is None else guidance
-    if guidance != 1 and gnet is None:
+    # A consistency model's --guidance is the scale its guidance embedding takes (sampling_plan): no --gnet needed.
+    if guidance != 1 and gnet is None and not local_consistency_model(net):
         raise click.UsageError(f"--guidance={guidance:g} needs a guiding network: give --gnet or a --preset that has one")
     return net, gnet, guidance
+
+
+def local_consistency_model(net_path: str | None) -> bool:
+    """Whether net_path is a local snapshot of a consistency model (its metadata alone read); False for anything else,
+    whose loading reports its own errors."""
+    if net_path is None or not net_path.endswith(".safetensors") or not Path(net_path).is_file():
+        return False
+    try:
+        return is_consistency_model(read_metadata(net_path))
+    except EDM2Error:
+        return False
 
 
 def check_before_work(outdir: str, guidance: float, guidance_interval: tuple[float, float] | None,
@@ -84,18 +105,68 @@ def load_for_option(option: str, load: Callable[[], T]) -> T:
         raise click.ClickException(f"{option}: {one_line(e)}") from None
 
 
-def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None):
-    """(net, gnet or None, encoder) on this rank's device, the encoder's VAE loaded too (before any sampling); gnet
-    is loaded only when guidance uses it, and is SELF for --gnet=self."""
+def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance: float, guidance_interval,
+                  t_mid: float | None, sampler_kwargs: dict) -> tuple[Callable | None, dict, int, str]:
+    """(sampler (None: the EDM sampler), its keyword arguments, network evaluations per image, a line saying how it
+    samples) for the network
+    whose snapshot's metadata is given; the options that do not fit it refused, one line each, before any sampling."""
+    steps = sampler_kwargs["num_steps"]
+    if not is_consistency_model(metadata):
+        if t_mid is not None:
+            raise click.BadParameter("applies to consistency models only; this is a diffusion model",
+                                     param_hint="--t-mid")
+        kwargs = dict(sampler_kwargs, num_steps=steps or DIFFUSION_STEPS, guidance_interval=guidance_interval)
+        about = f"{kwargs['solver']} solver, {kwargs['num_steps']} steps of the {kwargs['schedule']} schedule"
+        return None, kwargs, sampling_evaluations(metadata, kwargs["num_steps"], kwargs["solver"]), about
+    if gnet_path is not None or guidance_interval is not None:
+        option = "--gnet" if gnet_path is not None else "--guidance-interval"
+        raise click.BadParameter("a consistency model samples without a guiding network", param_hint=option)
+    if guidance != 1 and not getattr(net.network, "guidance_embedding", False):
+        raise click.BadParameter(f"{guidance:g}: this consistency model has no guidance embedding (it was not "
+                                 "distilled from a guided teacher), so it takes no guidance scale", param_hint="--guidance")
+    for option, (name, default) in DIFFUSION_ONLY.items():
+        if sampler_kwargs[name] != default:
+            raise click.BadParameter("the EDM sampler's option: a consistency model samples with its own steps "
+                                     "(--steps, --t-mid, --sigma_max); leave it out", param_hint=option)
+    steps, t_mid = steps or CONSISTENCY_STEPS, T_MID if t_mid is None else t_mid
+    t_max = default_t_max(sampler_kwargs["sigma_max"], net.sigma_data)
+    try:
+        check_cm_settings(steps, t_mid, t_max)
+    except SamplerError as e:
+        raise click.ClickException(str(e).replace("t_mid=", "--t-mid=").replace("steps=", "--steps=")) from None
+    times = ", ".join(f"{t:.4g}" for t in cm_times(steps, t_max, t_mid, net.sigma_data))
+    kwargs = dict(steps=steps, t_mid=t_mid, sigma_max=sampler_kwargs["sigma_max"],
+                  **({} if guidance == 1 else dict(guidance_scale=guidance)))
+    scale = "" if guidance == 1 else f", guidance scale {guidance:g} embedded"
+    return consistency_sample, kwargs, steps, f"consistency model, {steps} step(s) at TrigFlow times t = {times}{scale}"
+
+
+def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None,
+                  plan: Callable[[torch.nn.Module, dict], T]):
+    """(net, gnet or None, encoder, plan(net, metadata)) on this rank's device, the encoder's VAE loaded too (before
+    any sampling) after plan has accepted the network; gnet is loaded only when guidance uses it, and is SELF for
+    --gnet=self."""
     net, encoder, metadata = load_for_option("--net", functools.partial(load_generator, net_path))
+    planned = plan(net, metadata)
     load_for_option("--net", functools.partial(encoder.init, distributed.device()))
-    gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guidance != 1 else None
+    guided = guidance != 1 and gnet_path is not None  # a consistency model's scale needs no guiding network
+    gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guided else None
     highest = max((r[-1] for r in classes.ranges), default=None) if classes is not None else None
     if highest is not None and highest >= net.label_dim:
         raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
                                  param_hint="--class")
     device = distributed.device()
-    return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder
+    return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder, planned
+
+
+def print_dry_run(net_path: str, net, evaluations: int, about: str, images: int) -> None:
+    """What a run would sample, at what cost: network evaluations and Gflops per image (edm2.eval.flops) and in all."""
+    per_evaluation = count_flops(net).total
+    print(f"{'Network':<13}{shown(net_path)}")
+    print(f"{'Sampling':<13}{about}")
+    print(f"{'Evaluations':<13}{evaluations} per image, {evaluations * images:,} for {images:,} images")
+    print(f"{'Gflops':<13}{evaluations * per_evaluation / 1e9:.4g} per image ({per_evaluation / 1e9:.4g} per "
+          f"evaluation), {evaluations * per_evaluation * images / 1e9:.4g} in all; a guiding network's come on top")
 
 
 def grid_columns(count: int, rows: int) -> int:
@@ -186,7 +257,11 @@ Examples:
               help="Classes, e.g. 3 or 0-9 or 1,5,7: every seed in each class, the networks loaded once  "
                    "[default: random per seed]")
 @click.option("--batch", "batch_size", type=Integer(1, MAX_BATCH), default=32, show_default=True, help="Images per batch and process")
-@click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=32, show_default=True, help="Sampling steps")
+@click.option("--steps", "num_steps", type=Integer(1, MAX_STEPS), default=None,
+              help=f"Sampling steps  [default: {DIFFUSION_STEPS}; {CONSISTENCY_STEPS} for a consistency model]")
+@click.option("--t-mid", type=Number(min=0, min_open=True), default=None,
+              help=f"A consistency model's TrigFlow time of its second step, in (0, arctan(sigma_max / sigma_data))  "
+                   f"[default: {T_MID}, the sCM paper's]")
 @solver_option
 @schedule_option
 @click.option("--sigma_min", type=Number(min=0, min_open=True), default=0.002, show_default=True, help="Lowest noise level")
@@ -204,24 +279,34 @@ Examples:
 @click.option("--guidance-interval", type=SigmaInterval(), default=None,
               help="Guide only the steps whose noise level sigma lies in (SIGMA_LO, SIGMA_HI], e.g. 0.28,5.42 "
                    "(Kynkaanniemi et al. 2024); unguided elsewhere  [default: every step]")
+@click.option("-n", "--dry-run", is_flag=True, help="Print how the network would sample and at what cost (network "
+              "evaluations and Gflops per image), then stop: nothing is written")
 @sampling_speed_options
 @threads_option
 def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidance, grid, guidance_interval, speed,
-         **sampler_kwargs):
+         t_mid, dry_run, **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG.
 
     A conditional network's images get their classes in OUTDIR/labels.json ({"labels": [[file, class], ...]},
     the release's dataset.json format; the entries of earlier runs into the same folder are kept).
     """
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
-    check_before_work(outdir, guidance, guidance_interval, sampler_kwargs)
+    check_before_work(outdir, guidance, guidance_interval,
+                      dict(sampler_kwargs, num_steps=sampler_kwargs["num_steps"] or DIFFUSION_STEPS))
+    plan = functools.partial(sampling_plan, gnet_path=gnet_path, guidance=guidance,
+                             guidance_interval=guidance_interval, t_mid=t_mid, sampler_kwargs=sampler_kwargs)
+    if dry_run:
+        network, metadata = load_for_option("--net", functools.partial(load_network, net_path))
+        print_dry_run(net_path, network, *plan(network, metadata)[2:], images=len(seeds) * len(classes or [None]))
+        return
     outdir = Path(outdir)
     # One run at a time writes outdir: two would each write labels.json with their own images only.
     with distributed.session(), locks.hold_destination(outdir, "generate.py", locks.FOLDER_LOCK):
         earlier = distributed.main_rank_first(functools.partial(earlier_labels, outdir))
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
-        net, gnet, encoder = load_networks(net_path, gnet_path, guidance, classes)
+        net, gnet, encoder, (sampler, sampler_kwargs, _, about) = load_networks(net_path, gnet_path, guidance, classes,
+                                                                                plan)
         rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
         if grid:
             check_grid(len(seeds) * len(rows), len(rows), net.img_resolution)
@@ -230,12 +315,14 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         guide = "its own unconditional prediction" if gnet == SELF else gnet_path
         distributed.print0(f"Generating {len(seeds) * len(rows)} images from {net_path}"
                            + (f", {len(seeds)} in each of {len(rows)} classes" if len(rows) > 1 else "")
-                           + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else ""))
+                           + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else "")
+                           + f": {about}")
         generated, labels = {}, {}
         # Several classes share batches: every seed in each class, the batches filled across classes.
         batches = generate_images(net, encoder, seeds, class_idx=classes if len(rows) > 1 else rows[0], gnet=gnet,
-                                  guidance=guidance, batch_size=batch_size, device=distributed.device(),
-                                  guidance_interval=guidance_interval, **sampler_kwargs)
+                                  guidance=guidance if gnet is not None else 1, batch_size=batch_size,
+                                  device=distributed.device(),
+                                  sampler=sampler, **sampler_kwargs)
         save_images(batches, outdir, subdirs, rows, labels, generated if grid else None)
         if net.label_dim:
             save_labels(outdir, earlier, labels)

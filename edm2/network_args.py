@@ -31,7 +31,14 @@ MAX_LABELS = 1_000_000  # ImageNet has 1000 classes
 MAX_SCALE = 1000.0  # sigma_data and clip_act: the release uses 0.5 and 256
 MAX_TEXT_DIM = 16384  # a text encoder's features: T5-XXL has 4096, CLIP ViT-bigG 1280
 MAX_TEXT_TOKENS = 4096  # tokens of a caption: NeMo's Imagen takes 128, CLIP 77
-BLOCK_ARGS = ("channels_per_head", "dropout", "res_balance", "attn_balance", "clip_act")
+BLOCK_ARGS = ("channels_per_head", "dropout", "res_balance", "attn_balance", "clip_act", "modulation")
+# How a block's embedding modulates its residual branch: the release's c = 1 + gain W emb ('plain'), or sCM's adaptive
+# double normalization adapted to the MP block, c = 1 + gain normalize(W emb) ('double-norm', Lu and Song 2025,
+# Section 4.1), whose deviation from 1 has RMS |gain| whatever the embedding's magnitude.
+MODULATIONS = ("plain", "double-norm")
+# The U-Net's switches for consistency models and their defaults (the release's networks): a Precond records a switch
+# in its constructor arguments only when it is not its default, so that the release's networks keep theirs.
+NETWORK_SWITCHES = {"modulation": "plain", "guidance_embedding": False}
 
 
 class _Short(reprlib.Repr):
@@ -205,6 +212,10 @@ def check_unet(args: Mapping[str, object], block_args: Mapping[str, object]) -> 
     for name in ("label_balance", "concat_balance", "res_balance", "attn_balance"):
         real(name, {**args, **block_args}[name], 0, 1)
     real("dropout", block_args["dropout"], 0, 1)
+    modulation = block_args.get("modulation", NETWORK_SWITCHES["modulation"])
+    if modulation not in MODULATIONS:
+        raise _refuse("modulation", modulation, f"one of {', '.join(MODULATIONS)}")
+    flag("guidance_embedding", args.get("guidance_embedding", NETWORK_SWITCHES["guidance_embedding"]))
     if block_args["clip_act"] is not None:
         real("clip_act", block_args["clip_act"], 0, MAX_SCALE, low_open=True)
     per_head = _UNET_BOUNDS["channels_per_head"].check("channels_per_head", block_args["channels_per_head"])
@@ -324,6 +335,12 @@ def check_precond(sigma_data: object, logvar_channels: object, use_fp16: object,
     if time_embedding not in TIME_EMBEDDINGS:
         shown = repr(time_embedding) if isinstance(time_embedding, str) and len(time_embedding) <= 40 else "that value"
         raise ArchitectureError(f"time_embedding {shown} is not one of {', '.join(TIME_EMBEDDINGS)}")
+
+
+def is_default_switch(name: str, value: object) -> bool:
+    """Whether a network argument is one of NETWORK_SWITCHES at its default (and so is not recorded)."""
+    default = NETWORK_SWITCHES.get(name, ...)
+    return type(value) is type(default) and value == default
 
 
 def check_toy(in_dim: object, num_layers: object, hidden_dim: object, sigma_data: object) -> None:

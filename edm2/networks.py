@@ -39,6 +39,7 @@ class Block(torch.nn.Module):
         res_balance: float = 0.3,
         attn_balance: float = 0.3,
         clip_act: float | None = 256,
+        modulation: str = network_args.NETWORK_SWITCHES["modulation"],
     ):
         super().__init__()
         if flavor not in ("enc", "dec"):
@@ -52,6 +53,7 @@ class Block(torch.nn.Module):
         self.res_balance = res_balance
         self.attn_balance = attn_balance
         self.clip_act = clip_act
+        self.modulation = modulation
         # Registration order fixes the state-dict order of the release's checkpoints.
         self.emb_gain = torch.nn.Parameter(torch.zeros([]))
         self.conv_res0 = MPConv(out_channels if flavor == "enc" else in_channels, out_channels, [3, 3])
@@ -70,7 +72,7 @@ class Block(torch.nn.Module):
             x = normalize(x, dim=1)  # pixel norm on the encoder's main path (Eq. 30)
 
         y = self.conv_res0(self.silu(x))
-        c = self.emb_linear(emb, gain=self.emb_gain) + 1
+        c = self.conditioning(emb)
         y = self.silu(y * c.unsqueeze(2).unsqueeze(3).to(y.dtype))
         if self.training and self.dropout:
             y = F.dropout(y, p=self.dropout)
@@ -85,6 +87,15 @@ class Block(torch.nn.Module):
         if self.clip_act is not None:
             x = x.clip_(-self.clip_act, self.clip_act)
         return x
+
+    def conditioning(self, emb: torch.Tensor) -> torch.Tensor:
+        """The residual branch's modulation c [N,C]: 1 + emb_gain W emb (the release's, 'plain'), or with 'double-norm'
+        1 + emb_gain normalize(W emb) over the channels, whose deviation from 1 has RMS |emb_gain| however large the
+        embedding grows (sCM's adaptive double normalization, Lu and Song 2025, Section 4.1, on the MP block whose
+        main path is already pixel-normalized)."""
+        if self.modulation == "double-norm":
+            return 1 + self.emb_gain * normalize(self.emb_linear(emb), dim=1)
+        return self.emb_linear(emb, gain=self.emb_gain) + 1
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         """Cosine self-attention (Eq. 10-12 with pixel-normalized q, k, v; Eq. 30-32)."""
@@ -150,6 +161,7 @@ class UNet(torch.nn.Module):
         text_tokens: int = 0,
         text_attention: Sequence[int] = (),
         text_attention_kind: str = TextUNetHyperparameters.text_attention_kind,
+        guidance_embedding: bool = network_args.NETWORK_SWITCHES["guidance_embedding"],
         **block_kwargs,
     ):
         network_args.check_unet(locals(), {**_BLOCK_DEFAULTS, **block_kwargs})  # before anything is built
@@ -183,6 +195,14 @@ class UNet(torch.nn.Module):
         self.out_conv = MPConv(cblock[0], img_channels, [3, 3])  # the decoder ends at the first level's width
         self.text_attn = self._text_attention(text_dim, text_attention, text_attention_kind, block_kwargs) \
             if text_dim else None
+        # The guidance scale's embedding (sCD's student of a guided teacher), built last so that the layers above draw
+        # the same initial weights as without it; its gain starts at zero, so at initialization the network computes
+        # exactly the network without it (the teacher it is initialized from).
+        self.guidance_embedding = guidance_embedding
+        if guidance_embedding:
+            self.emb_guidance_fourier = self.fourier_type(cnoise)
+            self.emb_guidance = MPConv(cnoise, cemb, [])
+            self.guidance_gain = torch.nn.Parameter(torch.zeros([]))
 
     def _text_attention(self, text_dim: int, resolutions: Sequence[int], kind: str,
                         block_kwargs: dict) -> torch.nn.ModuleDict:
@@ -199,8 +219,10 @@ class UNet(torch.nn.Module):
                                                              block.out_channels // per_head, kind, balance)
         return layers
 
-    def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
-        """The blocks' conditioning from c_noise and the labels (Eq. 75, 88, 81), in the dtype of noise_labels."""
+    def embedding(self, noise_labels: torch.Tensor, class_labels: torch.Tensor | None,
+                  guidance: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The blocks' conditioning from c_noise and the labels (Eq. 75, 88, 81), in the dtype of noise_labels; with
+        guidance_embedding, plus the guidance scale's (1, no guidance, when none is given)."""
         emb = self.emb_noise(self.emb_fourier(noise_labels))
         if self.emb_label is not None:
             # Scaling one-hot labels by sqrt(label_dim) gives them unit magnitude.
@@ -210,11 +232,19 @@ class UNet(torch.nn.Module):
             # The pooled embedding at unit RMS, whatever the text encoder's scale, as the one-hot labels are.
             pooled = normalize(unpack_condition(class_labels)[0], dim=1).to(emb.dtype)
             emb = self.add(emb, self.emb_text(pooled), t=self.label_balance)
+        if self.guidance_embedding:
+            emb = emb + self.emb_guidance(self.emb_guidance_fourier(guidance_labels(guidance, noise_labels)),
+                                          gain=self.guidance_gain)
+        elif guidance is not None:
+            raise ArchitectureError("this network has no guidance embedding (guidance_embedding=False): it takes no "
+                                    "guidance scale")
         return self.silu(emb)
 
-    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None) -> torch.Tensor:
-        """Evaluate F(x; c_noise, labels); the embedding stays in the dtype of noise_labels."""
-        emb = self.embedding(noise_labels, class_labels)
+    def forward(self, x: torch.Tensor, noise_labels: torch.Tensor, class_labels: torch.Tensor | None,
+                guidance: torch.Tensor | float | None = None) -> torch.Tensor:
+        """Evaluate F(x; c_noise, labels), with guidance_embedding at the guidance scale w (a number or [N]); the
+        embedding stays in the dtype of noise_labels."""
+        emb = self.embedding(noise_labels, class_labels, guidance)
         text = text_rows(class_labels.expand(x.shape[0], -1, -1)) if self.text_attn else None
         x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         skips = []
@@ -242,6 +272,13 @@ class UNet(torch.nn.Module):
         # The replay restores the RNG state: dropout draws the same masks. It writes nothing either: the forced
         # weight normalization happens before the forward pass (edm2.layers.force_weight_normalization).
         return torch.utils.checkpoint.checkpoint(block, x, emb, use_reentrant=False)
+
+
+def guidance_labels(guidance: torch.Tensor | float | None, noise_labels: torch.Tensor) -> torch.Tensor:
+    """The guidance embedding's input ln(w) / 4 [N or 1] in the dtype of noise_labels, w = 1 when None: EDM's map of
+    sigma to c_noise (Eq. 7), so that equal ratios of scales are equal steps and w = 1 (no guidance) is 0."""
+    w = torch.as_tensor(1.0 if guidance is None else guidance, dtype=noise_labels.dtype, device=noise_labels.device)
+    return w.reshape(-1).log() / 4
 
 
 class Precond(torch.nn.Module):
@@ -275,7 +312,8 @@ class Precond(torch.nn.Module):
             family=family,
             # Recorded when not EDM's, so that the release's networks keep their constructor arguments.
             **({} if time_embedding == "edm" else dict(time_embedding=time_embedding)),
-            **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in network_kwargs.items()},
+            **{k: list(v) if isinstance(v, (tuple, list)) else v for k, v in network_kwargs.items()
+               if not network_args.is_default_switch(k, v)},
         )
         self.img_resolution = img_resolution
         self.img_channels = img_channels
@@ -344,8 +382,10 @@ class Precond(torch.nn.Module):
         class_labels: torch.Tensor | None = None,
         force_fp32: bool = False,
         return_logvar: bool = False,
+        guidance: torch.Tensor | float | None = None,
     ):
-        """Denoise x at noise level sigma; with return_logvar also return u(sigma) [N,1,1,1]."""
+        """Denoise x at noise level sigma; with return_logvar also return u(sigma) [N,1,1,1]; guidance is the scale
+        w (a number or [N]) of a network with a guidance embedding."""
         base = self.base_dtype()
         x = x.to(base)
         sigma = torch.as_tensor(sigma, dtype=base, device=x.device).reshape(-1, 1, 1, 1)
@@ -359,12 +399,18 @@ class Precond(torch.nn.Module):
         c_in = 1 / (sd**2 + sigma**2).sqrt()
         c_noise = self.noise_labels(sigma.flatten())
 
-        f_x = self.network((c_in * x).to(dtype), c_noise, class_labels)
+        f_x = self.network((c_in * x).to(dtype), c_noise, class_labels, **network_guidance(guidance))
         d_x = c_skip * x + c_out * f_x.to(base)
         if not return_logvar:
             return d_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
         return d_x, logvar
+
+
+def network_guidance(guidance: torch.Tensor | float | None) -> dict:
+    """The keyword arguments that hand a guidance scale to a family's network: none without one, so that the
+    families without a guidance embedding are called as they always are."""
+    return {} if guidance is None else {"guidance": guidance}
 
 
 def unet_blocks(unet: UNet) -> list[tuple[str, torch.nn.Module]]:

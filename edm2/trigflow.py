@@ -13,19 +13,21 @@ from typing import Callable
 import torch
 
 from edm2.consistency import Denoiser, Model, t_to_sigma
-from edm2.networks import Precond
+from edm2.networks import Precond, network_guidance
 
 
-def consistency_model(net: Precond, labels: torch.Tensor | None = None) -> Model:
+def consistency_model(net: Precond, labels: torch.Tensor | None = None,
+                      guidance: torch.Tensor | float | None = None) -> Model:
     """F(x_scaled, t) of net: -net.network(x_scaled, c_noise(sigma_d tan t), labels), computed in net's activation
-    dtype and returned in its base dtype (float32, or float64 for a float64 network)."""
+    dtype and returned in its base dtype (float32, or float64 for a float64 network); guidance is the scale w of a
+    network with a guidance embedding (sCD's student of a guided teacher)."""
     labels = net.prepare_labels(labels, next(net.parameters()).device)
 
     def model(x_scaled: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         base = net.base_dtype()
         dtype = net.compute_dtype(x_scaled.device)
         c_noise = net.noise_labels(t_to_sigma(t.to(base), net.sigma_data))
-        return -net.network(x_scaled.to(dtype), c_noise, labels).to(base)
+        return -net.network(x_scaled.to(dtype), c_noise, labels, **network_guidance(guidance)).to(base)
 
     return model
 

@@ -24,6 +24,9 @@ Like the release, the log-variance head (not evaluated by `net(x, sigma, labels)
 are among the parameters. The totals agree with Table 6 and with the per-op figures the paper gives for XXL
 (Appendix D.5: convolutions 545.50, linalg_vector_norm 1.54, matmul 1.43 Gflops).
 
+A sampled image costs its sampler's evaluations times that (sampling_evaluations): a consistency model one per
+step, a diffusion model its solver's evaluations of its steps (edm2.solvers.evaluations).
+
 Not torch.utils.flop_counter: it counts 2 per multiply-accumulate and no elementwise op (edm2.runtime.utilization).
 """
 
@@ -38,7 +41,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from edm2 import layers
+from edm2.consistency_sampler import is_consistency_model
 from edm2.networks import Precond
+from edm2.solvers import evaluations
 
 # Flops of one part of the network by the release's op name ('_convolution', 'matmul', 'div', ...).
 Cost = collections.Counter
@@ -183,6 +188,12 @@ def count_flops(net: Precond) -> FlopsCount:
             hook.remove()
     parts = {name: cost for name, cost in parts.items() if +cost}
     return FlopsCount(sum(p.numel() for p in net.parameters()), parts)
+
+
+def sampling_evaluations(metadata: dict, steps: int, solver: str) -> int:
+    """Network evaluations (NFE) per image of `steps` sampling steps of the network whose snapshot's metadata is
+    given: one per step for a consistency model, else the solver's (the guiding network's, if any, come on top)."""
+    return steps if is_consistency_model(metadata) else evaluations(solver, steps)
 
 
 def memory_per_sample(net: Precond, device: torch.device) -> int:

@@ -234,6 +234,7 @@ def generate_images(
     guidance: float = 1.0,
     batch_size: int = 32,
     device: torch.device | str | None = None,
+    sampler: Callable[..., torch.Tensor] | None = None,
     **sampler_kwargs,
 ) -> Iterator[tuple[list[int], torch.Tensor, list[int] | None]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
@@ -241,8 +242,9 @@ def generate_images(
 
     `seeds` may be any sequence (a range, a SeedRanges): only one batch of it is ever a list. A sequence of classes
     as class_idx samples every seed in each class, class by class, the batches filled across classes (each image
-    depends on its seed and class alone). sampler_kwargs go to edm_sampler (num_steps, sigma_min, ...,
-    guidance_interval). gnet=SELF guides net by its own unconditional prediction (check_self_guidance tells whether
+    depends on its seed and class alone). sampler_kwargs go to the sampler: edm_sampler when None (num_steps, sigma_min,
+    ..., guidance_interval), or edm2.consistency_sampler.consistency_sample for a consistency model (steps, t_mid,
+    sigma_max; no gnet or guidance). gnet=SELF guides net by its own unconditional prediction (check_self_guidance tells whether
     it has one).
     """
     device = torch.device(device) if device is not None else distributed.device()
@@ -252,6 +254,8 @@ def generate_images(
             raise GenerationError(f"class {c} is out of range for a network with {net.label_dim} classes")
     if gnet not in (None, SELF) and guidance != 1:
         check_guidance_pair(net, gnet)
+    # Only a guided run hands gnet and guidance on: a sampler without guidance (a consistency model's) takes neither.
+    guide = {} if gnet is None and guidance == 1 else dict(gnet=gnet, guidance=guidance)
     jobs = ClassSeeds(class_idx, seeds) if several else None
     # Batches of job indices: RankBatches hands out ints, and each index names one (class, seed) pair.
     batches = distributed.rank_batches(range(len(jobs)) if several else seeds, batch_size, distributed.get_rank(),
@@ -262,19 +266,20 @@ def generate_images(
             pairs = [jobs[j] for j in batch] if several else None
             batch_seeds = [seed for _, seed in pairs] if several else batch
             batch_classes = [c for c, _ in pairs] if several else class_idx
-            images, classes = sample_batch(net, encoder, batch_seeds, batch_classes, device, gnet=gnet,
-                                           guidance=guidance, **sampler_kwargs)
+            images, classes = sample_batch(net, encoder, batch_seeds, batch_classes, device, sampler=sampler,
+                                           **guide, **sampler_kwargs)
             yield batch_seeds, images, classes
 
 
 def sample_batch(net: torch.nn.Module, encoder, seeds: Sequence[int], class_idx: int | Sequence[int] | None,
-                 device: torch.device, **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
+                 device: torch.device, sampler: Callable[..., torch.Tensor] | None = None,
+                 **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
     """(uint8 NCHW images decoded by `encoder`, the class of every image or None) for one batch of seeds, on this
-    process alone; sampler_kwargs go to edm_sampler (gnet, guidance, num_steps, ...)."""
+    process alone; sampler_kwargs go to the sampler (edm_sampler when None: gnet, guidance, num_steps, ...)."""
     noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx,
                                               device)
     with torch.no_grad():
-        latents = edm_sampler(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
+        latents = (sampler or edm_sampler)(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
         images = encoder.decode(latents)
     return images, None if labels is None else labels.argmax(dim=1).tolist()
 
