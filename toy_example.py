@@ -198,7 +198,7 @@ def _distill(outdir: Path, opts: ToyDistillation, teacher, teacher_name: str, vi
 
     click.echo(f"Distilling on {where} ({opts.method}): {opts.init_iterations} iterations fitting the teacher, "
                f"then {opts.iterations} into {outdir}")
-    train_toy_consistency(opts, teacher, where, snapshot)
+    train_toy_consistency(opts, teacher, ground_truth(opts.classes, where), where, snapshot)
     click.echo("Done.")
 
 

@@ -21,7 +21,7 @@ from edm2.consistency import (algorithm1_loss, denoiser_velocity, noised, sample
 from edm2.layers import force_weight_normalization
 from edm2.phema import PowerFunctionEMA
 from edm2.toy.consistency import ToyFlow
-from edm2.toy.gmm import ground_truth
+from edm2.toy.gmm import GaussianMixture
 from edm2.toy.model import ToyDenoiser, denoiser
 from training.state import adam
 
@@ -63,12 +63,14 @@ class ToyDistillation:
                 "prior": self.prior}
 
 
-def fit_to_teacher(student: ToyFlow, teacher: ToyDenoiser, opts: ToyDistillation, generator: torch.Generator) -> None:
+def fit_to_teacher(student: ToyFlow, teacher: ToyDenoiser, data: GaussianMixture, opts: ToyDistillation,
+                   generator: torch.Generator) -> None:
     """opts.init_iterations of Adam fitting F(x_t / sigma_d, t) to the teacher's velocity / sigma_d at x_t =
-    noised(x0, z, t), t from the proposal distribution: the student learns the teacher's ODE before Algorithm 1."""
+    noised(x0, z, t), x0 from data and t from the proposal distribution: the student learns the teacher's ODE
+    before Algorithm 1."""
     device = student.gain.device
     sigma_data = student.sigma_data
-    target, teach = ground_truth(opts.classes, device), denoiser(teacher)
+    target, teach = data, denoiser(teacher)
     optimizer = adam(student.parameters(), device)
     optimizer.param_groups[0]["lr"] = opts.init_lr
     for _ in range(opts.init_iterations):
@@ -83,18 +85,19 @@ def fit_to_teacher(student: ToyFlow, teacher: ToyDenoiser, opts: ToyDistillation
         optimizer.step()
 
 
-def train_toy_consistency(opts: ToyDistillation, teacher: ToyDenoiser, device: torch.device,
+def train_toy_consistency(opts: ToyDistillation, teacher: ToyDenoiser, data: GaussianMixture, device: torch.device,
                           on_snapshot: Callable[[int, ToyFlow], None]) -> ToyFlow:
-    """Initialize a student from the teacher, then train it as opts says, calling on_snapshot(iterations done, EMA
-    student) when a snapshot is due; returns the EMA."""
+    """Initialize a student from the teacher, then train it as opts says on points of data (the ground truth of
+    opts.classes, on device), calling on_snapshot(iterations done, EMA student) when a snapshot is due; returns the
+    EMA."""
     torch.manual_seed(opts.seed)
     generator = torch.Generator(device).manual_seed(opts.seed)
     sigma_data = teacher.sigma_data
     student = ToyFlow(num_layers=opts.num_layers, hidden_dim=opts.hidden_dim, sigma_data=sigma_data)
     student = student.to(device).train().requires_grad_(True)
     teacher = teacher.to(device).eval().requires_grad_(False)
-    fit_to_teacher(student, teacher, opts, generator)
-    target, teach = ground_truth(opts.classes, device), denoiser(teacher)
+    fit_to_teacher(student, teacher, data, opts, generator)
+    target, teach = data, denoiser(teacher)
 
     def teacher_tangent(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return denoiser_velocity(lambda x, sigma: teach(x, sigma, None), x_t, t, sigma_data)

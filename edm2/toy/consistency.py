@@ -16,6 +16,8 @@ at t_max and the EDM schedule's N - 1 lower levels (EDM Eq. 5, rho 7) mapped by 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from edm2.consistency import sigma_to_t
@@ -86,6 +88,5 @@ def consistency_sample(net: ToyFlow, noise: torch.Tensor, sigma_max: float = SIG
     times = sampling_times(noise.shape[0], net.sigma_data, sigma_max)
     x0 = net.consistency_function(net.sigma_data * noise[0], times[0])
     for t, z in zip(times[1:], noise[1:]):
-        x0 = net.consistency_function(torch.cos(torch.tensor(t)) * x0 + torch.sin(torch.tensor(t)) * net.sigma_data
-                                      * z, t)
+        x0 = net.consistency_function(math.cos(t) * x0 + math.sin(t) * net.sigma_data * z, t)
     return x0
