@@ -106,7 +106,8 @@ def teacher_file(tmp_path):
     return path
 
 
-def test_distill_writes_loadable_snapshots_and_score_prints_the_lines(tmp_path, teacher_file, small_views):  # noqa: F811
+def test_distill_writes_loadable_snapshots_and_score_prints_the_lines(tmp_path, teacher_file,
+                                                                    small_views):  # noqa: F811
     outdir = tmp_path / "student"
     result = run("distill", "--method", "sct", "--net", teacher_file, "--outdir", outdir, "--iters", 2,
                  "--init-iters", 1, "--warmup", 1)

@@ -6,8 +6,11 @@ The teacher (edm2.toy.model.ToyDenoiser) models log p and has no direct output, 
 the inputs (x_t / sigma_d, c_noise = t, 1) go through MP linear layers with MP SiLU between them, as the teacher's,
 and a last one to the two outputs times a learned gain (0 at initialization, so F starts at 0). The layers are the
 image networks' MPConv (kernel []), which never write their weights in a forward pass (the teacher's MPLinear does,
-and torch.func.jvp refuses that): training applies forced weight normalization (paper Eq. 66) before each step. The consistency function
-f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t) is edm2.consistency's.
+and torch.func.jvp refuses that): training applies forced weight normalization (paper Eq. 66) before each step.
+The consistency function f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t) is edm2.consistency's.
+
+The sampler below follows the convention the image networks' consistency sampling shares (t_max from
+sigma_max = 80, t_mid = 1.1).
 
 Sampling follows the sCM paper: one step x0 = f(sigma_d z, t_max) with t_max = arctan(sigma_max / sigma_d); two
 steps then x = cos(t_mid) x0 + sin(t_mid) sigma_d z', x0 = f(x, t_mid) with t_mid = 1.1; N >= 3 steps the same
