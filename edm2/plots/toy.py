@@ -164,12 +164,21 @@ def toy_figure(net: ToyDenoiser | GaussianMixture, gnet: ToyDenoiser, guidance: 
 def progress_figure(net: ToyDenoiser, title: str, device: torch.device | str = "cpu", seed: int = 1):
     """One panel of a network's samples over the ground truth, as training goes (the release's live view)."""
     device = torch.device(device)
+    start = starting_points(PROGRESS, torch.Generator(device).manual_seed(seed), device)
+    return samples_figure({title: sample_trajectories(net, start, PROGRESS.sigma_max)[-1]}, device)
+
+
+def samples_figure(samples: dict[str, torch.Tensor], device: torch.device | str = "cpu", classes: str = "A"):
+    """One panel per entry, its points [n, 2] over the ground truth (the given classes in orange over both in grey),
+    titled by its key: a network's samples as training goes, or a few-step model's samples."""
+    device = torch.device(device)
     view = PROGRESS
     grid = view.grid(device)
-    figure = new_figure(8, 8)
-    panel = _Panel(figure.subplots(), view, grid, title)
-    panel.density(ground_truth("AB", device).logp(grid[2]), **GT_ALL)
-    panel.density(ground_truth("A", device).logp(grid[2]), **GT_CLASS)
-    start = starting_points(view, torch.Generator(device).manual_seed(seed), device)
-    panel.points(sample_trajectories(net, start, view.sigma_max)[-1], size=7, alpha=0.25)
+    figure = new_figure(8 * len(samples), 8)
+    gt_all, gt_class = ground_truth("AB", device).logp(grid[2]), ground_truth(classes, device).logp(grid[2])
+    for axes, (title, points) in zip(np.atleast_1d(figure.subplots(1, len(samples))), samples.items()):
+        panel = _Panel(axes, view, grid, title)
+        panel.density(gt_all, **GT_ALL)
+        panel.density(gt_class, **GT_CLASS)
+        panel.points(points, size=7, alpha=0.25)
     return figure

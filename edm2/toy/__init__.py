@@ -1,2 +1,2 @@
-"""The autoguidance paper's 2-D example: the fractal Gaussian mixture, its small denoiser and its snapshot
-files."""
+"""The autoguidance paper's 2-D example: the fractal Gaussian mixture, its small denoiser, its consistency model
+(sCM), their scoring by the exact density and their snapshot files."""
