@@ -122,8 +122,9 @@ def sample(net: torch.nn.Module, row: dict, seeds: list[int], batch: int) -> tor
 @click.option("--outdir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--images", type=int, default=2000, show_default=True, help="Generated images per row")
 @click.option("--batch", type=int, default=250, show_default=True)
+@click.option("--bf16", is_flag=True, help="Evaluate the networks in bfloat16 on the CPU too (cpu_16bit)")
 def table(data: str, features_path: str, teacher: str | None, students: tuple[str, ...], outdir: Path, images: int,
-          batch: int):
+          batch: int, bf16: bool):
     """Frechet distances and grids: teacher with Heun (31, 63 NFE) and DPM-Solver++(2M) (2, 4 NFE), students at 1
     and 2 steps."""
     outdir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +145,7 @@ def table(data: str, features_path: str, teacher: str | None, students: tuple[st
     results = []
     for row in rows:
         net = load_network(row["net"])[0]
+        net.use_bf16, net.cpu_16bit = net.use_bf16 or bf16, bf16
         start = time.monotonic()
         x = sample(net, row, seeds, batch)
         seconds = time.monotonic() - start
@@ -154,7 +156,7 @@ def table(data: str, features_path: str, teacher: str | None, students: tuple[st
         save_png(outdir / grid_name, tile(grid, 10))
         results.append(dict(name=row["name"], nfe=row["nfe"], fd=fd, seconds=round(seconds, 1), grid=grid_name))
         print(f"{row['name']:<48} NFE {row['nfe']:>3}  FD {fd:9.3f}  ({seconds:.0f} s)", flush=True)
-    record = dict(images=images, features_sha256=hashlib.sha256(Path(features_path).read_bytes()).hexdigest(),
+    record = dict(images=images, bf16=bf16, features_sha256=hashlib.sha256(Path(features_path).read_bytes()).hexdigest(),
                   rows=results)
     (outdir / f"table-{int(time.time())}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))

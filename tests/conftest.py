@@ -15,6 +15,7 @@ os.environ["EDM2_PROCESSES"] = "1"
 import pytest  # noqa: E402 (after hiding the GPU)
 import torch  # noqa: E402
 
+from edm2.plots import toy as toy_plots  # noqa: E402
 from tests.helpers import (
     built_once, forget_release_standins, install_release_standins, run_training, save_tiny_vae, write_image_dataset,
 )
@@ -111,3 +112,11 @@ def reference_run(train_data, tmp_path_factory):
     result = run_training(train_data, outdir, "--workers=0")
     assert result.returncode == 0, result.stderr
     return outdir
+
+
+@pytest.fixture
+def small_views(monkeypatch):
+    """The toy figures' grids and sample counts shrunk, so that a test draws one in a second."""
+    for name in ("OVERVIEW", "CLOSE_UP", "PROGRESS"):
+        view = getattr(toy_plots, name)
+        monkeypatch.setattr(toy_plots, name, type(view)(**{**view.__dict__, "resolution": 24, "num_samples": 96}))

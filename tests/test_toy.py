@@ -17,7 +17,6 @@ import toy_example
 from edm2.formats import snapshot
 from edm2.formats.release_pickle import ReleasePickleError
 from edm2.layers import ArchitectureError
-from edm2.plots import toy as toy_plots
 from edm2.runtime.locks import FOLDER_LOCK, hold_destination
 from edm2.toy import gmm as toy_gmm
 from edm2.toy.model import ToyDenoiser, sample_trajectories
@@ -214,14 +213,8 @@ def test_release_edm2_pickle_is_not_a_toy_model(tmp_path, release_standins):
 
 
 # ---------------------------------------------------------------------------------------------------
-# toy_example.py, with the figure's grids and sample counts shrunk so that a test draws it in a second.
-
-@pytest.fixture
-def small_views(monkeypatch):
-    for name in ("OVERVIEW", "CLOSE_UP", "PROGRESS"):
-        view = getattr(toy_plots, name)
-        monkeypatch.setattr(toy_plots, name, type(view)(**{**view.__dict__, "resolution": 24, "num_samples": 96}))
-
+# toy_example.py, with the figure's grids and sample counts shrunk so that a test draws it in a second (the
+# small_views fixture of tests/conftest.py).
 
 def run(*args):
     return CliRunner().invoke(toy_example.main, [str(a) for a in args])

@@ -19,7 +19,6 @@ from edm2.toy.model import ToyDenoiser
 from edm2.toy.scoring import mean_loglik, toy_samples
 from edm2.toy.snapshot import load_toy, save_toy
 from tests.helpers import assert_refused, randomized
-from tests.test_toy import small_views  # noqa: F401  the figure's grids shrunk
 from training.toy_consistency import ToyDistillation, train_toy_consistency
 
 SIGMA_D = 0.5
@@ -37,10 +36,11 @@ def test_sampler_equals_its_formula(num_steps):
     net.gain.data.fill_(0.7)
     noise = torch.randn(num_steps, 64, 2, dtype=torch.float64)
     t_max = math.atan(80 / SIGMA_D)
-    # Three steps: t_max, then levels 1 and 2 of EDM Eq. 5's three levels 80 ... 0.002 (rho 7), mapped by arctan.
-    level_1 = (80 ** (1 / 7) + 0.5 * (0.002 ** (1 / 7) - 80 ** (1 / 7))) ** 7
-    times = {1: [t_max], 2: [t_max, 1.1],
-             3: [t_max, math.atan(level_1 / SIGMA_D), math.atan(0.002 / SIGMA_D)]}[num_steps]
+    # Three steps: t_max, then levels 0 and 1 of EDM Eq. 5's three levels sigma_d tan(1.1) ... 0.002 (rho 7), mapped
+    # by arctan.
+    top = SIGMA_D * math.tan(1.1)
+    level_1 = (top ** (1 / 7) + 0.5 * (0.002 ** (1 / 7) - top ** (1 / 7))) ** 7
+    times = {1: [t_max], 2: [t_max, 1.1], 3: [t_max, 1.1, math.atan(level_1 / SIGMA_D)]}[num_steps]
     assert sampling_times(num_steps, SIGMA_D) == pytest.approx(times, rel=1e-15)
     x0 = by_hand(net, SIGMA_D * noise[0], times[0])
     for t, z in zip(times[1:], noise[1:]):
@@ -107,7 +107,7 @@ def teacher_file(tmp_path):
 
 
 def test_distill_writes_loadable_snapshots_and_score_prints_the_lines(tmp_path, teacher_file,
-                                                                    small_views):  # noqa: F811
+                                                                    small_views):
     outdir = tmp_path / "student"
     result = run("distill", "--method", "sct", "--net", teacher_file, "--outdir", outdir, "--iters", 2,
                  "--init-iters", 1, "--warmup", 1)

@@ -23,17 +23,13 @@ import math
 
 import torch
 
-from edm2.consistency import sigma_to_t
+from edm2.consistency_sampler import T_MID, cm_times
 from edm2.layers import MPConv, MPFourier
 from edm2.network_args import MAX_CHANNELS, check_toy, integer
-from edm2.schedules import sigma_steps
 from edm2.toy.gmm import ToyError
 from edm2.toy.model import MPSiLU
 
-T_MID = 1.1  # the sCM paper's intermediate time of 2-step sampling
 SIGMA_MAX = 80.0  # EDM's largest noise level, where sampling starts
-SIGMA_MIN = 0.002
-RHO = 7.0
 
 
 class ToyFlow(torch.nn.Module):
@@ -73,15 +69,12 @@ class ToyFlow(torch.nn.Module):
 
 
 def sampling_times(num_steps: int, sigma_data: float, sigma_max: float = SIGMA_MAX) -> list[float]:
-    """The TrigFlow times of num_steps consistency steps: t_max, then t_mid = 1.1 for two, or the EDM schedule's
-    lower levels mapped by arctan for three or more."""
+    """The TrigFlow times of num_steps consistency steps, as the images' sampler takes them
+    (edm2.consistency_sampler.cm_times): t_max = arctan(sigma_max / sigma_d), then t_mid = 1.1 and, for three or more,
+    EDM's schedule below it mapped by arctan."""
     if type(num_steps) is not int or num_steps < 1:
         raise ToyError(f"a consistency model samples in 1 or more steps, not {num_steps!r}")
-    t_max = float(sigma_to_t(torch.tensor(sigma_max, dtype=torch.float64), sigma_data))
-    if num_steps <= 2:
-        return [t_max, T_MID][:num_steps]
-    levels = sigma_steps(num_steps, SIGMA_MIN, sigma_max, RHO)[1:-1]
-    return [t_max] + sigma_to_t(levels, sigma_data).tolist()
+    return cm_times(num_steps, math.atan(sigma_max / sigma_data), T_MID, sigma_data)
 
 
 @torch.no_grad()
