@@ -8,6 +8,8 @@ import torch
 from click.testing import CliRunner
 
 import generate
+import train_edm2
+from edm2.data.dataset import ImageFolderDataset
 from edm2.encoders import StandardRGBEncoder
 from edm2.formats.snapshot import load_generator, load_network, save_network
 from edm2.procedures.generation import GenerationError, check_self_guidance, sample_batch
@@ -15,7 +17,7 @@ from edm2.procedures.image_grid import GRID_GAP_VALUE, labelled_rows
 from edm2.procedures.prompts import PromptConditions, load_prompt_encoder, text_record
 from edm2.sampler import SELF, conditional_and_unconditional
 from edm2.text_encoders import TextEncoderMismatchError
-from tests.helpers import assert_refused, read_pngs, tiny_precond
+from tests.helpers import assert_ok, assert_refused, read_pngs, run_dataset_tool, tiny_precond
 from tests.text_helpers import tiny_text_encoder, tiny_text_snapshot
 
 FAST = ["--steps=3"]
@@ -157,3 +159,25 @@ def test_bad_prompt_input_is_one_line(text, tmp_path, case, fragments):
     line = assert_refused(tmp_path, lambda: CliRunner().invoke(generate.main, [
         f"--net={text['net']}", f"--outdir={outdir}", *FAST, *args]), *fragments)
     assert not outdir.exists(), line
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An unconditional run on data with text (the chance-level baseline).
+
+def test_train_edm2_cond_false_trains_an_unconditional_network_on_data_with_text(text, tmp_path):
+    toy = tmp_path / "toy"
+    assert_ok(run_dataset_tool("toy", "--dest", toy, "--resolution", 8, "--num", 16, "--captions"))
+    data = tmp_path / "text.zip"
+    assert_ok(run_dataset_tool("encode-text", "--source", toy, "--dest", data, "--text-encoder", text["t5"],
+                               "--tokens", TOKENS))
+    assert ImageFolderDataset(data).has_text and not ImageFolderDataset(data, use_text=False).has_text
+    args = ["--preset=toy-tiny", f"--data={data}", "--duration=32", "--batch=16", "--snapshot=32", "--checkpoint=32",
+            "--status=16", "--workers=0", "--no-compile"]
+    for cond, outdir in (("False", tmp_path / "uncond"), ("True", tmp_path / "text")):
+        result = CliRunner().invoke(train_edm2.main, [*args, f"--cond={cond}", f"--outdir={outdir}"])
+        assert result.exit_code == 0, result.output
+    uncond, metadata = load_network(next((tmp_path / "uncond").glob("*.safetensors")))
+    assert uncond.label_dim == 0 and "text_dim" not in uncond.init_kwargs and not hasattr(uncond.unet, "empty_text")
+    assert "text_encoding" not in metadata["dataset"]
+    conditioned, metadata = load_network(next((tmp_path / "text").glob("*.safetensors")))
+    assert conditioned.init_kwargs["text_dim"] == 16 and metadata["dataset"]["text_encoding"]["tokens"] == TOKENS
