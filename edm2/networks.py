@@ -134,7 +134,7 @@ _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for n
 class UNet(torch.nn.Module):
     """The magnitude-preserving U-Net of config G (Figure 22); with text_dim, a text network conditioned on a caption's
     condition (edm2.text_condition) by its pooled embedding and, at text_attention's resolutions, attention over its
-    tokens (docs/text-network.md)."""
+    tokens (docs/text.md)."""
 
     # CONFIG G's block, noise features (Eq. 75) and the embedding's and skips' fixed-function layers (Eq. 81, 88,
     # 103); CONFIG F (edm2.architectures.config_f) has its own block and the plain ones.
