@@ -364,14 +364,6 @@ class Precond(torch.nn.Module):
             return torch.zeros([1, self.label_dim], dtype=base, device=device)
         return class_labels.to(base).reshape(-1, self.label_dim)
 
-    def unconditional_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """The labels of the unconditional branch of guidance for a batch of labels: the empty caption's condition
-        for a text network (what text dropout trains), the all-zero label otherwise (what label dropout trains)."""
-        empty = getattr(self.network, "empty_text", None)
-        if empty is None:
-            return torch.zeros_like(labels)
-        return empty.to(labels.device, labels.dtype).expand(labels.shape[0], *empty.shape)
-
     def noise_labels(self, sigma: torch.Tensor) -> torch.Tensor:
         """c_noise of noise levels sigma [N]: ln(sigma) / 4 (EDM Eq. 7) or, with time_embedding 'trigflow', the
         TrigFlow time arctan(sigma / sigma_data)."""
@@ -413,6 +405,14 @@ class Precond(torch.nn.Module):
             return d_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
         return d_x, logvar
+
+    def unconditional_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the unconditional branch of guidance for a batch of labels: the empty caption's condition
+        for a text network (what text dropout trains), the all-zero label otherwise (what label dropout trains)."""
+        empty = getattr(self.network, "empty_text", None)
+        if empty is None:
+            return torch.zeros_like(labels)
+        return empty.to(labels.device, labels.dtype).expand(labels.shape[0], *empty.shape)
 
 
 def network_guidance(guidance: torch.Tensor | float | None) -> dict:

@@ -20,6 +20,7 @@ from edm2.data.dataset import DatasetError
 from edm2.data.dataset_json import is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import load_network
+from edm2.procedures.prompts import is_text_network
 from edm2.runtime import bounded_json, distributed, files
 from edm2.sampler import SELF, edm_sampler
 
@@ -181,7 +182,7 @@ def check_self_guidance(net, metadata: dict) -> None:
     """Raise GenerationError unless net can guide itself (metadata is its snapshot's): a text network trained with
     text dropout, so that its prediction for the empty caption is an unconditional one, or a class-conditional
     network trained with label dropout, so that its prediction for the all-zero label is."""
-    if getattr(net.network, "empty_text", None) is not None:
+    if is_text_network(net):
         if not dropout_rate(metadata, "text_dropout"):
             raise GenerationError("self-guidance needs a text network trained with text dropout (train_edm2.py "
                                   "--text-dropout=P); this one's snapshot records none, so its empty caption was "

@@ -28,7 +28,7 @@ def text_record(metadata: dict) -> dict | None:
 
 def is_text_network(net: torch.nn.Module) -> bool:
     """Whether net (a Precond) is conditioned on text: its network holds the empty caption's condition."""
-    return getattr(net.network, "empty_text", None) is not None
+    return getattr(getattr(net, "network", None), "empty_text", None) is not None
 
 
 def recorded_encoder_name(record: dict) -> str:
