@@ -19,6 +19,7 @@ from cli.solver import schedule_option, solver_option
 from cli.speed import apply_speed, sampling_speed_options, threads_option
 from cli.types import MAX_SEED_OPTION, Guidance, Integer, SigmaInterval
 from edm2.encoders import Encoder, EncoderError
+from edm2.errors import EDM2Error, one_line
 from edm2.eval import clip_score, scores
 from edm2.eval.detectors import PUBLISHED, DetectorError, load_detector
 from edm2.eval.fid_clip import Generate, PromptsError, fid_clip_curve, prompt_source, read_prompts
@@ -29,7 +30,8 @@ from edm2.formats.snapshot import SnapshotError, load_generator
 from edm2.networks import Precond
 from edm2.plots import save_png
 from edm2.plots.fid_clip import fid_clip_figure
-from edm2.procedures.generation import MAX_SEED, generate_images
+from edm2.procedures.generation import MAX_SEED, generate_images, sample_batch
+from edm2.procedures.prompts import PromptConditions, is_text_network, load_prompt_encoder, text_record
 from edm2.procedures.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS
@@ -351,15 +353,33 @@ def load_clip(clip_path: str | None, device: torch.device) -> clip_score.ClipSco
         raise click.BadParameter(str(e), param_hint="--clip") from None
 
 
-def text_generator(net_path: str, gnet_path: str | None, device: torch.device, sampler: dict) -> Generate:
+def text_generator(net_path: str, gnet_path: str | None, text_encoder: str | None, device: torch.device,
+                   sampler: dict) -> Generate:
     """The generator (seeds, prompts, guidance) -> uint8 images of the text-to-image network at net_path, guided by
-    gnet_path ('self': its unconditional branch); a network that takes class labels is refused, naming --net."""
-    _, _, metadata = distributed.main_rank_first(functools.partial(network_for_option, net_path, "--net", device))
-    if "text_encoding" not in metadata:
+    gnet_path ('self': its empty caption's branch), its prompts encoded by text_encoder (checked against the
+    snapshot's record) and sampled as generate.py samples (sample_batch); a network that takes no text is refused,
+    naming --net, and a missing or other text encoder naming --text-encoder."""
+    net, encoder, metadata = distributed.main_rank_first(
+        functools.partial(network_for_option, net_path, "--net", device))
+    record = text_record(metadata)
+    if record is None or not is_text_network(net):
         raise click.BadParameter(f"{net_path} records no text encoder: it is not a text-to-image network, and the "
                                  "FID-CLIP curve generates images for prompts", param_hint="--net")
-    raise click.BadParameter(f"{net_path}: this version has no sampler for text-to-image networks",
-                             param_hint="--net")
+    try:
+        conditions = PromptConditions(distributed.main_rank_first(
+            functools.partial(load_prompt_encoder, record, text_encoder)))
+    except EDM2Error as e:
+        raise click.BadParameter(one_line(e), param_hint="--text-encoder") from None
+    load_decoder(encoder, "--net", device)
+    gnet = sweep_cli.guiding_network(gnet_path, net, metadata, device) if gnet_path is not None else None
+
+    def generate(seeds: list[int], prompts: list[str], guidance: float) -> torch.Tensor:
+        guide = dict(gnet=gnet, guidance=guidance) if guidance != 1 else {}
+        images, _ = sample_batch(net, encoder, seeds, None, device, conditions=conditions.of_prompts(prompts),
+                                 **guide, **sampler)
+        return images
+
+    return generate
 
 
 def report_point(point: dict) -> None:
@@ -377,6 +397,8 @@ def report_point(point: dict) -> None:
               default=NEMO_GUIDANCE, show_default=True)
 @click.option("--prompts", "prompts_path", help="Prompts, one a line; the image of seed s has prompt number "
               "s mod (number of prompts)", metavar="TXT", required=True)
+@click.option("--text-encoder", help="The network's text encoder: the one its training data's embeddings came from "
+              "(checked against the snapshot's record); an ID may download", metavar="DIR|ID", default=None)
 @click.option("--ref", "ref_path", help="Reference statistics (FID)", metavar="NPZ|PKL|URL", required=True)
 @click.option("--dest", "dest_path", help="The curve's JSON file to write; its plot is written beside it (.png)",
               metavar="JSON", required=True)
@@ -393,8 +415,8 @@ def report_point(point: dict) -> None:
 @solver_option
 @schedule_option
 @threads_option
-def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompts_path: str, ref_path: str,
-             dest_path: str, num_images: int, seed: int, batch_size: int, inception: str | None,
+def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompts_path: str,
+             text_encoder: str | None, ref_path: str, dest_path: str, num_images: int, seed: int, batch_size: int, inception: str | None,
              clip_path: str | None, solver: str, schedule: str) -> None:
     """The FID-CLIP curve of a text-to-image network: FID and CLIP score at each guidance strength, as a JSON file
     and a plot beside it (NeMo's protocol: the default strengths, 30k COCO-2014 prompts, CLIP ViT-L/14)."""
@@ -412,7 +434,7 @@ def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompt
         reference = load_reference(ref_path, ["fid"])
         device = distributed.device()
         sampler = dict(solver=solver, schedule=schedule)
-        generate = text_generator(net_path, gnet_path, device, sampler)
+        generate = text_generator(net_path, gnet_path, text_encoder, device, sampler)
         detectors = load_detectors(["fid"], {"fid": inception}, device)
         check_dimensions(reference, ref_path, detectors)
         clip = load_clip(clip_path, device)
@@ -420,7 +442,8 @@ def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompt
         points = fid_clip_curve(guidance, prompt_source(generate, prompts, seeds, batch_size), detectors["fid"],
                                 clip, reference, device, report=report_point)
         if distributed.is_main():
-            settings = dict(net=net_path, gnet=gnet_path, prompts=prompts_path, num_prompts=len(prompts),
+            settings = dict(net=net_path, gnet=gnet_path, text_encoder=text_encoder, prompts=prompts_path,
+                            num_prompts=len(prompts),
                             prompt_of_seed="prompts[seed % len(prompts)]", seeds=f"{seeds.start}-{seeds.stop - 1}",
                             ref=ref_path, sampler=sampler,
                             detectors=dict(fid=dict(url=PUBLISHED["fid"].url, sha256=PUBLISHED["fid"].sha256),

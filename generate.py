@@ -24,12 +24,14 @@ from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line, shown
 from edm2.consistency_sampler import T_MID, check_cm_settings, cm_times, consistency_sample, default_t_max, \
     is_consistency_model
+from edm2.eval.fid_clip import PromptsError, read_prompts
 from edm2.eval.flops import count_flops, sampling_evaluations
 from edm2.formats.snapshot import load_generator, load_network, read_metadata
 from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, generate_images,
                                         load_guide, read_generated_labels, save_generated_labels)
-from edm2.procedures.image_grid import save_png, tile
+from edm2.procedures.image_grid import labelled_rows, save_png, tile
 from edm2.procedures.presets_generate import DEFAULT_PRESET, PRESETS
+from edm2.procedures.prompts import PromptConditions, is_text_network, load_prompt_encoder, text_record
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH
 from edm2.sampler import SELF, SamplerError, check_settings
@@ -141,13 +143,53 @@ def sampling_plan(net, metadata: dict, gnet_path: str | None, guidance: float, g
     return consistency_sample, kwargs, steps, f"consistency model, {steps} step(s) at TrigFlow times t = {times}{scale}"
 
 
+def read_prompt_options(prompt: Sequence[str], prompts_path: str | None) -> list[str] | None:
+    """The prompts of --prompt (each one given) or --prompts (a file, one a line), None for neither; both, or a
+    file without a prompt, refused in one line."""
+    if prompt and prompts_path is not None:
+        raise click.UsageError("give --prompt or --prompts, not both")
+    if prompts_path is None:
+        return list(prompt) or None
+    try:
+        return read_prompts(prompts_path)
+    except PromptsError as e:
+        raise click.BadParameter(str(e), param_hint="--prompts") from None
+
+
+def prompt_conditions(net, metadata: dict, prompts: list[str] | None, classes: SeedRanges | None,
+                      text_encoder: str | None) -> PromptConditions | None:
+    """The conditions of the prompts for a text network (its recorded text encoder loaded and checked), None for
+    another network; prompts for a network without text, classes for one with text, and a text network without
+    prompts or its text encoder refused in one line each."""
+    if not is_text_network(net):
+        if prompts is not None:
+            kind = "class-conditional" if net.label_dim else "unconditional"
+            raise click.BadParameter(f"this network is {kind}, not a text-to-image network: it takes no prompts",
+                                     param_hint="--prompt/--prompts")
+        return None
+    if classes is not None:
+        raise click.BadParameter("this is a text-to-image network: it takes prompts (--prompt or --prompts), not "
+                                 "classes", param_hint="--class")
+    if prompts is None:
+        raise click.UsageError("this is a text-to-image network: give --prompt=TEXT or --prompts=FILE")
+    record = text_record(metadata)
+    if record is None:
+        raise click.BadParameter("the snapshot records no text encoding (metadata dataset.text_encoding), so its "
+                                 "text encoder is unknown", param_hint="--net")
+    encoder = load_for_option("--text-encoder", functools.partial(load_prompt_encoder, record, text_encoder))
+    return PromptConditions(encoder, prompts)
+
+
 def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes: SeedRanges | None,
-                  plan: Callable[[torch.nn.Module, dict], T]):
-    """(net, gnet or None, encoder, plan(net, metadata)) on this rank's device, the encoder's VAE loaded too (before
-    any sampling) after plan has accepted the network; gnet is loaded only when guidance uses it, and is SELF for
+                  plan: Callable[[torch.nn.Module, dict], T], prompts: list[str] | None = None,
+                  text_encoder: str | None = None):
+    """(net, gnet or None, encoder, plan(net, metadata), prompt conditions or None) on this rank's device, the
+    encoder's VAE loaded too (before any sampling) after plan has accepted the network and a text network's text
+    encoder has been checked (prompt_conditions); gnet is loaded only when guidance uses it, and is SELF for
     --gnet=self."""
     net, encoder, metadata = load_for_option("--net", functools.partial(load_generator, net_path))
     planned = plan(net, metadata)
+    conditions = prompt_conditions(net, metadata, prompts, classes, text_encoder)
     load_for_option("--net", functools.partial(encoder.init, distributed.device()))
     guided = guidance != 1 and gnet_path is not None  # a consistency model's scale needs no guiding network
     gnet = load_for_option("--gnet", functools.partial(load_guide, gnet_path, net, metadata)) if guided else None
@@ -156,7 +198,7 @@ def load_networks(net_path: str, gnet_path: str | None, guidance: float, classes
         raise click.BadParameter(f"{highest} is not a class of this network ({net.label_dim} classes)",
                                  param_hint="--class")
     device = distributed.device()
-    return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder, planned
+    return net.to(device), (gnet.to(device) if gnet not in (None, SELF) else gnet), encoder, planned, conditions
 
 
 def print_dry_run(net_path: str, net, evaluations: int, about: str, images: int) -> None:
@@ -190,6 +232,25 @@ def check_grid(count: int, rows: int, resolution: int) -> None:
 def gather_grid(keys: Sequence, generated: dict, cols: int) -> np.ndarray | None:
     """Tile every rank's images, in the order of keys (seeds, or (class, seed) pairs), into one HWC array on rank 0
     (None elsewhere), cols images wide (grid_columns), with a one-pixel gap between them (image_grid.tile)."""
+    stack = gather_images(keys, generated)
+    return None if stack is None else tile(stack, cols)
+
+
+def prompt_grid(seeds: Sequence[int], prompts: list[str], generated: dict) -> np.ndarray | None:
+    """grid.png of a text network on rank 0 (None elsewhere): one row per prompt (in the order given, those of no
+    seed left out), the images of its seeds (prompt_of_seed) in seed order, the prompt drawn at the row's left."""
+    rows = [(k, [seed for seed in seeds if seed % len(prompts) == k]) for k in range(len(prompts))]
+    rows = [(k, row) for k, row in rows if row]
+    stack = gather_images([(None, seed) for _, row in rows for seed in row], generated)
+    if stack is None:
+        return None
+    ends = np.cumsum([len(row) for _, row in rows])[:-1]
+    return labelled_rows(np.split(stack, ends), [prompts[k] for k, _ in rows])
+
+
+def gather_images(keys: Sequence, generated: dict) -> np.ndarray | None:
+    """Every rank's images, in the order of keys (keys of generated on the rank that made them), as one NHWC array
+    on rank 0 (None elsewhere)."""
     shape = distributed.broadcast_object(next(iter(generated.values())).shape if distributed.is_main() else None)
     stack = torch.zeros([len(keys), *shape], dtype=torch.uint8, device=distributed.device())
     for i, key in enumerate(keys):
@@ -197,9 +258,7 @@ def gather_grid(keys: Sequence, generated: dict, cols: int) -> np.ndarray | None
             stack[i] = torch.from_numpy(generated[key])
     # Each image comes from exactly one rank, so a sum gathers them without overflow.
     stack = distributed.all_reduce_sum(stack).cpu().numpy()
-    if not distributed.is_main():
-        return None
-    return tile(stack, cols)
+    return stack if distributed.is_main() else None
 
 
 def image_path(outdir: Path, seed: int, subdirs: bool, class_idx: int | None = None) -> Path:
@@ -244,15 +303,24 @@ Examples:
   torchrun --nproc_per_node=8 generate.py --preset=edm2-img512-xxl-guid-fid --seeds=0-49999 --subdirs
   # Our own snapshot, class 88 only, plus grid.png for a quick look
   python generate.py --net=training-runs/run/network-snapshot-0008388-0.100.safetensors --class=88 --seeds=0-15 --grid
+  # A text-to-image snapshot: two prompts, guided by its empty-caption branch, one grid row per prompt
+  python generate.py --net=run/network-snapshot-0008388-0.100.safetensors --text-encoder=t5-folder \\
+      --prompt="a red circle on the left" --prompt="a blue square on the right" --gnet=self --guidance=2 --grid
 """)
 @config_option()
 @click.option("--preset", help="Release configuration preset (net, gnet and guidance) [default: edm2-img512-s-guid-fid without --net]")
 @click.option("--net", help="Main network: our .safetensors snapshot or a release .pkl, path or URL")
 @click.option("--gnet", help="Guiding network for --guidance other than 1: path or URL, or 'self' for the main "
-              "network's own unconditional prediction (a network trained with --label-dropout)")
+              "network's own unconditional prediction (a network trained with --label-dropout or --text-dropout)")
 @click.option("--outdir", type=click.Path(file_okay=False), default="out", show_default=True, help="Where to save the images")
 @click.option("--subdirs", is_flag=True, help="Put each block of 1000 seeds in its own subdirectory")
 @click.option("--seeds", type=SeedList(), default="0-63", show_default=True, help="Seeds: list and/or ranges, e.g. 0-63,100")
+@click.option("--prompt", multiple=True, help="A text-to-image network's prompt; repeat it for several: seed s gets "
+              "prompt number s mod (number of prompts)")
+@click.option("--prompts", "prompts_path", metavar="FILE", help="A text-to-image network's prompts, one a line: seed s "
+              "gets prompt number s mod (number of prompts)")
+@click.option("--text-encoder", metavar="DIR|ID", help="A text-to-image network's text encoder: the one its training "
+              "data's embeddings came from (checked against the snapshot's record); an ID may download")
 @click.option("--class", "classes", type=SeedList(noun="class"), metavar="CLASSES",
               help="Classes, e.g. 3 or 0-9 or 1,5,7: every seed in each class, the networks loaded once  "
                    "[default: random per seed]")
@@ -275,7 +343,7 @@ Examples:
               help="Stochasticity up to this noise level")
 @click.option("--S_noise", "S_noise", type=Number(min=0), default=1, show_default=True, help="Stochastic noise inflation")
 @click.option("--grid", is_flag=True, help="Also save all images as one grid.png (one-pixel white gaps): in seed "
-              "order, or with several --class one row per class")
+              "order, or with several --class one row per class, or with prompts one row per prompt, labelled with it")
 @click.option("--guidance-interval", type=SigmaInterval(), default=None,
               help="Guide only the steps whose noise level sigma lies in (SIGMA_LO, SIGMA_HI], e.g. 0.28,5.42 "
                    "(Kynkaanniemi et al. 2024); unguided elsewhere  [default: every step]")
@@ -283,14 +351,15 @@ Examples:
               "evaluations and Gflops per image), then stop: nothing is written")
 @sampling_speed_options
 @threads_option
-def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidance, grid, guidance_interval, speed,
-         t_mid, dry_run, **sampler_kwargs):
+def main(preset, net, gnet, outdir, subdirs, seeds, prompt, prompts_path, text_encoder, classes, batch_size, guidance,
+         grid, guidance_interval, speed, t_mid, dry_run, **sampler_kwargs):
     """Generate images with the EDM sampler (EDM2 paper Appendix D.1) and save them as PNG.
 
     A conditional network's images get their classes in OUTDIR/labels.json ({"labels": [[file, class], ...]},
     the release's dataset.json format; the entries of earlier runs into the same folder are kept).
     """
     net_path, gnet_path, guidance = resolve_networks(preset, net, gnet, guidance)
+    prompts = read_prompt_options(prompt, prompts_path)
     check_before_work(outdir, guidance, guidance_interval,
                       dict(sampler_kwargs, num_steps=sampler_kwargs["num_steps"] or DIFFUSION_STEPS))
     plan = functools.partial(sampling_plan, gnet_path=gnet_path, guidance=guidance,
@@ -305,8 +374,8 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         earlier = distributed.main_rank_first(functools.partial(earlier_labels, outdir))
         if distributed.is_main():  # what an earlier, killed run left half-written
             files.remove_stale_temporaries(outdir, recursive=subdirs)
-        net, gnet, encoder, (sampler, sampler_kwargs, _, about) = load_networks(net_path, gnet_path, guidance, classes,
-                                                                                plan)
+        net, gnet, encoder, (sampler, sampler_kwargs, _, about), conditions = load_networks(
+            net_path, gnet_path, guidance, classes, plan, prompts, text_encoder)
         rows = list(classes) if classes is not None else [None]  # each below label_dim: load_networks checked
         if grid:
             check_grid(len(seeds) * len(rows), len(rows), net.img_resolution)
@@ -315,20 +384,22 @@ def main(preset, net, gnet, outdir, subdirs, seeds, classes, batch_size, guidanc
         guide = "its own unconditional prediction" if gnet == SELF else gnet_path
         distributed.print0(f"Generating {len(seeds) * len(rows)} images from {net_path}"
                            + (f", {len(seeds)} in each of {len(rows)} classes" if len(rows) > 1 else "")
+                           + (f" for {len(prompts)} prompt(s)" if conditions is not None else "")
                            + (f", guided by {guide} at {guidance:g}{interval}" if gnet is not None else "")
                            + f": {about}")
         generated, labels = {}, {}
         # Several classes share batches: every seed in each class, the batches filled across classes.
         batches = generate_images(net, encoder, seeds, class_idx=classes if len(rows) > 1 else rows[0], gnet=gnet,
                                   guidance=guidance if gnet is not None else 1, batch_size=batch_size,
-                                  device=distributed.device(),
-                                  sampler=sampler, **sampler_kwargs)
+                                  device=distributed.device(), sampler=sampler,
+                                  conditions=None if conditions is None else conditions.of_seeds, **sampler_kwargs)
         save_images(batches, outdir, subdirs, rows, labels, generated if grid else None)
         if net.label_dim:
             save_labels(outdir, earlier, labels)
         if grid:
             keys = [(c, seed) for c in rows for seed in seeds]  # one row per class when there are several
-            tiles = gather_grid(keys, generated, cols=grid_columns(len(keys), len(rows)))
+            tiles = prompt_grid(seeds, prompts, generated) if conditions is not None else \
+                gather_grid(keys, generated, cols=grid_columns(len(keys), len(rows)))
             if tiles is not None:
                 save_png(outdir / GRID_FILE, tiles)
         distributed.barrier()

@@ -22,12 +22,13 @@ from training.text_conditioning import text_description
 
 
 def open_dataset(data: str, cond: bool) -> ImageData:
-    """The training data, checked for labels when training a class-conditional model."""
+    """The training data, checked for labels (or text embeddings) when training a conditional model; with
+    cond=False its labels and text embeddings are both left unused, for an unconditional model."""
     try:
-        dataset = open_data(data, use_labels=cond)
+        dataset = open_data(data, use_labels=cond, use_text=cond)
     except DatasetError as e:
         raise click.BadParameter(str(e), param_hint="--data") from None
-    if cond and not dataset.has_labels:
+    if cond and not dataset.has_labels and not dataset.has_text:
         raise click.UsageError(f"--cond=True but {data} has no labels (dataset.json); pass --cond=False")
     return dataset
 

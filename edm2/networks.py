@@ -134,7 +134,7 @@ _BLOCK_DEFAULTS = {name: inspect.signature(Block).parameters[name].default for n
 class UNet(torch.nn.Module):
     """The magnitude-preserving U-Net of config G (Figure 22); with text_dim, a text network conditioned on a caption's
     condition (edm2.text_condition) by its pooled embedding and, at text_attention's resolutions, attention over its
-    tokens (docs/text-network.md)."""
+    tokens (docs/text.md)."""
 
     # CONFIG G's block, noise features (Eq. 75) and the embedding's and skips' fixed-function layers (Eq. 81, 88,
     # 103); CONFIG F (edm2.architectures.config_f) has its own block and the plain ones.
@@ -405,6 +405,14 @@ class Precond(torch.nn.Module):
             return d_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
         return d_x, logvar
+
+    def unconditional_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the unconditional branch of guidance for a batch of labels: the empty caption's condition
+        for a text network (what text dropout trains), the all-zero label otherwise (what label dropout trains)."""
+        empty = getattr(self.network, "empty_text", None)
+        if empty is None:
+            return torch.zeros_like(labels)
+        return empty.to(labels.device, labels.dtype).expand(labels.shape[0], *empty.shape)
 
 
 def network_guidance(guidance: torch.Tensor | float | None) -> dict:

@@ -19,15 +19,24 @@ class SamplerError(EDM2Error):
     """Sampler settings that cannot produce images; the message names the setting."""
 
 
-# gnet value for classifier-free guidance: the network guides itself by its prediction for the all-zero label
-# (a network trained with label dropout, Ho & Salimans 2022), as in Eq. 152 with D_gnet = D_net(x; sigma, 0).
+# gnet value for classifier-free guidance: the network guides itself by its unconditional prediction (Ho & Salimans
+# 2022), as in Eq. 152 with D_gnet = D_net(x; sigma, u): u the all-zero label of a network trained with label
+# dropout, the empty caption's condition of a text network trained with text dropout (Precond.unconditional_labels).
 SELF = "self"
+
+
+def unconditional_labels(net: Callable, labels: torch.Tensor) -> torch.Tensor:
+    """The unconditional branch's labels for labels: the network's own (Precond.unconditional_labels), all-zero for
+    a network that names none."""
+    of_net = getattr(net, "unconditional_labels", None)
+    return torch.zeros_like(labels) if of_net is None else of_net(labels)
 
 
 def conditional_and_unconditional(net: Callable, x: torch.Tensor, sigma: torch.Tensor,
                                   labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(net(x, sigma, labels), net(x, sigma, 0)) from one call on the doubled batch [x, x] with labels [c, 0]."""
-    both = net(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, torch.zeros_like(labels)]))
+    """(net(x, sigma, labels), net(x, sigma, u)) from one call on the doubled batch [x, x] with labels [c, u], u the
+    unconditional labels (unconditional_labels)."""
+    both = net(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([labels, unconditional_labels(net, labels)]))
     return both.chunk(2)
 
 
@@ -166,7 +175,8 @@ def edm_sampler(
     if guidance != 1 and gnet is None:
         raise SamplerError("guidance other than 1 needs a guiding network (gnet)")
     if guidance != 1 and gnet == SELF and labels is None:
-        raise SamplerError("self-guidance (gnet=SELF) needs class labels: it contrasts them with the all-zero label")
+        raise SamplerError("self-guidance (gnet=SELF) needs class labels or text conditions: it contrasts them with "
+                           "the unconditional ones")
     check_guidance_interval(guidance_interval)
     denoise = guided_denoiser(net, labels, gnet, guidance, dtype)
     t_steps = SCHEDULES[schedule].levels(num_steps, sigma_min, sigma_max, rho).tolist()

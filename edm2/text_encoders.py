@@ -19,7 +19,7 @@ from edm2.text_condition import pack_condition
 
 MAX_TOKENS = 4096  # far past T5's 512 and CLIP's 77: a record asking for more is no text encoding of ours
 MAX_TEXT_DIM = 1 << 14  # T5-XXL has 4096 features
-STORED_DTYPE = np.float16  # cached embeddings: 2 bytes per value (docs/text-embeddings.md)
+STORED_DTYPE = np.float16  # cached embeddings: 2 bytes per value (docs/text.md)
 # Default token lengths: CLIP's context, and the 128 T5 tokens NeMo's Imagen caches.
 DEFAULT_TOKENS = {"t5": 128, "clip": 77}
 # transformers' model_type of each family's configs; a full T5 or CLIP checkpoint loads as its text encoder.

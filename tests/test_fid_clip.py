@@ -17,9 +17,13 @@ from edm2.encoders import StandardRGBEncoder
 from edm2.eval import clip_score, detectors, fid_clip
 from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import save_stats
-from edm2.formats.snapshot import save_network
+from edm2.sampler import SELF
+from edm2.formats.snapshot import load_generator, save_network
 from tests.clip_helpers import pin_tiny_clip, tiny_clip
+from edm2.procedures.generation import sample_batch
+from edm2.procedures.prompts import PromptConditions, load_prompt_encoder, text_record
 from tests.helpers import TinyInceptionStandIn, assert_refused, pin_detector_file, tiny_precond
+from tests.text_helpers import tiny_text_encoder, tiny_text_snapshot
 
 PROMPTS = ["a red circle on the left", "a blue square on the right", "a green circle", "the right square"]
 COLOURS = {"red": (200, 40, 40), "blue": (40, 40, 200), "green": (40, 200, 40), "the": (128, 128, 128)}
@@ -139,7 +143,7 @@ def standin_generator(monkeypatch):
     """calculate_metrics.py's text-to-image generator replaced by standin_generate (no text network here)."""
     seen = []
 
-    def generator(net_path, gnet_path, device, sampler):
+    def generator(net_path, gnet_path, text_encoder, device, sampler):
         seen.append((net_path, gnet_path, sampler))
         return standin_generate
 
@@ -148,14 +152,7 @@ def standin_generator(monkeypatch):
 
 
 def test_the_command_writes_the_curve_and_its_json_is_its_plots_points(standins, standin_generator, monkeypatch):
-    figures = []
-
-    def kept(points):
-        figures.append(calculate_metrics_figure(points))
-        return figures[-1]
-
-    calculate_metrics_figure = calculate_metrics.fid_clip_figure
-    monkeypatch.setattr(calculate_metrics, "fid_clip_figure", kept)
+    figures = plotted_figures(monkeypatch)
     dest = standins["root"] / "out" / "curve.json"
     result = run_fid_clip(standins, "--guidance", "4,1,2", "--gnet", "self", "--dest", dest)
     assert result.exit_code == 0, result.output
@@ -221,6 +218,54 @@ def test_guidance_without_a_guiding_network_is_one_line(standins, standin_genera
 def test_a_dest_that_is_not_json_is_one_line(standins, standin_generator):
     assert_refused(standins["root"], lambda: run_fid_clip(standins, "--dest", standins["root"] / "curve.png",
                                                           "--gnet", "self"), "--dest", ".json")
+
+
+def plotted_figures(monkeypatch) -> list:
+    """The figures calculate_metrics.py draws, kept as it draws them."""
+    figures, draw = [], calculate_metrics.fid_clip_figure
+
+    def kept(points):
+        figures.append(draw(points))
+        return figures[-1]
+
+    monkeypatch.setattr(calculate_metrics, "fid_clip_figure", kept)
+    return figures
+
+
+def test_the_curve_of_a_real_text_network_end_to_end(standins, monkeypatch):
+    root = standins["root"]
+    t5 = tiny_text_encoder(root / "t5", "t5")
+    tiny_text_snapshot(root / "net.safetensors", t5, tokens=6)
+    figures = plotted_figures(monkeypatch)
+    dest = root / "curve.json"
+    result = run_fid_clip(standins, "--guidance", "1,3", "--gnet", "self", "--text-encoder", t5, "--dest", dest,
+                          "--solver", "euler")
+    assert result.exit_code == 0, result.output
+    points = json.loads(dest.read_text())["points"]
+    (ax,) = figures[0].axes
+    np.testing.assert_array_equal(ax.lines[0].get_xydata(), [[p["fid"], p["clip_score"]] for p in points])
+    # The points are the curve of the images the sampler makes for each seed's prompt (generate.py's sample_batch),
+    # guided by the network's empty-caption branch.
+    net, encoder, metadata = load_generator(root / "net.safetensors")
+    conditions = PromptConditions(load_prompt_encoder(text_record(metadata), t5))
+
+    def generate(seeds, prompts, guidance):
+        guide = dict(gnet=SELF, guidance=guidance) if guidance != 1 else {}
+        return sample_batch(net, encoder, seeds, None, torch.device("cpu"), conditions=conditions.of_prompts(prompts),
+                            solver="euler", schedule="edm", **guide)[0]
+
+    expected = fid_clip.fid_clip_curve([1.0, 3.0], fid_clip.prompt_source(generate, PROMPTS, range(10), 4),
+                                       standins["inception"], standins["clip"], standins["reference"])
+    assert points == pytest.approx(expected)
+    assert points[0]["clip_score"] != points[1]["clip_score"]
+
+
+def test_a_text_network_without_its_text_encoder_is_refused_naming_it(standins):
+    root = standins["root"]
+    t5 = tiny_text_encoder(root / "t5", "t5")
+    tiny_text_snapshot(root / "net.safetensors", t5, tokens=6)
+    assert_refused(root, lambda: run_fid_clip(standins, "--gnet", "self", "--dest", root / "c.json"),
+                   "--text-encoder", str(t5))
 
 
 def test_a_class_conditional_network_is_refused_naming_net(standins):

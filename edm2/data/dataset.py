@@ -268,13 +268,14 @@ class ImageFolderDataset(ImageData):
         return int(self._raw_idx.size)
 
     def __getitem__(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
-        label = self.get_condition(idx) if self.has_text and self._use_text else self.get_label(idx)
+        label = self.get_condition(idx) if self.has_text else self.get_label(idx)
         return self._load(self._raw_idx[idx]), label
 
     @property
     def has_text(self) -> bool:
-        """Whether the dataset holds cached text embeddings (dataset_tool.py encode-text)."""
-        return self._text is not None
+        """Whether the dataset holds cached text embeddings (dataset_tool.py encode-text) and uses them (use_text):
+        opened with use_text=False it is seen as a dataset without text (an unconditional run on captioned data)."""
+        return self._text is not None and self._use_text
 
     @property
     def text_record(self) -> dict:

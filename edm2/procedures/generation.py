@@ -20,6 +20,7 @@ from edm2.data.dataset import DatasetError
 from edm2.data.dataset_json import is_class, parse_labels
 from edm2.errors import EDM2Error
 from edm2.formats.snapshot import load_network
+from edm2.procedures.prompts import is_text_network
 from edm2.runtime import bounded_json, distributed, files
 from edm2.sampler import SELF, edm_sampler
 
@@ -168,20 +169,28 @@ def check_guidance_pair(net: torch.nn.Module, gnet: torch.nn.Module) -> None:
         raise GenerationError(f"the guiding network has {gnet.label_dim} classes but the main network has {net.label_dim}")
 
 
-def label_dropout(metadata: dict) -> float:
-    """The label dropout a snapshot's network was trained with (its training options); 0 when they hold none."""
+def dropout_rate(metadata: dict, name: str) -> float:
+    """The dropout `name` (label_dropout, text_dropout) a snapshot's network was trained with (its training
+    options); 0 when they hold none."""
     options = metadata.get("training_options")
-    p = options.get("label_dropout", 0) if isinstance(options, dict) else 0
+    p = options.get(name, 0) if isinstance(options, dict) else 0
     # A number in (0, 1) or nothing: metadata is read from a file, so anything else counts as none.
     return float(p) if type(p) in (int, float) and 0 < p < 1 else 0.0
 
 
 def check_self_guidance(net, metadata: dict) -> None:
-    """Raise GenerationError unless net can guide itself: class-conditional and trained with label dropout
-    (metadata is its snapshot's), so that its prediction for the all-zero label is an unconditional one."""
+    """Raise GenerationError unless net can guide itself (metadata is its snapshot's): a text network trained with
+    text dropout, so that its prediction for the empty caption is an unconditional one, or a class-conditional
+    network trained with label dropout, so that its prediction for the all-zero label is."""
+    if is_text_network(net):
+        if not dropout_rate(metadata, "text_dropout"):
+            raise GenerationError("self-guidance needs a text network trained with text dropout (train_edm2.py "
+                                  "--text-dropout=P); this one's snapshot records none, so its empty caption was "
+                                  "never trained")
+        return
     if not net.label_dim:
         raise GenerationError("self-guidance needs a class-conditional network; this one is unconditional")
-    if not label_dropout(metadata):
+    if not dropout_rate(metadata, "label_dropout"):
         raise GenerationError("self-guidance needs a network trained with label dropout (train_edm2.py "
                               "--label-dropout=P); this one's snapshot records none, so its all-zero label was "
                               "never trained")
@@ -235,6 +244,7 @@ def generate_images(
     batch_size: int = 32,
     device: torch.device | str | None = None,
     sampler: Callable[..., torch.Tensor] | None = None,
+    conditions: Callable[[list[int]], torch.Tensor] | None = None,
     **sampler_kwargs,
 ) -> Iterator[tuple[list[int], torch.Tensor, list[int] | None]]:
     """Sample this rank's share of `seeds`; yield (batch seeds, uint8 NCHW images decoded by `encoder`, the class
@@ -245,7 +255,8 @@ def generate_images(
     depends on its seed and class alone). sampler_kwargs go to the sampler: edm_sampler when None (num_steps, sigma_min,
     ..., guidance_interval), or edm2.consistency_sampler.consistency_sample for a consistency model (steps, t_mid,
     sigma_max; no gnet or guidance). gnet=SELF guides net by its own unconditional prediction (check_self_guidance tells whether
-    it has one).
+    it has one). A text network takes conditions: a batch's seeds -> their conditions [N, 1 + L, D + 1]
+    (edm2.procedures.prompts.PromptConditions.of_seeds).
     """
     device = torch.device(device) if device is not None else distributed.device()
     several = class_idx is not None and not isinstance(class_idx, int)
@@ -266,22 +277,26 @@ def generate_images(
             pairs = [jobs[j] for j in batch] if several else None
             batch_seeds = [seed for _, seed in pairs] if several else batch
             batch_classes = [c for c, _ in pairs] if several else class_idx
+            text = None if conditions is None else conditions(list(batch_seeds))
             images, classes = sample_batch(net, encoder, batch_seeds, batch_classes, device, sampler=sampler,
-                                           **guide, **sampler_kwargs)
+                                           conditions=text, **guide, **sampler_kwargs)
             yield batch_seeds, images, classes
 
 
 def sample_batch(net: torch.nn.Module, encoder, seeds: Sequence[int], class_idx: int | Sequence[int] | None,
                  device: torch.device, sampler: Callable[..., torch.Tensor] | None = None,
-                 **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
+                 conditions: torch.Tensor | None = None, **sampler_kwargs) -> tuple[torch.Tensor, list[int] | None]:
     """(uint8 NCHW images decoded by `encoder`, the class of every image or None) for one batch of seeds, on this
-    process alone; sampler_kwargs go to the sampler (edm_sampler when None: gnet, guidance, num_steps, ...)."""
+    process alone, a text network's conditioned on conditions [N, 1 + L, D + 1] (one per seed); sampler_kwargs go
+    to the sampler (edm_sampler when None: gnet, guidance, num_steps, ...)."""
     noise, labels, randn_like = seeded_inputs(seeds, net.img_channels, net.img_resolution, net.label_dim, class_idx,
                                               device)
+    if conditions is not None:
+        labels = conditions.to(device)
     with torch.no_grad():
         latents = (sampler or edm_sampler)(net, noise, labels, randn_like=randn_like, **sampler_kwargs)
         images = encoder.decode(latents)
-    return images, None if labels is None else labels.argmax(dim=1).tolist()
+    return images, None if labels is None or conditions is not None else labels.argmax(dim=1).tolist()
 
 
 def read_generated_labels(path: str | os.PathLike) -> dict[str, int]:
