@@ -32,7 +32,7 @@ def test_a_resumed_run_keeps_the_recipe_and_the_network_and_nothing_else():
     assert set(HYPERPARAMETERS) == {
         "preset", "cond", "batch", "channels", "dropout", "P_mean", "P_std", "lr", "decay", "rampup_Mimg", "ema_stds",
         "network", "precision", "ls", "seed", "dataset", "init", "label_dropout", "loss_weighting", "noise_dist",
-        "uncertainty", "method", "teacher", "tangent_warmup_Mimg", "adam_eps"}
+        "uncertainty", "method", "teacher", "tangent_warmup_Mimg", "adam_eps", "text_dropout"}
     assert "encoder" not in HYPERPARAMETERS
 
 

@@ -10,7 +10,6 @@ pinned here, not read from a file. transformers (the `text` extra) is imported o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from edm2.errors import one_line
 from edm2.eval.detectors import DetectorError, PublishedFile, verified_bytes
-from edm2.runtime import distributed, files
+from edm2.runtime import bounded_json, distributed, files
 
 CLIP_REPOSITORY = "https://huggingface.co/openai/clip-vit-large-patch14/resolve/main/"
 # CLIP's own preprocessing (its CLIPImageProcessor): shorter side to 224 by bicubic, centre crop, its mean and std.
@@ -100,8 +99,8 @@ def _release_file(release: ClipRelease, name: str, folder: str | os.PathLike | N
 def _parse_tokenizer(vocab_bytes: bytes, merges_bytes: bytes, names: tuple[str, str]) -> tuple[dict, list]:
     """(token -> id, merge pairs) of CLIP's byte-level BPE files; malformed files name themselves."""
     try:
-        vocab = json.loads(vocab_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        vocab = bounded_json.parse(vocab_bytes, names[0])
+    except bounded_json.JSONFileError as e:
         raise DetectorError(f"{names[0]} is not a JSON vocabulary: {one_line(e)}") from None
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
         raise DetectorError(f"{names[0]} is not a vocabulary (an object of token -> id)")

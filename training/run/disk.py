@@ -10,7 +10,7 @@ import torch
 
 from edm2.data.toy_shapes import SHAPES
 from training.options import TrainingOptions
-from training.presets import IMG64, IMG512, TOY, get_preset
+from training.presets import DEFAULT_METHOD, IMG64, IMG512, TOY, get_preset
 from training.state import init_network
 
 # What each preset's default data holds: (resolution, channels stored, network channels, labels); img512's
@@ -84,7 +84,9 @@ def preset_sizes(preset: str) -> tuple[int, int]:
     """(snapshot, training state) tensor bytes of a preset trained on its default data, from its network built
     on the meta device (no memory, no time)."""
     resolution, stored, img_channels, labels = PRESET_DATA[get_preset(preset).data]
-    opts = TrainingOptions.from_preset(preset, dict(resolution=resolution, num_channels=stored, label_dim=labels), {})
+    # A consistency student's network, optimizer and EMA are its teacher's network's: sized as a diffusion run of it.
+    opts = TrainingOptions.from_preset(preset, dict(resolution=resolution, num_channels=stored, label_dim=labels), {},
+                                       method=DEFAULT_METHOD, tangent_warmup_Mimg=0.0)
     with torch.device("meta"):
         net = init_network(opts, img_channels)
     return snapshot_bytes(net), state_bytes(net, len(opts.ema_stds))
