@@ -22,7 +22,7 @@ from edm2.encoders import Encoder, EncoderError
 from edm2.errors import EDM2Error, one_line
 from edm2.eval import clip_score, scores
 from edm2.eval.detectors import PUBLISHED, DetectorError, load_detector
-from edm2.eval.fid_clip import Generate, PromptsError, fid_clip_curve, prompt_source, read_prompts
+from edm2.eval.fid_clip import Generate, fid_clip_curve, prompt_source
 from edm2.eval.metrics import calculate_stats
 from edm2.eval.stats_files import NotStatisticsError, StatsError, load_stats, save_stats
 from edm2.eval.sweep import Measure, run_sweep
@@ -31,7 +31,8 @@ from edm2.networks import Precond
 from edm2.plots import save_png
 from edm2.plots.fid_clip import fid_clip_figure
 from edm2.procedures.generation import MAX_SEED, generate_images, sample_batch
-from edm2.procedures.prompts import PromptConditions, is_text_network, load_prompt_encoder, text_record
+from edm2.procedures.prompts import (PromptConditions, PromptsError, is_text_network, load_prompt_encoder,
+                                     read_prompts, text_record)
 from edm2.procedures.image_batches import GRID_FILE, image_batches, sample_indices
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH, MAX_IMAGES, MAX_WORKERS

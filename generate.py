@@ -24,14 +24,14 @@ from edm2.data.dataset_files import MAX_IMAGE_PIXELS
 from edm2.errors import EDM2Error, one_line, shown
 from edm2.consistency_sampler import T_MID, check_cm_settings, cm_times, consistency_sample, default_t_max, \
     is_consistency_model
-from edm2.eval.fid_clip import PromptsError, read_prompts
 from edm2.eval.flops import count_flops, sampling_evaluations
 from edm2.formats.snapshot import load_generator, load_network, read_metadata
 from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError, SeedRanges, generate_images,
                                         load_guide, read_generated_labels, save_generated_labels)
 from edm2.procedures.image_grid import labelled_rows, save_png, tile
 from edm2.procedures.presets_generate import DEFAULT_PRESET, PRESETS
-from edm2.procedures.prompts import PromptConditions, is_text_network, load_prompt_encoder, text_record
+from edm2.procedures.prompts import (PromptConditions, PromptsError, is_text_network, load_prompt_encoder,
+                                     read_prompts, text_record)
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH
 from edm2.sampler import SELF, SamplerError, check_settings

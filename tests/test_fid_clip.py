@@ -21,6 +21,7 @@ from edm2.sampler import SELF
 from edm2.formats.snapshot import load_generator, save_network
 from tests.clip_helpers import pin_tiny_clip, tiny_clip
 from edm2.procedures.generation import sample_batch
+from edm2.procedures import prompts as prompt_files
 from edm2.procedures.prompts import PromptConditions, load_prompt_encoder, text_record
 from tests.helpers import TinyInceptionStandIn, assert_refused, pin_detector_file, tiny_precond
 from tests.text_helpers import tiny_text_encoder, tiny_text_snapshot
@@ -64,7 +65,7 @@ def standins(tmp_path, monkeypatch):
 def test_read_prompts_one_a_line(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("a red circle\n\n  a blue square  \r\nthe end")
-    assert fid_clip.read_prompts(path) == ["a red circle", "a blue square", "the end"]
+    assert prompt_files.read_prompts(path) == ["a red circle", "a blue square", "the end"]
 
 
 @pytest.mark.parametrize("content, fragment", [(b"", "holds no prompt"), (b"\n \n", "holds no prompt"),
@@ -72,17 +73,17 @@ def test_read_prompts_one_a_line(tmp_path):
 def test_unreadable_prompts_are_refused_in_one_line(tmp_path, content, fragment):
     path = tmp_path / "prompts.txt"
     path.write_bytes(content)
-    with pytest.raises(fid_clip.PromptsError, match=fragment) as info:
-        fid_clip.read_prompts(path)
+    with pytest.raises(prompt_files.PromptsError, match=fragment) as info:
+        prompt_files.read_prompts(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
 def test_a_prompts_file_past_the_limit_is_refused_before_reading(tmp_path, monkeypatch):
-    monkeypatch.setattr(fid_clip, "MAX_PROMPTS_BYTES", 10)
+    monkeypatch.setattr(prompt_files, "MAX_PROMPTS_BYTES", 10)
     path = tmp_path / "prompts.txt"
     path.write_text("a prompt longer than ten bytes\n")
-    with pytest.raises(fid_clip.PromptsError, match="at most 10"):
-        fid_clip.read_prompts(path)
+    with pytest.raises(prompt_files.PromptsError, match="at most 10"):
+        prompt_files.read_prompts(path)
 
 
 def test_seed_s_gets_prompt_s_mod_n_and_every_seed_one_image():

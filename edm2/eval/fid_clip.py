@@ -14,45 +14,15 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from edm2.errors import EDM2Error
 from edm2.eval.clip_score import ScoreMean
 from edm2.eval.metrics import Stats, calculate_stats, frechet_distance
-from edm2.runtime import distributed, files
+from edm2.procedures.prompts import prompt_of_seed
+from edm2.runtime import distributed
 
 # (seeds, their prompts, guidance) -> uint8 NCHW images, one per seed.
 Generate = Callable[[list[int], list[str], float], torch.Tensor]
 # guidance -> this rank's batches of (uint8 NCHW images, their prompts).
 ImageSource = Callable[[float], Iterable[tuple[torch.Tensor, list[str]]]]
-MAX_PROMPTS_BYTES = 1 << 28  # 256 MiB: COCO-2014's 30k captions are about 1.6 MB
-
-
-class PromptsError(EDM2Error):
-    """A prompts file cannot be read or holds no prompt; the message names the file."""
-
-
-def read_prompts(path: str | os.PathLike) -> list[str]:
-    """The prompts of a UTF-8 text file, one a line (surrounding spaces removed, blank lines skipped)."""
-    try:
-        with files.open_input(path) as file:
-            size = os.fstat(file.fileno()).st_size
-            if size > MAX_PROMPTS_BYTES:
-                raise PromptsError(f"{path} is {size} bytes; a prompts file holds at most {MAX_PROMPTS_BYTES}")
-            data = file.read(MAX_PROMPTS_BYTES + 1)
-    except OSError as e:
-        raise PromptsError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PromptsError(f"{path} is not UTF-8 text (byte {e.start}); write one prompt a line") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise PromptsError(f"{path} holds no prompt; write one prompt a line")
-    return prompts
-
-
-def prompt_of_seed(prompts: Sequence[str], seed: int) -> str:
-    """The prompt of the image of seed `seed`: prompts[seed % len(prompts)]."""
-    return prompts[seed % len(prompts)]
 
 
 def prompt_source(generate: Generate, prompts: Sequence[str], seeds: Sequence[int], batch_size: int) -> ImageSource:

@@ -1,6 +1,6 @@
 """Prompts for a text-to-image network: the text encoder its snapshot records (the one its training data's
 embeddings came from), checked, and the conditions of a batch's prompts. Seed s gets prompts[s % len(prompts)]
-(edm2.eval.fid_clip.prompt_of_seed), in generate.py as in the FID-CLIP curve."""
+(prompt_of_seed), in generate.py as in the FID-CLIP curve; prompts files are read by read_prompts."""
 
 from __future__ import annotations
 
@@ -10,8 +10,40 @@ from typing import Sequence
 import torch
 
 from edm2.errors import EDM2Error, shown
-from edm2.eval.fid_clip import prompt_of_seed
+from edm2.runtime import files
 from edm2.text_encoders import OnlineConditions, TextEncoder, check_encoder_matches, load_text_encoder
+
+
+MAX_PROMPTS_BYTES = 1 << 28  # 256 MiB: COCO-2014's 30k captions are about 1.6 MB
+
+
+class PromptsError(EDM2Error):
+    """A prompts file cannot be read or holds no prompt; the message names the file."""
+
+
+def read_prompts(path: str | os.PathLike) -> list[str]:
+    """The prompts of a UTF-8 text file, one a line (surrounding spaces removed, blank lines skipped)."""
+    try:
+        with files.open_input(path) as file:
+            size = os.fstat(file.fileno()).st_size
+            if size > MAX_PROMPTS_BYTES:
+                raise PromptsError(f"{path} is {size} bytes; a prompts file holds at most {MAX_PROMPTS_BYTES}")
+            data = file.read(MAX_PROMPTS_BYTES + 1)
+    except OSError as e:
+        raise PromptsError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptsError(f"{path} is not UTF-8 text (byte {e.start}); write one prompt a line") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise PromptsError(f"{path} holds no prompt; write one prompt a line")
+    return prompts
+
+
+def prompt_of_seed(prompts: Sequence[str], seed: int) -> str:
+    """The prompt of the image of seed `seed`: prompts[seed % len(prompts)]."""
+    return prompts[seed % len(prompts)]
 
 
 class PromptError(EDM2Error):
