@@ -212,6 +212,7 @@ def trained(run_dir: Path, data: Path, preset: str, nimg: int, ema: str, extra: 
     """The final snapshot of a train_edm2.py run of nimg images on data (trained now unless there)."""
     snapshot = newest_snapshot(run_dir, ema)
     if snapshot is None or int(snapshot.name.split("-")[2]) < nimg // 1000:
+        click.echo(f"training {run_dir} ({nimg} images, {preset}) ...")
         run(["train_edm2.py", f"--preset={preset}", f"--data={data}", f"--outdir={run_dir}", f"--duration={nimg}",
              "--snapshot=0", "--checkpoint=0", "--status=0", *extra])
         snapshot = newest_snapshot(run_dir, ema)
@@ -262,9 +263,11 @@ def main(outdir: Path, resolution: int, num: int, classes: int, hold_out: str, p
     if not (encoder_dir / "config.json").exists():
         tiny_text_encoder(encoder_dir)
     if not toy.exists():
+        click.echo(f"writing the captioned toy {toy} ...")
         run(["dataset_tool.py", "toy", f"--dest={toy}", f"--resolution={resolution}", f"--num={num}",
              f"--classes={classes}", "--captions", f"--hold-out={hold_out}"])
     if not (text_data / "dataset.json").exists():
+        click.echo(f"encoding its captions into {text_data} ...")
         run(["dataset_tool.py", "encode-text", f"--source={toy}", f"--dest={text_data}",
              f"--text-encoder={encoder_dir}", f"--tokens={TOKENS}"])
     wall["data"] = time.monotonic() - begin
@@ -277,6 +280,7 @@ def main(outdir: Path, resolution: int, num: int, classes: int, hold_out: str, p
     uncond_snapshot = trained(outdir / "run-unconditional", toy, preset, nimg, ema, [*extra, "--cond=False"])
     wall["train_unconditional"] = time.monotonic() - begin
     begin = time.monotonic()
+    click.echo("training the shape classifier ...")
     classifier, classifier_accuracy = train_shape_classifier(shapes, resolution, classifier_images, classifier_epochs)
     wall["classifier"] = time.monotonic() - begin
     begin = time.monotonic()
@@ -286,6 +290,7 @@ def main(outdir: Path, resolution: int, num: int, classes: int, hold_out: str, p
     text_encoder = load_text_encoder(encoder_dir, tokens=record["tokens"])
     check_encoder_matches(record, text_encoder)  # the prompts' embeddings are those the network learned from
     conditions = OnlineConditions(text_encoder)
+    click.echo(f"sampling {images} images per prompt set and guidance ({steps} Heun steps) ...")
     rows = adherence_rows(text_net, uncond_net, encoder.decode, conditions, prompt_sets(shapes, held_out), shapes,
                           classifier, images, weights, steps)
     wall["sample_and_measure"] = time.monotonic() - begin
