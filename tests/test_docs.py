@@ -102,11 +102,12 @@ def test_the_readme_links_every_docs_page():
 
 
 def test_the_readme_orients_and_every_other_topic_has_its_page():
-    # The README holds what EDM2 is, how to start, the ImageNet workflow, the docs index and the two maps (the code's
+    # The README holds what EDM2 is, how to start, the ImageNet workflow, the two methods built on it (few-step
+    # generation, text-to-image: their commands, results and pitfalls), the docs index and the two maps (the code's
     # layout and the paper's equations in the code), in that order; every other topic is a heading of a docs page.
     readme = (REPO / "README.md").read_text()
     sections = re.findall(r"^## (.+)$", readme, flags=re.M)
-    assert sections == ["Quickstart", "Install", "The full ImageNet-512 workflow", "Documentation", "Layout",
-                        "The paper in the code"]
+    assert sections == ["Quickstart", "Install", "The full ImageNet-512 workflow", "Few-step generation",
+                        "Text-to-image", "Documentation", "Layout", "The paper in the code"]
     opening = readme[:readme.index("## Quickstart")]
     assert "EDM2" in opening.split("\n\n")[1] and "docs/recipe.md" in opening
