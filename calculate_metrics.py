@@ -399,7 +399,8 @@ def report_point(point: dict) -> None:
 @click.option("--prompts", "prompts_path", help="Prompts, one a line; the image of seed s has prompt number "
               "s mod (number of prompts)", metavar="TXT", required=True)
 @click.option("--text-encoder", help="The network's text encoder: the one its training data's embeddings came from "
-              "(checked against the snapshot's record); an ID may download", metavar="DIR|ID", default=None)
+              "(checked against the snapshot's record; by default the recorded folder, where it exists here); an ID may "
+              "download", metavar="DIR|ID", default=None)
 @click.option("--ref", "ref_path", help="Reference statistics (FID)", metavar="NPZ|PKL|URL", required=True)
 @click.option("--dest", "dest_path", help="The curve's JSON file to write; its plot is written beside it (.png)",
               metavar="JSON", required=True)

@@ -320,7 +320,8 @@ Examples:
 @click.option("--prompts", "prompts_path", metavar="FILE", help="A text-to-image network's prompts, one a line: seed s "
               "gets prompt number s mod (number of prompts)")
 @click.option("--text-encoder", metavar="DIR|ID", help="A text-to-image network's text encoder: the one its training "
-              "data's embeddings came from (checked against the snapshot's record); an ID may download")
+              "data's embeddings came from (checked against the snapshot's record; by default the recorded folder, where it "
+              "exists here); an ID may download")
 @click.option("--class", "classes", type=SeedList(noun="class"), metavar="CLASSES",
               help="Classes, e.g. 3 or 0-9 or 1,5,7: every seed in each class, the networks loaded once  "
                    "[default: random per seed]")

@@ -2,6 +2,8 @@
 --prompts (seed s gets prompt s mod n, grids labelled per prompt), calculate_metrics.py fid-clip on a real text
 network, train_edm2.py --cond=False on data with text; bad input."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,10 @@ def text(tmp_path_factory):
     paths = dict(root=root, t5=t5, clip=tiny_text_encoder(root / "clip", "clip"),
                  net=tiny_text_snapshot(root / "text.safetensors", t5, TOKENS),
                  no_dropout=tiny_text_snapshot(root / "no-dropout.safetensors", t5, TOKENS, text_dropout=0))
+    # A snapshot whose recorded encoder folder is gone (moved, or made on another machine).
+    gone = tiny_text_encoder(root / "t5-gone", "t5")
+    paths["gone"] = tiny_text_snapshot(root / "gone.safetensors", gone, TOKENS)
+    shutil.rmtree(gone)
     torch.manual_seed(0)
     paths["class"] = root / "class.safetensors"
     save_network(paths["class"], tiny_precond(label_dim=4), {"encoder": StandardRGBEncoder().config()})
@@ -107,6 +113,15 @@ def test_seed_s_gets_prompt_s_mod_n_and_guidance_from_the_empty_caption(text, tm
     assert from_file.keys() == images.keys() and all(np.array_equal(from_file[k], images[k]) for k in images)
 
 
+def test_without_text_encoder_the_recorded_folder_is_used(text, tmp_path):
+    given = run_generate(text, tmp_path / "given", "--seeds=0-1", f"--text-encoder={text['t5']}", "--prompt=a red circle")
+    recorded = run_generate(text, tmp_path / "recorded", "--seeds=0-1", "--prompt=a red circle")
+    assert given.exit_code == 0 and recorded.exit_code == 0, recorded.output
+    images, again = read_pngs(tmp_path / "given"), read_pngs(tmp_path / "recorded")
+    assert sorted(images) == sorted(again) == ["000000.png", "000001.png"]
+    assert all(np.array_equal(images[k], again[k]) for k in images)
+
+
 def test_the_grid_has_one_row_per_prompt_labelled_with_it(text, tmp_path):
     result = run_generate(text, tmp_path, "--seeds=0-6", "--grid", f"--text-encoder={text['t5']}",
                           *[f"--prompt={p}" for p in PROMPTS])
@@ -140,7 +155,7 @@ def test_labelled_rows_pads_short_rows_and_cuts_long_labels():
     ("class on text net", ["--class", "text-to-image network"]),
     ("empty prompts file", ["--prompts", "holds no prompt"]),
     ("prompt and prompts", ["--prompt or --prompts, not both"]),
-    ("no text encoder", ["--text-encoder", "t5"]),
+    ("no text encoder", ["--text-encoder", "t5-gone", "no folder here"]),
     ("other text encoder", ["--text-encoder", "is not the one recorded"]),
     ("no prompt", ["--prompt=TEXT or --prompts=FILE"]),
 ])
@@ -152,7 +167,7 @@ def test_bad_prompt_input_is_one_line(text, tmp_path, case, fragments):
             "class on text net": [encoder, "--class=1", "--prompt=a red circle"],
             "empty prompts file": [encoder, f"--prompts={empty}"],
             "prompt and prompts": [encoder, "--prompt=a", f"--prompts={empty}"],
-            "no text encoder": ["--prompt=a red circle"],
+            "no text encoder": [f"--net={text['gone']}", "--prompt=a red circle"],
             "other text encoder": [f"--text-encoder={text['clip']}", "--prompt=a red circle"],
             "no prompt": [encoder]}[case]
     outdir = tmp_path / "out"

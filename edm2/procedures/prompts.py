@@ -72,11 +72,15 @@ def recorded_encoder_name(record: dict) -> str:
 def load_prompt_encoder(record: dict, text_encoder: str | os.PathLike | None,
                         device: torch.device | str = "cpu") -> TextEncoder:
     """The text encoder text_encoder names (a folder, or an ID transformers has in its cache or may download),
-    at the record's token length, checked to be the recorded one (check_encoder_matches); none given is refused,
-    naming the recorded encoder: nothing is fetched unasked."""
+    or without one the recorded encoder's folder where it exists here, at the record's token length, checked to be
+    the recorded one (check_encoder_matches); otherwise refused naming the recorded encoder: nothing is fetched
+    unasked."""
     if text_encoder is None:
-        raise PromptError(f"this network's text embeddings came from the text encoder "
-                          f"{shown(recorded_encoder_name(record))}: give its folder (or its ID to download it)")
+        recorded = recorded_encoder_name(record)
+        if not os.path.isdir(recorded):
+            raise PromptError(f"this network's text embeddings came from the text encoder {shown(recorded)}, "
+                              "no folder here: give its folder (or its ID to download it)")
+        text_encoder = recorded
     tokens = record.get("tokens")
     encoder = load_text_encoder(text_encoder, tokens=tokens if isinstance(tokens, int) else None, device=device)
     check_encoder_matches(record, encoder)
