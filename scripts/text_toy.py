@@ -256,6 +256,7 @@ def main(outdir: Path, resolution: int, num: int, classes: int, hold_out: str, p
     except ValueError:
         raise click.BadParameter(f"{guidance!r} is no comma-separated list of numbers", param_hint="'--guidance'") from None
     nimg = max(1, round(kimg * 1000))
+    outdir = outdir.resolve()  # the command lines it runs start in the checkout
     outdir.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}
     begin = time.monotonic()

@@ -96,8 +96,9 @@ def test_rows_and_table_of_untrained_networks(tmp_path, classifier):
     assert lines[-1].split("|")[5:9] == [" 0.17 ", " 0.50 ", " 0.25 ", " 0.02 "]
 
 
-def test_the_script_prints_a_table_and_json_last(tmp_path):
-    args = [f"--outdir={tmp_path / 'out'}", "--resolution=8", "--num=32", "--classes=2", "--hold-out=red:circle",
+def test_the_script_prints_a_table_and_json_last(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative --outdir is the caller's, though the commands it runs start elsewhere
+    args = ["--outdir=out", "--resolution=8", "--num=32", "--classes=2", "--hold-out=red:circle",
             "--preset=toy-tiny", "--kimg=0.064", "--images=2", "--guidance=1,4", "--steps=2",
             "--classifier-images=32", "--classifier-epochs=1", "--processes=1"]
     result = CliRunner().invoke(text_toy.main, args)
@@ -110,6 +111,7 @@ def test_the_script_prints_a_table_and_json_last(tmp_path):
     table_rows = [line for line in lines if line.startswith("| seen") or line.startswith("| held-out")]
     assert [float(line.split("|")[5]) for line in table_rows] == [round(r["colour"], 2) for r in record["rows"]]
     assert record["nimg"] == 64 and set(record["wall_s"]) >= {"train_text", "train_unconditional"}
+    assert (tmp_path / "out" / "run-text" / "training_options.json").is_file()
 
 
 @pytest.mark.bad_input
