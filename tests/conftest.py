@@ -28,9 +28,10 @@ TEST_THREADS = int(os.environ.get("EDM2_TEST_THREADS", "1"))
 # The test files with the slowest tests, slowest first: the Makefile's pytest-xdist processes (worksteal) even out
 # by taking tests from each other's end, so the end should hold short tests, not a minute-long one that leaves a
 # core idle.
-SLOW_FILES = ("test_speed_compile.py", "test_readme.py", "test_slurm.py", "test_train_cli.py", "test_train_faults.py",
-              "test_tracking.py", "test_sample_grid_threads.py", "test_disk.py", "test_nonfinite.py",
-              "test_utilization.py")
+SLOW_FILES = ("test_speed_compile.py", "test_readme.py", "test_text_toy.py", "test_slurm.py", "test_train_cli.py",
+              "test_train_faults.py", "test_tracking.py", "test_sample_grid_threads.py", "test_disk.py",
+              "test_nonfinite.py", "test_utilization.py", "test_text_generation.py", "test_text_conditioning.py",
+              "test_encode_text.py", "test_consistency_training.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
