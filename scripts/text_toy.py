@@ -33,9 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: use its edm2, not an installed one
 from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, captioned_params, draw_toy,  # noqa: E402
                                   kept_colours, measure_adherence, parse_hold_out)
+from edm2.encoders import Encoder  # noqa: E402
 from edm2.formats.snapshot import load_generator  # noqa: E402
-from edm2.procedures.generation import SeededRandom  # noqa: E402
-from edm2.sampler import edm_sampler  # noqa: E402
+from edm2.procedures.generation import sample_batch  # noqa: E402
+from edm2.procedures.prompts import prompt_of_seed  # noqa: E402
+from edm2.sampler import SELF  # noqa: E402
 from edm2.data.dataset import ImageFolderDataset  # noqa: E402
 from edm2.text_encoders import OnlineConditions, check_encoder_matches, load_text_encoder  # noqa: E402
 from scripts.tiny_text_encoder import tiny_text_encoder  # noqa: E402
@@ -130,52 +132,39 @@ def adherence(images: torch.Tensor, targets: Sequence[tuple[str, str, str]], sha
     return {name: hits[name] / len(images) for name in METRICS}
 
 
-class EmptyCaption(torch.nn.Module):
-    """The unconditional branch of a text network: the network given its empty caption's condition."""
-
-    def __init__(self, net: torch.nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The net's denoised x for the empty caption, whatever labels are given."""
-        empty = self.net.network.empty_text
-        return self.net(x, sigma, empty.expand(len(x), *empty.shape))
-
-
-def sample(net: torch.nn.Module, decode: Callable[[torch.Tensor], torch.Tensor], seeds: Sequence[int],
-           conditions: torch.Tensor | None, guidance: float, steps: int, batch: int = 64) -> torch.Tensor:
-    """uint8 images [N, C, R, R] of net for seeds (one each) and conditions (None: unconditional), 2nd-order Heun,
-    guided by the net's own empty-caption branch when guidance is not 1."""
-    gnet = EmptyCaption(net) if guidance != 1 else None
+def sample(net: torch.nn.Module, encoder: Encoder, seeds: Sequence[int], conditions: torch.Tensor | None, guidance: float,
+           steps: int, batch: int = 64) -> torch.Tensor:
+    """uint8 images [N, C, R, R] of net for seeds (one each) and conditions (None: unconditional), as generate.py
+    samples them (sample_batch: Heun, per-seed noise), guided by the net's own empty-caption branch (gnet=SELF) when
+    guidance is not 1."""
+    guide = dict(gnet=SELF, guidance=guidance) if guidance != 1 else {}
     out = []
     for start in range(0, len(seeds), batch):
-        rnd = SeededRandom(seeds[start:start + batch])
-        noise = rnd.randn([net.img_channels, net.img_resolution, net.img_resolution])
-        labels = None if conditions is None else conditions[start:start + batch]
-        x = edm_sampler(net, noise, labels, gnet=gnet, guidance=guidance, num_steps=steps,
-                        randn_like=rnd.randn_like)
-        out.append(decode(x))
+        text = None if conditions is None else conditions[start:start + batch]
+        images, _ = sample_batch(net, encoder, seeds[start:start + batch], None, torch.device("cpu"),
+                                 conditions=text, num_steps=steps, **guide)
+        out.append(images)
     return torch.cat(out)
 
 
-def adherence_rows(text_net: torch.nn.Module, uncond_net: torch.nn.Module, decode: Callable, encode: Callable,
+def adherence_rows(text_net: torch.nn.Module, uncond_net: torch.nn.Module, encoder: Encoder, encode: Callable,
                    sets: dict[str, list[tuple[str, str, str]]], shapes: Sequence[str], classifier: ShapeClassifier,
                    images: int, guidance: Sequence[float], steps: int) -> list[dict]:
     """One row per prompt set and guidance (image i: seed i, prompt i modulo the set's), then one per set for the
-    unconditional model's images scored against the same prompts; encode maps captions to conditions."""
+    unconditional model's images scored against the same prompts; encoder decodes them, encode maps captions to
+    conditions."""
     seeds = list(range(images))
     rows = []
     for name, prompts in sets.items():
-        targets = [prompts[i % len(prompts)] for i in seeds]
+        targets = [prompt_of_seed(prompts, seed) for seed in seeds]
         conditions = encode([prompt(*t) for t in targets])
         for w in guidance:
-            generated = sample(text_net, decode, seeds, conditions, w, steps)
+            generated = sample(text_net, encoder, seeds, conditions, w, steps)
             rows.append({"prompts": name, "model": "text", "guidance": w, "images": images,
                          **adherence(generated, targets, shapes, classifier)})
-    unconditional = sample(uncond_net, decode, seeds, None, 1, steps)
+    unconditional = sample(uncond_net, encoder, seeds, None, 1, steps)
     for name, prompts in sets.items():
-        targets = [prompts[i % len(prompts)] for i in seeds]
+        targets = [prompt_of_seed(prompts, seed) for seed in seeds]
         rows.append({"prompts": name, "model": "unconditional", "guidance": None, "images": images,
                      **adherence(unconditional, targets, shapes, classifier)})
     return rows
@@ -292,7 +281,7 @@ def main(outdir: Path, resolution: int, num: int, classes: int, hold_out: str, p
     check_encoder_matches(record, text_encoder)  # the prompts' embeddings are those the network learned from
     conditions = OnlineConditions(text_encoder)
     click.echo(f"sampling {images} images per prompt set and guidance ({steps} Heun steps) ...")
-    rows = adherence_rows(text_net, uncond_net, encoder.decode, conditions, prompt_sets(shapes, held_out), shapes,
+    rows = adherence_rows(text_net, uncond_net, encoder, conditions, prompt_sets(shapes, held_out), shapes,
                           classifier, images, weights, steps)
     wall["sample_and_measure"] = time.monotonic() - begin
     click.echo(f"shape classifier: {classifier_accuracy:.3f} accuracy on {classifier_images} real toy images it "

@@ -70,14 +70,6 @@ def test_prompt_sets_split_seen_and_held_out_pairs():
     assert sets["held-out"] == [("red", "square", "left"), ("red", "square", "right")]
 
 
-def test_the_empty_caption_branch_is_the_network_without_a_condition(tmp_path):
-    net = tiny_precond(8, label_dim=0, text_dim=16, text_tokens=4).eval()
-    torch.nn.init.normal_(net.network.empty_text)
-    x, sigma = torch.randn(3, 3, 8, 8), torch.full([3], 1.5)
-    with torch.no_grad():
-        assert torch.equal(text_toy.EmptyCaption(net)(x, sigma, torch.randn(3, 5, 17)), net(x, sigma))
-
-
 def test_rows_and_table_of_untrained_networks(tmp_path, classifier):
     encoder_dir = tiny_text_encoder.tiny_text_encoder(tmp_path / "enc")
     encode = OnlineConditions(load_text_encoder(encoder_dir, tokens=text_toy.TOKENS))
@@ -85,7 +77,7 @@ def test_rows_and_table_of_untrained_networks(tmp_path, classifier):
     text_net = tiny_precond(16, label_dim=0, text_dim=16, text_tokens=text_toy.TOKENS).eval()
     uncond_net = tiny_precond(16, label_dim=0).eval()
     sets = text_toy.prompt_sets(SHAPES4, frozenset({("red", "square")}))
-    rows = text_toy.adherence_rows(text_net, uncond_net, StandardRGBEncoder().decode, encode, sets, SHAPES4,
+    rows = text_toy.adherence_rows(text_net, uncond_net, StandardRGBEncoder(), encode, sets, SHAPES4,
                                    classifier[0], 3, [1, 2], 2)
     assert [(r["prompts"], r["model"], r["guidance"]) for r in rows] == [
         ("seen", "text", 1), ("seen", "text", 2), ("held-out", "text", 1), ("held-out", "text", 2),
