@@ -31,8 +31,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: use its edm2, not an installed one
-from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, captioned_params, draw_toy,  # noqa: E402
-                                  kept_colours, measure_adherence, parse_hold_out)
+from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, caption, captioned_params,  # noqa: E402
+                                  draw_toy, kept_colours, measure_adherence, parse_hold_out)
 from edm2.encoders import Encoder  # noqa: E402
 from edm2.formats.snapshot import load_generator  # noqa: E402
 from edm2.procedures.generation import sample_batch  # noqa: E402
@@ -46,11 +46,6 @@ SIDES = ("left", "right")
 # The encoder's token length: the longest toy caption, "a magenta triangle on the left", is 6 words + EOS.
 TOKENS = 8
 METRICS = ("colour", "side", "shape", "all")
-
-
-def prompt(colour: str, shape: str, side: str) -> str:
-    """The toy's caption of a shape (edm2.data.toy_shapes.caption_of's form)."""
-    return f"a {colour} {shape} on the {side}"
 
 
 def prompt_sets(shapes: Sequence[str], held_out: frozenset[tuple[str, str]]) -> dict[str, list[tuple[str, str, str]]]:
@@ -157,7 +152,7 @@ def adherence_rows(text_net: torch.nn.Module, uncond_net: torch.nn.Module, encod
     rows = []
     for name, prompts in sets.items():
         targets = [prompt_of_seed(prompts, seed) for seed in seeds]
-        conditions = encode([prompt(*t) for t in targets])
+        conditions = encode([caption(*t) for t in targets])
         for w in guidance:
             generated = sample(text_net, encoder, seeds, conditions, w, steps)
             rows.append({"prompts": name, "model": "text", "guidance": w, "images": images,

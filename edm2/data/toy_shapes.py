@@ -111,9 +111,14 @@ def side_of(x: float, width: float) -> str:
     return "left" if x < width / 2 else "right"
 
 
+def caption(colour: str, shape: str, side: str) -> str:
+    """The toy's caption of a colour name, a shape and a side: "a COLOUR SHAPE on the SIDE"."""
+    return f"a {colour} {shape} on the {side}"
+
+
 def caption_of(params: ToyParams) -> str:
-    """The caption of a toy image: "a COLOUR SHAPE on the SIDE" (colour_name of its hue, side_of its centre)."""
-    return f"a {colour_name(params.hsv[0])} {params.shape} on the {side_of(params.cx, params.resolution)}"
+    """The caption of a toy image (caption): colour_name of its hue, its shape, side_of its centre."""
+    return caption(colour_name(params.hsv[0]), params.shape, side_of(params.cx, params.resolution))
 
 
 def measure_adherence(image: np.ndarray) -> tuple[str | None, str | None]:
