@@ -31,7 +31,7 @@ from edm2.procedures.generation import (GRID_FILE, LABELS_FILE, GenerationError,
 from edm2.procedures.image_grid import labelled_rows, save_png, tile
 from edm2.procedures.presets_generate import DEFAULT_PRESET, PRESETS
 from edm2.procedures.prompts import (PromptConditions, PromptsError, is_text_network, load_prompt_encoder,
-                                     read_prompts, text_record)
+                                     prompt_index, read_prompts, text_record)
 from edm2.runtime import distributed, files, locks
 from edm2.runtime.limits import MAX_BATCH
 from edm2.sampler import SELF, SamplerError, check_settings
@@ -238,8 +238,8 @@ def gather_grid(keys: Sequence, generated: dict, cols: int) -> np.ndarray | None
 
 def prompt_grid(seeds: Sequence[int], prompts: list[str], generated: dict) -> np.ndarray | None:
     """grid.png of a text network on rank 0 (None elsewhere): one row per prompt (in the order given, those of no
-    seed left out), the images of its seeds (prompt_of_seed) in seed order, the prompt drawn at the row's left."""
-    rows = [(k, [seed for seed in seeds if seed % len(prompts) == k]) for k in range(len(prompts))]
+    seed left out), the images of its seeds (prompt_index) in seed order, the prompt drawn at the row's left."""
+    rows = [(k, [seed for seed in seeds if prompt_index(seed, len(prompts)) == k]) for k in range(len(prompts))]
     rows = [(k, row) for k, row in rows if row]
     stack = gather_images([(None, seed) for _, row in rows for seed in row], generated)
     if stack is None:

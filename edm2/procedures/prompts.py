@@ -41,9 +41,14 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     return prompts
 
 
+def prompt_index(seed: int, count: int) -> int:
+    """The number of the prompt, among count, of the image of seed `seed`: seed % count."""
+    return seed % count
+
+
 def prompt_of_seed(prompts: Sequence[str], seed: int) -> str:
-    """The prompt of the image of seed `seed`: prompts[seed % len(prompts)]."""
-    return prompts[seed % len(prompts)]
+    """The prompt of the image of seed `seed`: prompts[prompt_index(seed, len(prompts))]."""
+    return prompts[prompt_index(seed, len(prompts))]
 
 
 class PromptError(EDM2Error):
