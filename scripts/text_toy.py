@@ -36,6 +36,7 @@ from edm2.data.toy_shapes import (COLOURS, SHAPES, HoldOutError, caption, captio
 from edm2.encoders import Encoder  # noqa: E402
 from edm2.formats.snapshot import load_generator  # noqa: E402
 from edm2.procedures.generation import sample_batch  # noqa: E402
+from edm2.procedures.posthoc import Snapshot, describe_snapshot  # noqa: E402
 from edm2.procedures.prompts import prompt_of_seed  # noqa: E402
 from edm2.sampler import SELF  # noqa: E402
 from edm2.data.dataset import ImageFolderDataset  # noqa: E402
@@ -186,23 +187,23 @@ def run(args: list[str]) -> None:
         raise click.ClickException(f"{args[0]} {args[1]} failed: {tail[0]}")
 
 
-def newest_snapshot(run_dir: Path, ema: str) -> Path | None:
-    """The run's newest network snapshot of EMA length ema, or None before its first."""
-    found = sorted(run_dir.glob(f"network-snapshot-*-{ema}.safetensors"))
-    return found[-1] if found else None
+def newest_snapshot(run_dir: Path, ema: str) -> Snapshot | None:
+    """The run's newest network snapshot of EMA length ema (its file and images), or None before its first."""
+    found = [describe_snapshot(path) for path in run_dir.glob(f"network-snapshot-*-{ema}.safetensors")]
+    return max(found, key=lambda snapshot: snapshot.nimg, default=None)
 
 
 def trained(run_dir: Path, data: Path, preset: str, nimg: int, ema: str, extra: Sequence[str]) -> Path:
     """The final snapshot of a train_edm2.py run of nimg images on data (trained now unless there)."""
     snapshot = newest_snapshot(run_dir, ema)
-    if snapshot is None or int(snapshot.name.split("-")[2]) < nimg // 1000:
+    if snapshot is None or snapshot.nimg < nimg:
         click.echo(f"training {run_dir} ({nimg} images, {preset}) ...")
         run(["train_edm2.py", f"--preset={preset}", f"--data={data}", f"--outdir={run_dir}", f"--duration={nimg}",
              "--snapshot=0", "--checkpoint=0", "--status=0", *extra])
         snapshot = newest_snapshot(run_dir, ema)
     if snapshot is None:
         raise click.ClickException(f"{run_dir} has no snapshot of EMA length {ema} (--ema)")
-    return snapshot
+    return snapshot.path
 
 
 @click.command()
