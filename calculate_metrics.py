@@ -399,8 +399,8 @@ def report_point(point: dict) -> None:
 @click.option("--prompts", "prompts_path", help="Prompts, one a line; the image of seed s has prompt number "
               "s mod (number of prompts)", metavar="TXT", required=True)
 @click.option("--text-encoder", help="The network's text encoder: the one its training data's embeddings came from "
-              "(checked against the snapshot's record; by default the recorded folder, where it exists here); an ID may "
-              "download", metavar="DIR|ID", default=None)
+              "(checked against the snapshot's record; by default the recorded folder, where it exists here); an ID "
+              "may download", metavar="DIR|ID", default=None)
 @click.option("--ref", "ref_path", help="Reference statistics (FID)", metavar="NPZ|PKL|URL", required=True)
 @click.option("--dest", "dest_path", help="The curve's JSON file to write; its plot is written beside it (.png)",
               metavar="JSON", required=True)
@@ -418,8 +418,8 @@ def report_point(point: dict) -> None:
 @schedule_option
 @threads_option
 def fid_clip(net_path: str, gnet_path: str | None, guidance: list[float], prompts_path: str,
-             text_encoder: str | None, ref_path: str, dest_path: str, num_images: int, seed: int, batch_size: int, inception: str | None,
-             clip_path: str | None, solver: str, schedule: str) -> None:
+             text_encoder: str | None, ref_path: str, dest_path: str, num_images: int, seed: int, batch_size: int,
+             inception: str | None, clip_path: str | None, solver: str, schedule: str) -> None:
     """The FID-CLIP curve of a text-to-image network: FID and CLIP score at each guidance strength, as a JSON file
     and a plot beside it (NeMo's protocol: the default strengths, 30k COCO-2014 prompts, CLIP ViT-L/14)."""
     dest = Path(dest_path)
