@@ -145,6 +145,10 @@ def _load(path: str, option: str):
               help="Teacher: a toy denoiser snapshot (the student starts by fitting its ODE)")
 @click.option("--outdir", type=click.Path(path_type=Path), required=True,
               help="Where the student's snapshots iterNNNN.safetensors go (a new or empty folder)")
+@click.option("--layers", type=Integer(1, 64), default=ToyDistillation.num_layers, show_default=True,
+              help="The student's number of hidden layers")
+@click.option("--dim", type=Integer(1, 4096), default=ToyDistillation.hidden_dim, show_default=True,
+              help="The student's hidden dimension")
 @click.option("--iters", type=Integer(1, 10**7), default=ToyDistillation.iterations, show_default=True,
               help="Iterations of 4096 points (a snapshot every 256 and at the end)")
 @click.option("--init-iters", type=Integer(0, 10**7), default=ToyDistillation.init_iterations, show_default=True,
@@ -159,8 +163,8 @@ def _load(path: str, option: str):
               help="Iterations of tangent warmup (r from 0 to 1)")
 @click.option("--viz", type=bool, default=True, show_default=True,
               help="Draw the student's 1- and 2-step samples of every snapshot into OUTDIR/progress.png")
-def distill(method: str, net: str, outdir: Path, iters: int, init_iters: int, lr: float, P_mean: float,
-            P_std: float, warmup: int, viz: bool) -> None:
+def distill(method: str, net: str, outdir: Path, layers: int, dim: int, iters: int, init_iters: int, lr: float,
+            P_mean: float, P_std: float, warmup: int, viz: bool) -> None:
     """Train a few-step consistency model from a toy teacher (sCD or sCT)."""
     files.check_writable_dir(outdir)
     teacher, metadata = _load(net, "--net")
@@ -170,8 +174,8 @@ def distill(method: str, net: str, outdir: Path, iters: int, init_iters: int, lr
         classes = snapshot_classes(metadata)
     except EDM2Error as e:
         raise click.BadParameter(one_line(e), param_hint="--net") from None
-    opts = ToyDistillation(method=method, classes=classes, iterations=iters, init_iterations=init_iters, lr=lr,
-                           P_mean=P_mean, P_std=P_std, warmup_iterations=warmup)
+    opts = ToyDistillation(method=method, classes=classes, num_layers=layers, hidden_dim=dim, iterations=iters,
+                           init_iterations=init_iters, lr=lr, P_mean=P_mean, P_std=P_std, warmup_iterations=warmup)
     with locks.hold_destination(outdir, "toy_example.py distill", locks.FOLDER_LOCK):
         files.remove_stale_temporaries(outdir)
         earlier = sorted(outdir.glob("iter*.safetensors"))

@@ -109,12 +109,13 @@ def teacher_file(tmp_path):
 def test_distill_writes_loadable_snapshots_and_score_prints_the_lines(tmp_path, teacher_file,
                                                                     small_views):
     outdir = tmp_path / "student"
-    result = run("distill", "--method", "sct", "--net", teacher_file, "--outdir", outdir, "--iters", 2,
-                 "--init-iters", 1, "--warmup", 1)
+    result = run("distill", "--method", "sct", "--net", teacher_file, "--outdir", outdir, "--layers", 2, "--dim", 16,
+                 "--iters", 2, "--init-iters", 1, "--warmup", 1)
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in outdir.iterdir()) == ["iter0002.safetensors", "progress.png"]
     net, metadata = load_toy(outdir / "iter0002.safetensors")
     assert isinstance(net, ToyFlow) and metadata["network"] == "ToyFlow" and metadata["iteration"] == 2
+    assert (net.init_kwargs["num_layers"], net.init_kwargs["hidden_dim"]) == (2, 16)
     assert metadata["consistency"] == {"method": "sct", "sigma_data": 0.5, "teacher": "teacher.safetensors",
                                        "P_mean": -2.3, "P_std": 1.5, "tangent_warmup_nimg": 4096, "c": 0.1,
                                        "prior": True}
@@ -141,6 +142,8 @@ def test_bad_input_is_refused_in_one_line(tmp_path, teacher_file):
                                          tmp_path / "out"), "--net", "is a consistency model")
     assert_refused(tmp_path, lambda: run("score", "--net", tmp_path / "missing.safetensors"), "--net",
                    "no such file")
+    assert_refused(tmp_path, lambda: run("distill", "--method", "scd", "--net", teacher_file, "--outdir",
+                                         tmp_path / "out", "--dim", 0), "--dim", "1<=x<=4096")
     assert_refused(tmp_path, lambda: run("plot", "--net", student, "--gnet", teacher_file), "--net",
                    "is a consistency model")
     # Metadata that does not describe its network: an unknown kind, a consistency model without its record.
