@@ -18,6 +18,7 @@ from cli.command import Group
 from cli.types import Guidance, Integer, IntList, Number
 from edm2 import plots
 from edm2.errors import EDM2Error, one_line
+from edm2.network_args import MAX_BLOCKS, MAX_CHANNELS
 from edm2.plots.toy import progress_figure, samples_figure, toy_figure
 from edm2.runtime import distributed, files, locks
 from edm2.toy.consistency import ToyFlow
@@ -67,8 +68,10 @@ def main() -> None:
               help="Where the snapshots iterNNNN.safetensors go (a new or empty folder)")
 @click.option("--cls", type=click.Choice(["A", "B", "AB"]), default="A", show_default=True,
               help="Classes of the ground truth to learn")
-@click.option("--layers", type=Integer(1, 64), default=4, show_default=True, help="Number of hidden layers")
-@click.option("--dim", type=Integer(1, 4096), default=64, show_default=True, help="Hidden dimension")
+@click.option("--layers", type=Integer(1, MAX_BLOCKS), default=ToyTraining.num_layers, show_default=True,
+              help="Number of hidden layers")
+@click.option("--dim", type=Integer(1, MAX_CHANNELS), default=ToyTraining.hidden_dim, show_default=True,
+              help="Hidden dimension")
 @click.option("--viz", type=bool, default=True, show_default=True,
               help="Draw the samples of every snapshot into OUTDIR/progress.png")
 @click.option("--iters", type=Integer(1, 10**7), default=4096, show_default=True,
@@ -145,9 +148,9 @@ def _load(path: str, option: str):
               help="Teacher: a toy denoiser snapshot (the student starts by fitting its ODE)")
 @click.option("--outdir", type=click.Path(path_type=Path), required=True,
               help="Where the student's snapshots iterNNNN.safetensors go (a new or empty folder)")
-@click.option("--layers", type=Integer(1, 64), default=ToyDistillation.num_layers, show_default=True,
+@click.option("--layers", type=Integer(1, MAX_BLOCKS), default=ToyDistillation.num_layers, show_default=True,
               help="The student's number of hidden layers")
-@click.option("--dim", type=Integer(1, 4096), default=ToyDistillation.hidden_dim, show_default=True,
+@click.option("--dim", type=Integer(1, MAX_CHANNELS), default=ToyDistillation.hidden_dim, show_default=True,
               help="The student's hidden dimension")
 @click.option("--iters", type=Integer(1, 10**7), default=ToyDistillation.iterations, show_default=True,
               help="Iterations of 4096 points (a snapshot every 256 and at the end)")
